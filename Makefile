@@ -4,7 +4,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 
-.PHONY: setup train test lint bench
+.PHONY: setup train test
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
@@ -15,11 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 train: $(STAMP)
-	.venv/bin/distopt train $(ARGS)
+	$(PY) -m torch.distributed.run --nproc_per_node 2 examples/quickstart.py
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest $(ARGS)
-
-bench: $(STAMP)
-	.venv/bin/distopt bench $(ARGS)

@@ -1,0 +1,353 @@
+"""DistributedDataParallel: contiguous buffers, gradient hooks and bucket collectives.
+
+[Note: bucket launch order]
+Collectives on one process group must be issued in the same order on every rank. Buckets are
+therefore launched strictly in one fixed order (the layout order, which follows backward): when
+a bucket's last grad arrives, it is launched only if every bucket before it has been, and then
+every following bucket that is ready goes with it. A bucket holding a parameter that got no
+grad in this backward (unused on this rank, or used only on others) simply waits for
+``finish_grad_sync``, which launches whatever is left. Nothing depends on which parameters each
+rank happened to use, so nothing can hang or mismatch.
+
+[Note: param gather]
+After the optimizer updated its shard, each bucket's ``param_data`` is all-gathered from the
+shards. With ``overlap_param_gather`` the gathers are started asynchronously (the first layers'
+buckets first) and each module waits, in a forward pre-hook, only for the buckets of its own
+parameters. Anything still in flight when the wrapped forward returns is waited for, so a
+parameter read outside a module's own forward (a tied head) is never stale afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import collectives as comm
+from .buffers import Bucket, ParamAndGradBuffer
+from .layout import default_bucket_size
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NO_GROUP = object()  # process_group for a private single-process instance (BasicOptimizer)
+
+
+def _resolve_group(process_group: Any) -> dist.ProcessGroup | None:
+    if process_group is _NO_GROUP:
+        return None
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism over contiguous, bucketed param and grad buffers.
+
+    Args:
+        module: the model, already on its device and in its dtype.
+        process_group: the data-parallel group; None means the default group (or a single
+            process when torch.distributed is not initialized).
+        grad_dtype: dtype of the grad buffer and of the reduction; None means each
+            parameter's own dtype.
+        bucket_size: elements per bucket; None picks ``layout.default_bucket_size``.
+        overlap_grad_reduce: start each bucket's reduction during backward, as soon as its
+            last grad is accumulated, instead of in ``finish_grad_sync``.
+        use_distributed_optimizer: reduce-scatter buckets (for DistributedOptimizer); False
+            all-reduces them (for BasicOptimizer).
+        find_unused_parameters: track which parameters got a grad on any rank; parameters
+            that got none anywhere are left out of the optimizer step, as torch.optim skips
+            parameters whose ``.grad`` is None. Costs one small all-reduce per step. When
+            False an unused parameter's grad is zero and the optimizer still steps it.
+        check_for_nan_in_grad: after the reduction, raise on every rank, naming the first
+            parameter (in registration order) whose grad holds a nan or inf.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        grad_dtype: torch.dtype | None = torch.float32,
+        bucket_size: int | None = None,
+        overlap_grad_reduce: bool = True,
+        use_distributed_optimizer: bool = True,
+        *,
+        find_unused_parameters: bool = False,
+        check_for_nan_in_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        named = _trainable_named_params(module)
+        if grad_dtype is not None and grad_dtype not in GRAD_DTYPES:
+            raise ValueError(
+                f"grad_dtype={grad_dtype} is not supported; use torch.float32, torch.bfloat16, "
+                "torch.float16 or None (each parameter's own dtype)"
+            )
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive element count, got {bucket_size}")
+
+        self.module = module
+        self.process_group = _resolve_group(process_group)
+        self.dp_size = comm.group_size(self.process_group)
+        self.dp_rank = comm.group_rank(self.process_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.find_unused_parameters = find_unused_parameters
+        self.check_for_nan_in_grad = check_for_nan_in_grad
+        self.comm_stats = comm.CommStats()
+
+        self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
+        self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
+        self._param_index = {p: i for i, p in enumerate(self.params)}
+        total = sum(p.numel() for p in self.params)
+        self.bucket_size = bucket_size or default_bucket_size(self.dp_size, total)
+
+        # Torch DDP semantics: every replica starts from rank 0's weights.
+        self._broadcast_from_first_rank(module)
+
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in reversed(self.params):  # reverse registration ~ the order backward runs
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.flat_buffers: list[ParamAndGradBuffer] = [
+            ParamAndGradBuffer(
+                plist,
+                grad_dtype=grad_dtype or dtype,
+                bucket_size=self.bucket_size,
+                dp_size=self.dp_size,
+                dp_rank=self.dp_rank,
+            )
+            for dtype, plist in by_dtype.items()
+        ]
+        self.buffer_of: dict[nn.Parameter, ParamAndGradBuffer] = {
+            p: buf for buf in self.flat_buffers for p in buf.params
+        }
+        # One launch order over the buckets of all dtypes: by the backward position of each
+        # bucket's first parameter. See [Note: bucket launch order].
+        reverse_position = {p: i for i, p in enumerate(reversed(self.params))}
+        self.buckets: list[Bucket] = sorted(
+            (b for buf in self.flat_buffers for b in buf.buckets),
+            key=lambda b: reverse_position[b.params[0]],
+        )
+        for order, bucket in enumerate(self.buckets):
+            bucket.order = order
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._bucket_param_sets = [frozenset(b.params) for b in self.buckets]
+
+        self._sync_enabled = True
+        self._grad_sync_done = False
+        self._reset_grad_sync_state()
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
+        ]
+        self._gather_handles: dict[int, Any] = {}
+        self._param_wait_hooks = self._register_param_wait_hooks(module)
+
+    # ------------------------------------------------------------------ forward / backward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.module(*args, **kwargs)
+        if self._gather_handles:
+            self.finish_param_sync()
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads in the buffer without any communication (micro-batches)."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _accumulate_grad(self, param: nn.Parameter) -> None:
+        # Post-accumulate hook: move autograd's grad into the buffer and free it at once.
+        grad = param.grad
+        if grad is None:
+            return
+        param.main_grad.add_(grad)
+        param.grad = None
+        self._grad_sync_done = False
+        if self.find_unused_parameters:
+            self._used[self._param_index[param]] = 1
+        if self._sync_enabled and self.overlap_grad_reduce:
+            bucket = self._bucket_of[param]
+            pending = self._pending[bucket.order]
+            pending.discard(param)
+            if not pending:
+                self._launch_ready_buckets()
+
+    def _reset_grad_sync_state(self) -> None:
+        self._pending = [set(s) for s in self._bucket_param_sets]
+        self._next_launch = 0
+        self._grad_handles: list[Any] = []
+        if self.find_unused_parameters:
+            self._used = bytearray(len(self.params))
+        self.unused_params: frozenset[nn.Parameter] = frozenset()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self.buckets) and not self._pending[self._next_launch]:
+            self._launch(self.buckets[self._next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.use_distributed_optimizer:
+            handle = comm.reduce_scatter_avg(
+                bucket.grad_shard, bucket.grad_data, self.process_group,
+                async_op=True, stats=self.comm_stats,
+            )
+        else:
+            handle = comm.all_reduce_avg(
+                bucket.grad_data, self.process_group, async_op=True, stats=self.comm_stats
+            )
+        self._grad_handles.append(handle)
+        self._next_launch = bucket.order + 1
+
+    # ------------------------------------------------------------------ grad sync
+
+    def finish_grad_sync(self) -> None:
+        """Launch every bucket not launched yet, in order, and wait for all reductions.
+
+        Afterwards each rank's shard of ``grad_data`` (all of it without the distributed
+        optimizer) holds the grads averaged over the group. Calling it again before the next
+        backward does nothing.
+        """
+        if self._grad_sync_done:
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        for handle in self._grad_handles:
+            handle.wait()
+        unused: frozenset[nn.Parameter] = frozenset()
+        if self.find_unused_parameters:
+            used = torch.tensor(list(self._used), dtype=torch.int32, device=self._device)
+            comm.all_reduce_small(used, dist.ReduceOp.MAX, [self.process_group], self.comm_stats)
+            unused = frozenset(p for p, u in zip(self.params, used.tolist(), strict=True) if not u)
+        self._reset_grad_sync_state()
+        self.unused_params = unused
+        self._grad_sync_done = True
+        if self.check_for_nan_in_grad:
+            self._raise_on_nonfinite_grad()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all grads; call before the first backward of each step."""
+        for buf in self.flat_buffers:
+            buf.grad_data.zero_()
+        self._reset_grad_sync_state()
+        self._grad_sync_done = False
+
+    @property
+    def _device(self) -> torch.device:
+        return self.params[0].device
+
+    def owned_grad_region(self, bucket: Bucket) -> torch.Tensor:
+        """The part of a bucket's grads this rank holds reduced after ``finish_grad_sync``."""
+        return bucket.grad_shard if self.use_distributed_optimizer else bucket.grad_data
+
+    def _raise_on_nonfinite_grad(self) -> None:
+        first_bad = len(self.params)
+        for bucket in self.buckets:
+            region = self.owned_grad_region(bucket)
+            if bool(torch.isfinite(region).all()):
+                continue
+            start = region.data_ptr() - bucket.grad_data.data_ptr()
+            start //= bucket.grad_data.element_size()
+            owned = range(start, start + region.numel())
+            buf = self.buffer_of[bucket.params[0]]
+            for param in bucket.params:
+                slot = buf.layout.params[buf.index_of[param]].bucket_range
+                lo, hi = max(slot.start, owned.start), min(slot.end, owned.stop)
+                if lo < hi and not bool(torch.isfinite(bucket.grad_data[lo:hi]).all()):
+                    first_bad = min(first_bad, self._param_index[param])
+        flag = torch.tensor([first_bad], dtype=torch.int64, device=self._device)
+        comm.all_reduce_small(flag, dist.ReduceOp.MIN, [self.process_group], self.comm_stats)
+        index = int(flag.item())
+        if index < len(self.params):
+            name = self.param_names[self.params[index]]
+            raise FloatingPointError(
+                f"nan or inf in the gradient of parameter '{name}' after the data-parallel "
+                "reduction; lower the learning rate, check the inputs, or use fp16 with a loss "
+                "scaler (which skips such steps) instead of check_for_nan_in_grad"
+            )
+
+    # ------------------------------------------------------------------ param gather
+
+    def start_param_sync(self, *, overlap: bool) -> None:
+        """All-gather every bucket's params from the shards the optimizer updated.
+
+        With ``overlap`` the gathers run in the background, first layers first, and each module
+        waits for its own buckets in a forward pre-hook; see [Note: param gather].
+        """
+        self.finish_param_sync()
+        for bucket in reversed(self.buckets):
+            handle = comm.all_gather(
+                bucket.param_data, bucket.param_shard, self.process_group,
+                async_op=overlap, stats=self.comm_stats,
+            )
+            if overlap and handle is not comm.DONE:
+                self._gather_handles[bucket.order] = handle
+
+    def finish_param_sync(self) -> None:
+        """Wait for every param gather still in flight."""
+        handles, self._gather_handles = self._gather_handles, {}
+        for handle in handles.values():
+            handle.wait()
+
+    def _register_param_wait_hooks(self, module: nn.Module) -> list[Any]:
+        hooks = []
+        for submodule in module.modules():
+            orders = sorted(
+                {self._bucket_of[p].order for p in submodule.parameters(recurse=False)
+                 if p in self._bucket_of}
+            )
+            if orders:
+                hooks.append(submodule.register_forward_pre_hook(self._make_wait_hook(orders)))
+        return hooks
+
+    def _make_wait_hook(self, orders: list[int]):
+        def wait_for_params(_module: nn.Module, _args: Any) -> None:
+            if self._gather_handles:
+                for order in orders:
+                    handle = self._gather_handles.pop(order, None)
+                    if handle is not None:
+                        handle.wait()
+
+        return wait_for_params
+
+    def _broadcast_from_first_rank(self, module: nn.Module) -> None:
+        if self.dp_size == 1:
+            return
+        src = dist.get_global_rank(self.process_group, 0)
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, src=src, group=self.process_group)
+
+
+def _trainable_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Validate the module and return its trainable params (shared ones once)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+        raise TypeError(
+            f"the module is already wrapped in {type(module).__module__}."
+            f"{type(module).__name__}; pass the bare module to distopt.DistributedDataParallel"
+        )
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the module has no trainable parameters (all are frozen or absent)")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices ({', '.join(devices)}); distopt keeps one "
+            "contiguous buffer per dtype, so move the whole module to one device first "
+            "(module.to(device))"
+        )
+    for name, p in named:
+        if type(p.data) is not torch.Tensor or p.is_sparse:
+            raise TypeError(
+                f"parameter '{name}' is a {type(p.data).__name__}; distopt buffers hold dense "
+                "local tensors only"
+            )
+        if not p.is_floating_point():
+            raise TypeError(f"parameter '{name}' has non-floating dtype {p.dtype}")
+    return named

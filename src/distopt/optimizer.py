@@ -1,0 +1,452 @@
+"""DistributedOptimizer (ZeRO-1/2) and BasicOptimizer (replicated), over distopt DDP buffers.
+
+Data flow of one step, for one buffer of d ranks (see DESIGN.md for the memory table)::
+
+    grad_data  [N]      grads accumulated by the DDP hooks (dtype grad_dtype)
+      | reduce-scatter (average), bucket by bucket, overlapped with backward
+    grad_shard [N/d]    this rank's chunk of every bucket, now reduced
+      | fp32 grads: used in place;  else copied once per bucket into grad_fp32 [N/d]
+    pieces              one fp32 main param per (param, shard) overlap, a view into
+                        param_data's shard (fp32 params) or into shard_fp32 [N/d] (otherwise);
+                        its .grad a view into the shard of the reduced grads
+      | unscale + inf check (fp16), global norm + clip, inner torch.optim step on the pieces
+    param_shard [N/d]   updated in place (fp32), or cast from shard_fp32 once per bucket
+      | all-gather, bucket by bucket, optionally overlapped with the next forward
+    param_data [N]      every rank's model params are up to date
+
+The inner optimizer is an ordinary ``torch.optim`` optimizer whose params are the pieces, so
+its state (Adam's moments) exists only for the 1/d of the elements this rank owns. Every memory
+cost beyond model params and grads is therefore 1/d of the model, padding aside; nothing is
+allocated per step. BasicOptimizer is the same pipeline with every rank owning whole buckets,
+all-reduced grads and no gather.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import clip
+from .buffers import ParamAndGradBuffer
+from .ddp import _NO_GROUP, DistributedDataParallel
+from .layout import ShardPiece
+from .scaler import ConstantLossScaler, DynamicLossScaler
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+    torch.optim.Adadelta,
+)
+"""Optimizers whose update of an element depends only on that element's grad and state, so
+they give the same result on any split of a parameter. (LBFGS, Adafactor, Muon, SparseAdam
+look at whole tensors or the whole model and are refused.)"""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What ``step()`` did: whether params changed, the global grad norm (before clipping;
+    computed when ``clip_grad`` is set) and the zero elements of the clipped grads (counted
+    when ``log_num_zeros`` is set)."""
+
+    updated: bool
+    grad_norm: float | None = None
+    num_zeros: int | None = None
+
+
+class _OwnedMainParams:
+    """The fp32 main params of the part of one buffer that this rank owns, as pieces."""
+
+    def __init__(self, buffer: ParamAndGradBuffer, *, sharded: bool) -> None:
+        self.buffer = buffer
+        layout = buffer.layout
+        pieces = layout.shard_pieces(buffer.dp_rank) if sharded else layout.whole_pieces()
+        # Per bucket, the owned regions of the model buffers and their offset in the fp32 copies.
+        self.param_regions = [b.param_shard if sharded else b.param_data for b in buffer.buckets]
+        self.grad_regions = [b.grad_shard if sharded else b.grad_data for b in buffer.buckets]
+        offsets, total = [], 0
+        for region in self.param_regions:
+            offsets.append(total)
+            total += region.numel()
+
+        fp32 = torch.float32
+        device = buffer.param_data.device
+        # Separate fp32 copies only where the model's dtype is not fp32 (DESIGN.md's table).
+        self.shard_fp32 = None
+        if buffer.param_dtype != fp32:
+            self.shard_fp32 = torch.empty(total, dtype=fp32, device=device)
+        self.grad_fp32 = None
+        if buffer.grad_dtype != fp32:
+            self.grad_fp32 = torch.empty(total, dtype=fp32, device=device)
+        self._main_segments = self._segments(self.shard_fp32, offsets, self.param_regions)
+        self._grad_segments = self._segments(self.grad_fp32, offsets, self.grad_regions)
+        self.copy_params_in()
+
+        self.pieces: list[ShardPiece] = pieces
+        self.main_params: list[nn.Parameter] = []
+        for piece in pieces:
+            main = self._main_segments[piece.bucket]
+            grad = self._grad_segments[piece.bucket]
+            lo, hi = piece.local_range.start, piece.local_range.end
+            param = nn.Parameter(main[lo:hi], requires_grad=True)  # aliases main's storage
+            param.grad = grad[lo:hi]
+            self.main_params.append(param)
+
+    @staticmethod
+    def _segments(
+        flat: torch.Tensor | None, offsets: list[int], regions: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if flat is None:
+            return regions
+        return [flat[o : o + r.numel()] for o, r in zip(offsets, regions, strict=True)]
+
+    def model_param(self, piece: ShardPiece) -> nn.Parameter:
+        return self.buffer.params[piece.param_index]
+
+    def copy_params_in(self) -> None:
+        """Model params -> fp32 main params (at construction and after loading weights)."""
+        if self.shard_fp32 is not None:
+            torch._foreach_copy_(self._main_segments, self.param_regions)
+
+    def copy_grads_in(self) -> None:
+        """Reduced grads -> fp32 main grads, one copy per bucket."""
+        if self.grad_fp32 is not None:
+            torch._foreach_copy_(self._grad_segments, self.grad_regions)
+
+    def copy_params_out(self) -> None:
+        """Updated fp32 main params -> this rank's region of the model's param buffer."""
+        if self.shard_fp32 is not None:
+            torch._foreach_copy_(self.param_regions, self._main_segments)
+
+
+class _BufferOptimizer(torch.optim.Optimizer):
+    """The shared step pipeline. Not constructed directly; see the two subclasses."""
+
+    _sharded: bool
+
+    def __init__(
+        self,
+        models: Sequence[DistributedDataParallel],
+        optimizer_cls: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None,
+        clip_grad: float | None,
+        loss_scaler: ConstantLossScaler | DynamicLossScaler | None,
+        log_num_zeros: bool,
+        optimizer_kwargs: dict[str, Any],
+    ) -> None:
+        _check_optimizer_cls(optimizer_cls)
+        if clip_grad is not None and not clip_grad > 0:
+            raise ValueError(f"clip_grad must be a positive max norm or None, got {clip_grad}")
+        if loss_scaler is not None and not isinstance(
+            loss_scaler, (ConstantLossScaler, DynamicLossScaler)
+        ):
+            raise TypeError(
+                "loss_scaler must be distopt.DynamicLossScaler() or distopt.ConstantLossScaler(s)"
+            )
+        groups = {id(m.process_group) for m in models}
+        if len(groups) > 1:
+            raise ValueError("all model chunks must use the same data-parallel process group")
+        self.models = list(models)
+        self.clip_grad = clip_grad
+        self.loss_scaler = loss_scaler
+        self.log_num_zeros = log_num_zeros
+        self._reduce_groups = [self.models[0].process_group] if self._sharded else []
+        self._device = self.models[0].params[0].device
+
+        param_groups = _normalize_param_groups(params, self.models)
+        self._owned = [
+            _OwnedMainParams(buf, sharded=self._sharded)
+            for model in self.models
+            for buf in model.flat_buffers
+        ]
+        pieces_of: dict[nn.Parameter, list[nn.Parameter]] = {}
+        self._piece_owner: dict[nn.Parameter, tuple[_OwnedMainParams, ShardPiece]] = {}
+        for owned in self._owned:
+            for piece, main in zip(owned.pieces, owned.main_params, strict=True):
+                pieces_of.setdefault(owned.model_param(piece), []).append(main)
+                self._piece_owner[main] = (owned, piece)
+        self._pieces_of = pieces_of
+
+        inner_groups = []
+        for group in param_groups:
+            inner = {k: v for k, v in group.items() if k != "params"}
+            inner["params"] = [m for p in group["params"] for m in pieces_of.get(p, [])]
+            inner_groups.append(inner)
+        kwargs = dict(optimizer_kwargs)
+        if "foreach" in inspect.signature(optimizer_cls.__init__).parameters:
+            kwargs.setdefault("foreach", True)
+        self.optimizer = optimizer_cls(inner_groups, **kwargs)
+        self._grads = [m.grad for g in self.optimizer.param_groups for m in g["params"]]
+
+        # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these
+        # aliases make torch's LR schedulers and step hooks act on it directly.
+        self.defaults = self.optimizer.defaults
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    # ------------------------------------------------------------------ training API
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the loss scale, if any."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grad buffers (the buffers stay allocated whatever ``set_to_none`` says)."""
+        for model in self.models:
+            model.zero_grad_buffer()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError(
+                "distopt optimizers take no closure: run forward and backward, then call step()"
+            )
+        for model in self.models:
+            model.finish_grad_sync()
+            model.finish_param_sync()
+        for owned in self._owned:
+            owned.copy_grads_in()
+        grads = self._grads
+        groups, device = self._reduce_groups, self._device
+        stats = self.models[0].comm_stats
+
+        if self.loss_scaler is not None:
+            found_inf = clip.unscale_and_check_(
+                grads, 1.0 / self.loss_scaler.scale, groups, device, stats
+            )
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                return StepResult(updated=False)
+
+        grad_norm = None
+        if self.clip_grad is not None:
+            total_norm = clip.global_grad_norm(grads, groups, device, stats)
+            grad_norm = float(total_norm.item())
+            clip.clip_grads_(grads, self.clip_grad, total_norm)
+        num_zeros = clip.count_zeros(grads, groups, device, stats) if self.log_num_zeros else None
+
+        skipped = self._detach_grads_of_unused_params()
+        self.optimizer.step()
+        for main, grad in skipped:
+            main.grad = grad
+
+        for owned in self._owned:
+            owned.copy_params_out()
+        self._gather_params()
+        return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _gather_params(self) -> None:
+        """Bring every rank's model params up to date (nothing to do when replicated)."""
+
+    def _detach_grads_of_unused_params(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        # A parameter no rank computed a grad for is skipped, as torch.optim skips .grad None.
+        skipped = []
+        for model in self.models:
+            for param in model.unused_params:
+                for main in self._pieces_of.get(param, ()):
+                    skipped.append((main, main.grad))
+                    main.grad = None
+        return skipped
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model's params (after loading weights)."""
+        for model in self.models:
+            model.finish_param_sync()
+        for owned in self._owned:
+            owned.copy_params_in()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "distopt optimizers fix their param groups at construction: pass every group in "
+            "params=[...] when building the optimizer"
+        )
+
+    @property
+    def main_params(self) -> list[nn.Parameter]:
+        """The fp32 pieces the inner optimizer updates, in param-group order."""
+        return [m for g in self.param_groups for m in g["params"]]
+
+    def piece_info(self, main: nn.Parameter) -> tuple[nn.Parameter, ShardPiece]:
+        """The model param a piece belongs to, and where the piece lies in it."""
+        owned, piece = self._piece_owner[main]
+        return owned.model_param(piece), piece
+
+
+class DistributedOptimizer(_BufferOptimizer):
+    """ZeRO-1/2: fp32 main params and optimizer state sharded over the data-parallel ranks.
+
+    Args:
+        model: a distopt DistributedDataParallel built with ``use_distributed_optimizer=True``,
+            or a list of them (model chunks sharing one data-parallel group).
+        optimizer_cls: an element-wise ``torch.optim.Optimizer`` subclass (AdamW, SGD, ...).
+        params: optional torch-style param groups over the module's params (a list of params,
+            or of dicts with ``params`` and per-group options). None: one group with all
+            trainable params.
+        clip_grad: max global grad norm (one norm over every shard, bucket and dtype), or None.
+        loss_scaler: ``DynamicLossScaler()`` or ``ConstantLossScaler(s)`` for fp16, or None.
+        overlap_param_gather: all-gather the updated params in the background and let the next
+            forward wait for each bucket just before its first use.
+        log_num_zeros: count the zero elements of the clipped grads in every step's result.
+        **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
+    """
+
+    _sharded = True
+
+    def __init__(
+        self,
+        model: DistributedDataParallel | Sequence[DistributedDataParallel],
+        optimizer_cls: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None = None,
+        clip_grad: float | None = None,
+        loss_scaler: ConstantLossScaler | DynamicLossScaler | None = None,
+        overlap_param_gather: bool = False,
+        *,
+        log_num_zeros: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        models = _as_model_list(model, "DistributedOptimizer")
+        for m in models:
+            if not m.use_distributed_optimizer:
+                raise ValueError(
+                    "DistributedOptimizer needs a DistributedDataParallel built with "
+                    "use_distributed_optimizer=True (it reduce-scatters grads); this one "
+                    "all-reduces them: rebuild it, or use distopt.BasicOptimizer"
+                )
+        self.overlap_param_gather = overlap_param_gather
+        super().__init__(
+            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros, optimizer_kwargs
+        )
+
+    def _gather_params(self) -> None:
+        for model in self.models:
+            model.start_param_sync(overlap=self.overlap_param_gather)
+
+
+class BasicOptimizer(_BufferOptimizer):
+    """The replicated counterpart of DistributedOptimizer, with the same interface.
+
+    Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
+    (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
+    plain ``nn.Module`` trained on one process.
+    """
+
+    _sharded = False
+
+    def __init__(
+        self,
+        model: DistributedDataParallel | nn.Module | Sequence[DistributedDataParallel],
+        optimizer_cls: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None = None,
+        clip_grad: float | None = None,
+        loss_scaler: ConstantLossScaler | DynamicLossScaler | None = None,
+        *,
+        log_num_zeros: bool = False,
+        grad_dtype: torch.dtype | None = torch.float32,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if isinstance(model, nn.Module) and not isinstance(model, DistributedDataParallel):
+            # A plain module: the same buffers and hooks, on this process alone.
+            model = DistributedDataParallel(
+                model, process_group=_NO_GROUP, grad_dtype=grad_dtype,
+                use_distributed_optimizer=False,
+            )
+        models = _as_model_list(model, "BasicOptimizer")
+        for m in models:
+            if m.use_distributed_optimizer and m.dp_size > 1:
+                raise ValueError(
+                    "BasicOptimizer needs all-reduced grads, but this DistributedDataParallel "
+                    "reduce-scatters them: build it with use_distributed_optimizer=False, or "
+                    "use distopt.DistributedOptimizer"
+                )
+        super().__init__(
+            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros, optimizer_kwargs
+        )
+
+
+def _as_model_list(model: Any, who: str) -> list[DistributedDataParallel]:
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not models:
+        raise ValueError(f"{who} needs at least one model")
+    for m in models:
+        if not isinstance(m, DistributedDataParallel):
+            raise TypeError(
+                f"{who} takes distopt.DistributedDataParallel models, got {type(m).__name__}: "
+                "wrap the module first, ddp = distopt.DistributedDataParallel(module)"
+            )
+    return models
+
+
+def _check_optimizer_cls(optimizer_cls: Any) -> None:
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(
+            "optimizer_cls must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
+            f"(the class, not an instance), got {optimizer_cls!r}"
+        )
+    if not issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"{optimizer_cls.__name__} is not an element-wise optimizer: distopt splits "
+            f"parameters across ranks, which only element-wise updates tolerate. Use one of "
+            f"{names} (or a subclass of one)"
+        )
+
+
+def _normalize_param_groups(
+    params: Iterable[Any] | None, models: list[DistributedDataParallel]
+) -> list[dict[str, Any]]:
+    """Torch-style param groups, checked to name each trainable model param at most once."""
+    known = {p: m for m in models for p in m.params}
+    if params is None:
+        return [{"params": [p for m in models for p in m.params]}]
+    groups = list(params)
+    if not groups:
+        raise ValueError("params is an empty list; pass None to optimize every trainable param")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    seen: set[nn.Parameter] = set()
+    result = []
+    for group in groups:
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError("each param group must be a dict with a 'params' entry")
+        plist = group["params"]
+        plist = [plist] if isinstance(plist, torch.Tensor) else list(plist)
+        for p in plist:
+            if p not in known:
+                raise ValueError(
+                    f"a param group holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "trainable parameter of the wrapped model(s); frozen params "
+                    "(requires_grad=False) cannot be optimized, and groups must name the "
+                    "module's own parameters"
+                )
+            if p in seen:
+                raise ValueError(
+                    f"parameter '{known[p].param_names[p]}' appears in more than one param group"
+                )
+            seen.add(p)
+        result.append({**group, "params": plist})
+    return result
+
+
