@@ -1,0 +1,47 @@
+"""The ``distopt`` command: ``distopt train | bench | memory | export``.
+
+Each subcommand lives in its own module and is imported only when used, so ``distopt memory``
+starts instantly and a broken optional dependency of one command cannot break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function taking argv and returning an exit code, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {}
+
+
+def register(name: str, module: str, function: str, help_line: str) -> None:
+    SUBCOMMANDS[name] = (module, function, help_line)
+
+
+register("train", "distopt.train.launch", "main", "train the demo GPT on several ranks")
+register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO and FSDP2")
+register("memory", "distopt.memory_cli", "main", "bytes per parameter and GiB per rank")
+register("export", "distopt.checkpoint", "export_main", "checkpoint -> plain PyTorch file")
+
+
+def _usage() -> str:
+    lines = ["usage: distopt <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_line}" for name, (_, _, help_line) in SUBCOMMANDS.items()]
+    lines += ["", "distopt <command> --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"distopt: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, function, _ = SUBCOMMANDS[name]
+    return int(getattr(importlib.import_module(module), function)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
