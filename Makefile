@@ -18,5 +18,5 @@ train: $(STAMP)
 	$(PY) -m torch.distributed.run --nproc_per_node 2 examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(ARGS)

@@ -1,0 +1,96 @@
+"""``distopt memory``: what training a model of a given size costs per rank, replicated vs distopt.
+
+    distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype fp32
+    distopt memory --model small --dp 4
+
+The figures are DESIGN.md's bytes-per-parameter table (``theoretical_bytes_per_param``) split
+by component; activations and padding are not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .memory import theoretical_bytes_per_param
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GIB = 2**30
+
+
+def _positive_count(text: str) -> int:
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number (e.g. 7e9)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distopt memory", description="Bytes per parameter and GiB per rank of training state."
+    )
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=_positive_count, help="parameter count, e.g. 7e9")
+    size.add_argument("--model", help="a demo GPT preset (tiny, small, medium)")
+    parser.add_argument("--dp", type=_positive_count, default=8, help="data-parallel size")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="param dtype")
+    parser.add_argument("--grad-dtype", choices=DTYPES, default=None,
+                        help="grad dtype (default: fp32 for bf16/fp16 params)")
+    parser.add_argument("--optimizer-state-bytes", type=int, default=8,
+                        help="fp32 optimizer state per param: 8 for Adam, 4 for SGD momentum")
+    return parser
+
+
+def components(param_dtype: torch.dtype, grad_dtype: torch.dtype, dp: int,
+               state_bytes: int) -> list[tuple[str, float, float]]:
+    """(component, replicated bytes/param, distopt bytes/param) rows."""
+    rows = [
+        ("model params", param_dtype.itemsize, param_dtype.itemsize),
+        ("grad buffer", grad_dtype.itemsize, grad_dtype.itemsize),
+        ("fp32 main params", 4.0 if param_dtype != torch.float32 else 0.0, 0.0),
+        ("fp32 main grads", 4.0 if grad_dtype != torch.float32 else 0.0, 0.0),
+        ("optimizer state", float(state_bytes), 0.0),
+    ]
+    return [(name, rep, dist if name in ("model params", "grad buffer") else rep / dp)
+            for name, rep, dist in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.model is not None:
+        from .train.model import GPT, gpt_config  # the preset's exact parameter count
+
+        try:
+            config = gpt_config(args.model, seq_len=256)
+        except ValueError as error:
+            print(f"distopt memory: {error}", file=sys.stderr)
+            return 2
+        with torch.device("meta"):
+            num_params = GPT(config).num_params()
+        label = f"--model {args.model}"
+    else:
+        num_params, label = args.params, f"{args.params:.3g} params"
+    param_dtype = DTYPES[args.dtype]
+    grad_dtype = DTYPES[args.grad_dtype] if args.grad_dtype else (
+        torch.float32 if param_dtype != torch.float32 else param_dtype)
+
+    rows = components(param_dtype, grad_dtype, args.dp, args.optimizer_state_bytes)
+    rep_total = theoretical_bytes_per_param(param_dtype, grad_dtype, args.dp, distributed=False,
+                                            optimizer_state_bytes=args.optimizer_state_bytes)
+    dist_total = theoretical_bytes_per_param(param_dtype, grad_dtype, args.dp,
+                                             optimizer_state_bytes=args.optimizer_state_bytes)
+    gname = {v: k for k, v in DTYPES.items()}[grad_dtype]
+    print(f"{label}, {args.dtype} params, {gname} grads, data-parallel size {args.dp}\n")
+    print(f"{'component':<18}{'replicated':>14}{'distopt':>14}{'distopt GiB/rank':>18}")
+    print(f"{'':<18}{'B/param':>14}{'B/param':>14}")
+    for name, rep, dist in [*rows, ("total", rep_total, dist_total)]:
+        print(f"{name:<18}{rep:>14.3f}{dist:>14.3f}{dist * num_params / GIB:>18.2f}")
+    print(f"\nGiB per rank: replicated {rep_total * num_params / GIB:.2f}, "
+          f"distopt {dist_total * num_params / GIB:.2f} "
+          f"({rep_total / dist_total:.2f}x less); activations not included")
+    return 0
