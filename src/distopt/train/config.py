@@ -1,0 +1,168 @@
+"""Options of ``distopt train``: one dataclass, its command-line parser, and its validation.
+
+Validation runs in the launcher, before any rank starts, so a bad option gives one line of
+error instead of a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .model import MODEL_PRESETS
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"betas": (0.9, 0.95), "weight_decay": 0.1}),
+    "adam": (torch.optim.Adam, {"betas": (0.9, 0.95)}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+    "adagrad": (torch.optim.Adagrad, {}),
+    "rmsprop": (torch.optim.RMSprop, {}),
+    "nadam": (torch.optim.NAdam, {"betas": (0.9, 0.95)}),
+    "radam": (torch.optim.RAdam, {"betas": (0.9, 0.95)}),
+    "adamax": (torch.optim.Adamax, {}),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything a training run depends on; saved next to its checkpoints."""
+
+    nproc: int | None = None
+    """Ranks on this machine; None: one per GPU, or 2 on CPU."""
+    model: str = "tiny"
+    """Demo GPT preset (see distopt.train.model.MODEL_PRESETS)."""
+    data: str | None = None
+    """Folder of text files; None: the interpreter's standard library sources."""
+    max_bytes: int | None = 8_000_000
+    """Cap on each data split's size in bytes (None: all of it)."""
+    steps: int = 600
+    """Optimizer steps to train for."""
+    batch_size: int = 32
+    """Global batch size in sequences (all ranks and micro-batches together)."""
+    grad_accum: int = 1
+    """Micro-batches per step on each rank (no_sync for all but the last)."""
+    seq_len: int = 128
+    """Tokens (bytes) per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warm-up."""
+    warmup: int = 30
+    """Linear warm-up steps, followed by a cosine decay to lr / 10."""
+    optimizer: str = "adamw"
+    """Inner torch optimizer (see OPTIMIZERS)."""
+    dtype: str = "fp32"
+    """Param dtype: fp32, bf16 or fp16 (fp16 trains with a dynamic loss scaler)."""
+    grad_dtype: str = "fp32"
+    """Dtype of the grad buffer and of the reduction."""
+    no_shard: bool = False
+    """Replicated optimizer state (distopt.BasicOptimizer), for comparison."""
+    overlap_grad_reduce: bool = True
+    """Reduce-scatter each bucket while backward goes on."""
+    overlap_param_gather: bool = True
+    """All-gather updated params while the next forward goes on."""
+    bucket_size: int | None = None
+    """Elements per bucket; None: distopt's default for the model and DP size."""
+    clip: float | None = 1.0
+    """Max global grad norm; None disables clipping."""
+    seed: int = 1234
+    """Seeds the model's init and the data order."""
+    eval_every: int = 100
+    """Steps between held-out evaluations (0: only at the start and the end)."""
+    eval_batches: int = 8
+    """Held-out batches (of batch_size sequences) per evaluation."""
+    out: str = "runs/default"
+    """Output folder: metrics.jsonl, checkpoints, summary.json, loss.png."""
+    save_every: int = 200
+    """Steps between checkpoints (0: only at the end)."""
+    keep: int = 2
+    """Checkpoints kept on disk."""
+    resume: bool = False
+    """Resume from the latest checkpoint in ``out`` (restarts always resume)."""
+    max_restarts: int = 0
+    """Times the launcher restarts the ranks after a failure; they resume from the latest
+    checkpoint."""
+    progress: bool = True
+    """Progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.nproc is not None and self.nproc < 1:
+            problems.append(f"--nproc must be >= 1, got {self.nproc}")
+        if self.model not in MODEL_PRESETS:
+            problems.append(f"--model must be one of {', '.join(MODEL_PRESETS)}, got {self.model}")
+        for names, least in (
+            (("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "keep"), 1),
+            (("warmup", "eval_every", "save_every", "max_restarts"), 0),
+        ):
+            for name in names:
+                if getattr(self, name) < least:
+                    flag = "--" + name.replace("_", "-")
+                    problems.append(f"{flag} must be >= {least}, got {getattr(self, name)}")
+        if not self.lr > 0:
+            problems.append(f"--lr must be positive, got {self.lr}")
+        if self.clip is not None and not self.clip > 0:
+            problems.append(f"--clip must be positive, got {self.clip}")
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer}"
+            )
+        for name in ("dtype", "grad_dtype"):
+            if getattr(self, name) not in DTYPES:
+                problems.append(f"--{name.replace('_', '-')} must be one of fp32, bf16, fp16, "
+                                f"got {getattr(self, name)}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def check_world_size(self, world_size: int) -> None:
+        """The global batch must split evenly over ranks and micro-batches."""
+        if self.batch_size % (world_size * self.grad_accum):
+            raise ValueError(
+                f"--batch-size {self.batch_size} must be a multiple of ranks x --grad-accum "
+                f"({world_size} x {self.grad_accum}); pick a batch size divisible by "
+                f"{world_size * self.grad_accum}"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="distopt train",
+        description="Train the demo byte-level GPT with distopt on several ranks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = TrainConfig()
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2 on CPU)")
+    p.add_argument("--model", default=defaults.model, help=", ".join(MODEL_PRESETS))
+    p.add_argument("--data", default=None, help="folder of text files (default: stdlib sources)")
+    p.add_argument("--max-bytes", type=lambda s: None if s == "all" else int(float(s)),
+                   default=defaults.max_bytes, help="bytes per data split, or 'all'")
+    for name in ("steps", "batch_size", "grad_accum", "seq_len", "warmup", "eval_every",
+                 "eval_batches", "save_every", "keep", "max_restarts", "seed"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--optimizer", default=defaults.optimizer, help=", ".join(OPTIMIZERS))
+    p.add_argument("--dtype", default=defaults.dtype, help="fp32, bf16 or fp16")
+    p.add_argument("--grad-dtype", default=defaults.grad_dtype, help="fp32, bf16 or fp16")
+    p.add_argument("--no-shard", action="store_true", help="replicated optimizer (BasicOptimizer)")
+    p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
+    p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
+                   action="store_false")
+    p.add_argument("--bucket-size", type=int, default=None, help="elements per bucket")
+    p.add_argument("--clip", type=lambda s: None if s == "none" else float(s),
+                   default=defaults.clip, help="max grad norm, or 'none'")
+    p.add_argument("--out", default=defaults.out, help="output folder")
+    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> TrainConfig:
+    """Parse and validate; raises ValueError with every problem found, in one line."""
+    return TrainConfig(**vars(parser().parse_args(argv)))

@@ -1,0 +1,77 @@
+"""``distopt train``: validate the options, then start the ranks with PyTorch's elastic launcher.
+
+The launcher (``torch.distributed.launcher.elastic_launch``, the engine behind torchrun) runs one
+process per rank on this machine, rendezvouses them over c10d on a free local port, and with
+``--max-restarts N`` restarts the whole group when any rank dies; the restarted ranks resume from
+the latest checkpoint. For several machines use torchrun directly (see the README):
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m distopt.train [options]
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+import torch
+
+from .config import TrainConfig, parse_args
+
+
+def _fail(message: str) -> int:
+    print(f"distopt train: error: {message}", file=sys.stderr)
+    return 2
+
+
+def validate(config: TrainConfig, nproc: int) -> None:
+    """Every check that needs no process group; raises ValueError with the fix."""
+    from .data import load_corpus
+
+    config.check_world_size(nproc)
+    corpus = load_corpus(config.data, max_bytes=config.max_bytes)
+    for split, data in (("train", corpus.train), ("held-out", corpus.heldout)):
+        if data.numel() <= config.seq_len:
+            raise ValueError(
+                f"the {split} split has {data.numel()} bytes, fewer than --seq-len "
+                f"{config.seq_len} + 1; use more data or a shorter --seq-len"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ValueError as error:
+        return _fail(str(error))
+    nproc = config.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    try:
+        validate(config, nproc)
+    except ValueError as error:
+        return _fail(str(error))
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .worker import run_worker
+
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"distopt-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone does
+        max_restarts=config.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(launch, run_worker)(config)
+    except ChildFailedError as error:
+        return _fail(f"a rank failed and no restart was left (--max-restarts "
+                     f"{config.max_restarts}):\n{error}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

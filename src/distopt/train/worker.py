@@ -1,0 +1,274 @@
+"""What every rank of ``distopt train`` runs: data, model, distopt, the loop, logs and summary.
+
+It reads its rank and world from the environment torchrun (or distopt's launcher) sets, so
+``torchrun --nnodes N --nproc-per-node M -m distopt.train [options]`` runs the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import distopt
+
+from .config import DTYPES, OPTIMIZERS, TrainConfig
+from .data import BatchSampler, eval_batches, load_corpus
+from .model import GPT, gpt_config
+from .report import write_loss_plot, write_summary
+
+# Test hook for the fault-tolerance test: the rank named here kills itself with SIGKILL at
+# this step of the first attempt, exactly like a crashed or preempted process.
+FAIL_AT_STEP_ENV = "DISTOPT_TRAIN_FAIL_AT_STEP"
+FAIL_RANK_ENV = "DISTOPT_TRAIN_FAIL_RANK"
+
+
+def warmup_cosine(config: TrainConfig):
+    """LR multiplier: linear warm-up to 1, then cosine down to 0.1 at the last step."""
+
+    def factor(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class Trainer:
+    """One rank's training run."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        config.check_world_size(self.world)
+        self.device = _device()
+        self.out = Path(config.out)
+        self.ckpt_dir = self.out / "checkpoints"
+
+        corpus = load_corpus(config.data, max_bytes=config.max_bytes)
+        self.corpus = corpus
+        self.sampler = BatchSampler(
+            corpus.train, seq_len=config.seq_len, global_batch_size=config.batch_size,
+            dp_rank=self.rank, dp_size=self.world, seed=config.seed,
+        )
+        self.heldout = [
+            (x.to(self.device), y.to(self.device))
+            for x, y in eval_batches(
+                corpus.heldout, seq_len=config.seq_len, batch_size=config.batch_size,
+                num_batches=config.eval_batches, dp_rank=self.rank, dp_size=self.world,
+            )
+        ]
+
+        torch.manual_seed(config.seed)
+        model = GPT(gpt_config(config.model, seq_len=config.seq_len))
+        model = model.to(self.device, DTYPES[config.dtype])
+        self.ddp = distopt.DistributedDataParallel(
+            model,
+            grad_dtype=DTYPES[config.grad_dtype],
+            bucket_size=config.bucket_size,
+            overlap_grad_reduce=config.overlap_grad_reduce,
+            use_distributed_optimizer=not config.no_shard,
+        )
+        opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
+        scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
+        common = dict(clip_grad=config.clip, loss_scaler=scaler, lr=config.lr, **opt_kwargs)
+        if config.no_shard:
+            self.opt = distopt.BasicOptimizer(self.ddp, opt_cls, **common)
+        else:
+            self.opt = distopt.DistributedOptimizer(
+                self.ddp, opt_cls, overlap_param_gather=config.overlap_param_gather, **common
+            )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(config))
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _extra(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "rng": torch.get_rng_state(),
+            "history": self.history,
+        }
+
+    def save(self) -> None:
+        distopt.save_checkpoint(self.ckpt_dir, self.ddp, self.opt, extra=self._extra(),
+                                keep=self.config.keep)
+
+    def maybe_resume(self) -> bool:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if not (self.config.resume or restarted) or not distopt.has_checkpoint(self.ckpt_dir):
+            return False
+        extra = distopt.load_checkpoint(self.ckpt_dir, self.ddp, self.opt)
+        self.step = int(extra["step"])
+        self.sampler.load_state_dict(extra["sampler"])
+        self.sched.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng"])
+        self.history = list(extra["history"])
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.ddp.eval()
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for x, y in self.heldout:
+            _, loss = self.ddp(x, y)
+            total += loss.double()
+        total /= len(self.heldout)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        self.ddp.train()
+        return float(total.item()) / self.world
+
+    def train_step(self) -> dict[str, Any]:
+        config = self.config
+        x, y = self.sampler.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
+        self.opt.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        micro_x, micro_y = x.chunk(config.grad_accum), y.chunk(config.grad_accum)
+        for i, (mx, my) in enumerate(zip(micro_x, micro_y, strict=True)):
+            last = i == config.grad_accum - 1
+            with self.ddp.no_sync() if not last else _nullcontext():
+                _, loss = self.ddp(mx, my)
+                self.opt.scale_loss(loss / config.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        result = self.opt.step()
+        if result.updated:
+            self.sched.step()
+        loss_avg = loss_sum / config.grad_accum
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)
+        return {
+            "loss": float(loss_avg.item()) / self.world,
+            "grad_norm": result.grad_norm,
+            "updated": result.updated,
+            "lr": self.opt.param_groups[0]["lr"],
+        }
+
+    def run(self) -> dict[str, Any]:
+        config = self.config
+        resumed = self.maybe_resume()
+        metrics_path = self.out / "metrics.jsonl"
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
+            if not resumed:
+                metrics_path.unlink(missing_ok=True)
+        log = _MetricsLog(metrics_path if self.rank == 0 else None)
+        if not resumed:
+            self._record(log, {"step": 0, "heldout_loss": self.evaluate()})
+        fail_step, fail_rank = _failure_injection()
+
+        tokens_per_step = config.batch_size * config.seq_len
+        bar = _progress(config, self.rank, initial=self.step)
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < config.steps:
+            if self.step == fail_step and self.rank == fail_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            stats = self.train_step()
+            self.step += 1
+            window_steps += 1
+            elapsed = time.perf_counter() - window_start
+            stats.update(step=self.step, tokens_per_s=tokens_per_step * window_steps / elapsed)
+            if self.step % 10 == 0 or self.step == config.steps:
+                window_start, window_steps = time.perf_counter(), 0
+            if config.eval_every and self.step % config.eval_every == 0 or (
+                self.step == config.steps
+            ):
+                stats["heldout_loss"] = self.evaluate()
+            self._record(log, stats)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}",
+                                tok_s=f"{stats['tokens_per_s']:.0f}")
+            if config.save_every and self.step % config.save_every == 0 or (
+                self.step == config.steps
+            ):
+                self.save()
+        if bar is not None:
+            bar.close()
+        return self.finish()
+
+    def _record(self, log: _MetricsLog, stats: dict[str, Any]) -> None:
+        log.write(stats)
+        keep = {k: stats[k] for k in ("step", "loss", "heldout_loss") if k in stats}
+        self.history.append(keep)
+
+    def finish(self) -> dict[str, Any]:
+        report = distopt.measure_state_bytes(self.opt)
+        reports = [None] * self.world
+        dist.all_gather_object(reports, report.as_dict())
+        summary = None
+        if self.rank == 0:
+            summary = write_summary(self.out, self.config, self.world, reports, self.history,
+                                    num_files=(self.corpus.num_files_train,
+                                               self.corpus.num_files_heldout))
+            write_loss_plot(self.out / "loss.png", self.history)
+        return summary or {}
+
+
+class _MetricsLog:
+    """JSONL metrics, one object per line, appended (a resumed run continues the file)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _progress(config: TrainConfig, rank: int, initial: int):
+    if rank != 0 or not config.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=initial, desc="distopt train", unit="step",
+                dynamic_ncols=True)
+
+
+def _failure_injection() -> tuple[int, int]:
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return -1, -1
+    return int(os.environ.get(FAIL_AT_STEP_ENV, "-1")), int(os.environ.get(FAIL_RANK_ENV, "0"))
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run_worker(config: TrainConfig) -> dict[str, Any]:
+    """Entry point of every rank; the process group comes from torchrun's environment."""
+    if not torch.cuda.is_available():
+        # Ranks share the machine's cores; one thread each avoids oversubscription.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    try:
+        return Trainer(config).run()
+    finally:
+        dist.destroy_process_group()
