@@ -69,7 +69,7 @@ class TrainConfig:
     """Max global grad norm; None disables clipping."""
     seed: int = 1234
     """Seeds the model's init and the data order."""
-    eval_every: int = 100
+    eval_every: int = 50
     """Steps between held-out evaluations (0: only at the start and the end)."""
     eval_batches: int = 8
     """Held-out batches (of batch_size sequences) per evaluation."""
