@@ -1,0 +1,117 @@
+"""`distopt train` end to end: a real launch, resume, a killed rank restarted by the launcher,
+two launchers as two nodes, and one-line errors for bad options."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import distopt
+
+SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "8", "--seq-len", "32",
+         "--max-bytes", "300000", "--eval-every", "4", "--eval-batches", "2",
+         "--save-every", "4", "--no-progress", "--warmup", "2"]
+
+
+def _run(args: list[str], env: dict[str, str] | None = None, timeout: int = 240,
+         module: str = "distopt") -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def _train(out: Path, *extra: str, env: dict[str, str] | None = None):
+    return _run(["train", "--nproc", "2", *SMALL, "--out", str(out), *extra], env=env)
+
+
+def _final_heldout(out: Path) -> float:
+    return json.loads((out / "summary.json").read_text())["heldout_loss_end"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("baseline")
+    proc = _train(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_run_writes_metrics_summary_plot_and_checkpoints(baseline):
+    records = [json.loads(line) for line in (baseline / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == list(range(1, 9))
+    evals = [r["heldout_loss"] for r in records if "heldout_loss" in r]
+    assert len(evals) == 3  # before training, step 4, step 8
+    assert evals[-1] < evals[0]  # it learns
+    summary = json.loads((baseline / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    theory = summary["theory_bytes_per_param"]
+    assert theory["distopt"] == pytest.approx(12.0) and theory["replicated"] == pytest.approx(16)
+    for report in summary["memory_per_rank"]:
+        # Measured bytes: the distopt figure plus the padding of the buckets, far below 16.
+        assert theory["distopt"] <= report["bytes_per_param"] < theory["distopt"] + 0.5
+    assert (baseline / "loss.png").stat().st_size > 10_000
+    assert distopt.has_checkpoint(baseline / "checkpoints")
+
+
+def test_resume_after_a_crash_matches_the_uninterrupted_run(baseline, tmp_path):
+    crashed = _train(tmp_path, env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
+                                    "DISTOPT_TRAIN_FAIL_RANK": "1"})
+    assert crashed.returncode != 0
+    assert "distopt train: error" in crashed.stderr
+    resumed = _train(tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+
+
+def test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically(baseline, tmp_path):
+    proc = _train(tmp_path, "--max-restarts", "1",
+                  env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launchers_as_two_nodes_match_one_launcher(baseline, tmp_path):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+           "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+           "--rdzv-id", "distopt-two-nodes", "-m", "distopt.train", *SMALL,
+           "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    outs = [node.communicate(timeout=240) for node in nodes]
+    for node, (_, err) in zip(nodes, outs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [(["--nproc", "0"], "--nproc must be >= 1"),
+     (["--dtype", "fp8"], "--dtype must be one of fp32, bf16, fp16"),
+     (["--data", "/nonexistent/distopt"], "does not exist"),
+     (["--data", "EMPTY"], "no text files"),
+     (["--batch-size", "7"], "multiple of ranks"),
+     (["--optimizer", "lbfgs"], "--optimizer must be one of")],
+)
+def test_bad_options_give_one_line(tmp_path, args, message):
+    args = [str(tmp_path) if a == "EMPTY" else a for a in args]
+    proc = _run(["train", *args], timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distopt train: error:"), proc.stderr
+    assert message in lines[0]
+    assert "Traceback" not in proc.stderr
