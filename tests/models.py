@@ -65,3 +65,67 @@ def mlp(sizes: list[int], dtype: torch.dtype = torch.float32) -> nn.Sequential:
     for a, b in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [nn.Linear(a, b), nn.GELU()]
     return nn.Sequential(*layers[:-1]).to(dtype)
+
+
+# A tiny causal transformer and a Markov-chain language to train it on. The language uses only
+# the first TT_USED of TT_VOCAB tokens, so the embedding rows of the others get grads that are
+# exactly zero; its entropy (about 0.9 nats per token) is the loss a perfect model reaches.
+TT_VOCAB, TT_USED, TT_SEQ = 32, 24, 8
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        # No qkv bias: a key bias shifts every score of a row alike, so its true grad is zero
+        # and Adam would amplify the roundoff it is made of.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [b, heads, s, d / heads]
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Pre-norm causal transformer with learned positions and an untied output head."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(TT_VOCAB, dim)
+        self.pos = nn.Parameter(0.02 * torch.randn(TT_SEQ, dim))
+        self.blocks = nn.ModuleList(_Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, TT_VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self(tokens).float().flatten(0, 1), targets.flatten())
+
+
+def markov_batch(step: int, global_batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets [global_batch, TT_SEQ] from a fixed Markov chain in which
+    every token has three successors, with probabilities 0.6, 0.3 and 0.1."""
+    probs = torch.zeros(TT_USED, TT_USED)
+    for t in range(TT_USED):
+        for mult, add, p in ((5, 1, 0.6), (7, 3, 0.3), (11, 2, 0.1)):
+            probs[t, (t * mult + add) % TT_USED] += p
+    g = torch.Generator().manual_seed(5000 + step)
+    seq = [torch.randint(0, TT_USED, (global_batch,), generator=g)]
+    for _ in range(TT_SEQ):
+        seq.append(torch.multinomial(probs[seq[-1]], 1, generator=g).squeeze(1))
+    tokens = torch.stack(seq, dim=1)
+    return tokens[:, :-1], tokens[:, 1:]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import clip
@@ -60,7 +61,11 @@ look at whole tensors or the whole model and are refused.)"""
 class StepResult:
     """What ``step()`` did: whether params changed, the global grad norm (before clipping;
     computed when ``clip_grad`` is set) and the zero elements of the clipped grads (counted
-    when ``log_num_zeros`` is set)."""
+    when ``log_num_zeros`` is set).
+
+    A step skipped by the loss scaler (inf or nan in the grads on some rank) has
+    ``updated=False`` and neither figure: params, optimizer state and step counts are untouched.
+    """
 
     updated: bool
     grad_norm: float | None = None
@@ -145,6 +150,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
         clip_grad: float | None,
         loss_scaler: ConstantLossScaler | DynamicLossScaler | None,
         log_num_zeros: bool,
+        model_parallel_group: dist.ProcessGroup | None,
         optimizer_kwargs: dict[str, Any],
     ) -> None:
         _check_optimizer_cls(optimizer_cls)
@@ -159,11 +165,26 @@ class _BufferOptimizer(torch.optim.Optimizer):
         groups = {id(m.process_group) for m in models}
         if len(groups) > 1:
             raise ValueError("all model chunks must use the same data-parallel process group")
+        _check_model_parallel_group(model_parallel_group, models[0].process_group)
+        if isinstance(loss_scaler, DynamicLossScaler):
+            checked = [m for m in models if m.check_for_nan_in_grad]
+            if checked:
+                raise ValueError(
+                    "a DynamicLossScaler skips the steps whose grads overflow, but the model was "
+                    "built with check_for_nan_in_grad=True, which raises on them instead: drop "
+                    "one of the two (check_for_nan_in_grad is meant for bf16/fp32 training)"
+                )
         self.models = list(models)
         self.clip_grad = clip_grad
         self.loss_scaler = loss_scaler
         self.log_num_zeros = log_num_zeros
+        self.model_parallel_group = model_parallel_group
+        # Groups over which the inf flag, the grad norm and the zero count are reduced: the DP
+        # group when each rank owns a shard, then the model-parallel group, whose ranks hold
+        # other parts of the model. Each grad element must be owned by exactly one rank of all.
         self._reduce_groups = [self.models[0].process_group] if self._sharded else []
+        if model_parallel_group is not None:
+            self._reduce_groups.append(model_parallel_group)
         self._device = self.models[0].params[0].device
 
         param_groups = _normalize_param_groups(params, self.models)
@@ -310,6 +331,10 @@ class DistributedOptimizer(_BufferOptimizer):
         overlap_param_gather: all-gather the updated params in the background and let the next
             forward wait for each bucket just before its first use.
         log_num_zeros: count the zero elements of the clipped grads in every step's result.
+        model_parallel_group: the ranks that hold the other parts of the model (tensor or
+            pipeline parallel), or None. The inf/nan verdict is agreed over it and the grad
+            norm and zero count are summed over it, besides the data-parallel group; each
+            grad element must belong to exactly one of its ranks.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
     """
 
@@ -325,6 +350,7 @@ class DistributedOptimizer(_BufferOptimizer):
         overlap_param_gather: bool = False,
         *,
         log_num_zeros: bool = False,
+        model_parallel_group: dist.ProcessGroup | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         models = _as_model_list(model, "DistributedOptimizer")
@@ -337,7 +363,8 @@ class DistributedOptimizer(_BufferOptimizer):
                 )
         self.overlap_param_gather = overlap_param_gather
         super().__init__(
-            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros, optimizer_kwargs
+            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros,
+            model_parallel_group, optimizer_kwargs,
         )
 
     def _gather_params(self) -> None:
@@ -350,7 +377,8 @@ class BasicOptimizer(_BufferOptimizer):
 
     Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
     (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
-    plain ``nn.Module`` trained on one process.
+    plain ``nn.Module`` trained on one process. ``model_parallel_group`` is as for
+    DistributedOptimizer.
     """
 
     _sharded = False
@@ -365,6 +393,7 @@ class BasicOptimizer(_BufferOptimizer):
         *,
         log_num_zeros: bool = False,
         grad_dtype: torch.dtype | None = torch.float32,
+        model_parallel_group: dist.ProcessGroup | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if isinstance(model, nn.Module) and not isinstance(model, DistributedDataParallel):
@@ -382,7 +411,8 @@ class BasicOptimizer(_BufferOptimizer):
                     "use distopt.DistributedOptimizer"
                 )
         super().__init__(
-            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros, optimizer_kwargs
+            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros,
+            model_parallel_group, optimizer_kwargs,
         )
 
 
@@ -397,6 +427,28 @@ def _as_model_list(model: Any, who: str) -> list[DistributedDataParallel]:
                 "wrap the module first, ddp = distopt.DistributedDataParallel(module)"
             )
     return models
+
+
+def _check_model_parallel_group(group: Any, dp_group: dist.ProcessGroup | None) -> None:
+    if group is None:
+        return
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "model_parallel_group must be None or a torch.distributed.ProcessGroup that this "
+            f"rank belongs to (from dist.new_group), got {group!r}"
+        )
+    # A data-parallel group and a model-parallel group through this rank meet only in it;
+    # any other shared rank would hold the same grads twice and be counted twice.
+    mp_ranks = set(dist.get_process_group_ranks(group))
+    dp_ranks = set(dist.get_process_group_ranks(dp_group)) if dp_group is not None else set()
+    shared = sorted((mp_ranks & dp_ranks) - {dist.get_rank()})
+    if shared:
+        raise ValueError(
+            f"model_parallel_group shares ranks {shared} with the data-parallel group; the two "
+            "must cross only at this rank (data-parallel replicas hold the same grads, which "
+            "would be counted once per replica): pass the group of ranks that hold the other "
+            "parts of the model"
+        )
 
 
 def _check_optimizer_cls(optimizer_cls: Any) -> None:

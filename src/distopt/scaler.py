@@ -1,33 +1,62 @@
 """Loss scalers for fp16 training.
 
-``scale_loss`` multiplies the loss by ``scale`` before backward; the optimizer divides the fp32
-main grads by it, checks them for inf/nan, agrees with every rank on the verdict, and calls
-``update(found_inf)`` once per step.
+``opt.scale_loss(loss)`` multiplies the loss by ``scale`` before backward. In ``step()`` the
+optimizer multiplies the fp32 main grads of its shard by ``1 / scale``, checks them for inf and
+nan, takes the maximum of that verdict over the data-parallel group (and the model-parallel
+group, if any) so that every rank decides alike, and calls ``update(found_inf)`` once. A step
+with ``found_inf`` is skipped on every rank: no param, optimizer state or step count changes.
 
-DynamicLossScaler's rules (the same as Megatron-LM's dynamic grad scaler):
+DynamicLossScaler keeps three numbers: ``scale``, ``growth_tracker`` (good steps since the last
+overflow or growth) and ``hysteresis_tracker`` (overflows still tolerated before backing off).
+It starts at ``initial_scale``, 0 and ``hysteresis``; ``update`` does exactly this::
 
-* A step whose grads hold an inf or nan on any rank is skipped. It resets the count of good
-  steps and spends one unit of hysteresis; when the hysteresis is used up (it reaches 0) the
-  scale is multiplied by ``backoff_factor``, never going below ``min_scale``. With the default
-  ``hysteresis=2`` the first overflow after a growth does not back off; every overflow after
-  it does, until the scale grows again.
-* A good step adds one to the count of good steps. When the count reaches
-  ``growth_interval`` the scale is multiplied by ``growth_factor``, the count restarts at 0
-  and the hysteresis is refilled to ``hysteresis``.
+    if found_inf:
+        growth_tracker = 0
+        hysteresis_tracker -= 1
+        if hysteresis_tracker <= 0:
+            scale = max(scale * backoff_factor, min_scale)
+    else:
+        growth_tracker += 1
+        if growth_tracker == growth_interval:
+            growth_tracker = 0
+            hysteresis_tracker = hysteresis
+            scale = scale * growth_factor
+
+So an overflow always restarts the count towards growth, the hysteresis is refilled only when
+the scale grows (good steps alone do not refill it), and once it is spent every overflow backs
+off until the next growth. With the defaults the first overflow after the start or after a
+growth keeps the scale, the second halves it. These are the rules of Megatron-LM's dynamic grad
+scaler; torch.amp.GradScaler is the case ``hysteresis=1`` without ``min_scale``.
 """
 
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import Any
 
 
+def _positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return float(value)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
 class ConstantLossScaler:
-    """A fixed loss scale; overflowing steps are still skipped."""
+    """A fixed loss scale; overflowing steps are still skipped, on every rank."""
 
     def __init__(self, scale: float) -> None:
-        if not scale > 0:
-            raise ValueError(f"loss scale must be positive, got {scale}")
-        self.scale = float(scale)
+        self.scale = _positive_float("scale", scale)
 
     def update(self, found_inf: bool) -> None:
         """A constant scale ignores overflows (the step is skipped all the same)."""
@@ -38,9 +67,15 @@ class ConstantLossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
 
+    def __repr__(self) -> str:
+        return f"ConstantLossScaler(scale={self.scale})"
+
 
 class DynamicLossScaler:
-    """A loss scale that backs off on overflow and grows after a run of good steps."""
+    """A loss scale that backs off on overflow and grows after a run of good steps.
+
+    See the module docstring for the exact rules. ``scale`` is the current scale.
+    """
 
     def __init__(
         self,
@@ -51,24 +86,30 @@ class DynamicLossScaler:
         hysteresis: int = 2,
         min_scale: float = 1.0,
     ) -> None:
-        if not initial_scale > 0 or not min_scale > 0:
-            raise ValueError("initial_scale and min_scale must be positive")
+        initial_scale = _positive_float("initial_scale", initial_scale)
+        min_scale = _positive_float("min_scale", min_scale)
+        growth_factor = _positive_float("growth_factor", growth_factor)
+        backoff_factor = _positive_float("backoff_factor", backoff_factor)
+        if min_scale > initial_scale:
+            raise ValueError(
+                f"min_scale ({min_scale}) is above initial_scale ({initial_scale}); lower "
+                "min_scale or raise initial_scale"
+            )
         if not growth_factor > 1:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
-        if not 0 < backoff_factor < 1:
+        if not backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if growth_interval < 1 or hysteresis < 1:
-            raise ValueError("growth_interval and hysteresis must be >= 1")
-        self.scale = float(initial_scale)
+        self.scale = initial_scale
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.hysteresis = hysteresis
-        self.min_scale = float(min_scale)
+        self.growth_interval = _positive_int("growth_interval", growth_interval)
+        self.hysteresis = _positive_int("hysteresis", hysteresis)
+        self.min_scale = min_scale
         self.growth_tracker = 0
-        self.hysteresis_tracker = hysteresis
+        self.hysteresis_tracker = self.hysteresis
 
     def update(self, found_inf: bool) -> None:
+        """Apply one step's verdict (the same on every rank) to the scale."""
         if found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
@@ -92,6 +133,12 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScaler(scale={self.scale}, growth_tracker={self.growth_tracker}, "
+            f"hysteresis_tracker={self.hysteresis_tracker})"
+        )
 
 
 LossScaler = ConstantLossScaler | DynamicLossScaler
