@@ -1,8 +1,9 @@
 """Contiguous parameter and gradient buffers, and the buckets cut from them.
 
 One ``ParamAndGradBuffer`` holds every trainable parameter of one dtype. After construction each
-such parameter's ``.data`` is a view into ``param_data`` and its ``main_grad`` (the one attribute
-distopt hangs on a parameter) is a view, of the same shape, into ``grad_data``. Both buffers share
+such parameter's ``.data`` (a DTensor's local shard) is a view into ``param_data`` and its
+``main_grad`` (the one attribute distopt hangs on a parameter) is a view, of the same local shape,
+into ``grad_data``. Both buffers share
 one layout (see [Note: layout rule] in layout.py), so a bucket is the same range of both, and the
 collectives of a bucket run on one contiguous tensor without any copy.
 """
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from .layout import BucketLayout, BufferLayout, build_layout
+from .tensor_parallel import alias_local, local_tensor
 
 
 @dataclass(eq=False, slots=True)
@@ -54,7 +56,7 @@ class ParamAndGradBuffer:
         self.dp_size = dp_size
         self.dp_rank = dp_rank
         self.layout: BufferLayout = build_layout(
-            [p.numel() for p in params], bucket_size=bucket_size, dp_size=dp_size
+            [local_tensor(p).numel() for p in params], bucket_size=bucket_size, dp_size=dp_size
         )
         device = params[0].device
         # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
@@ -65,10 +67,12 @@ class ParamAndGradBuffer:
         with torch.no_grad():
             for index, (param, slot) in enumerate(zip(params, self.layout.params, strict=True)):
                 rng = slot.buffer_range
-                view = self.param_data[rng.start : rng.end].view_as(param)
-                view.copy_(param.detach())
-                param.data = view
-                param.main_grad = self.grad_data[rng.start : rng.end].view_as(param)
+                # A DTensor param keeps its local shard here; see [Note: DTensor params].
+                local = local_tensor(param)
+                view = self.param_data[rng.start : rng.end].view_as(local)
+                view.copy_(local.detach())
+                alias_local(param, view)
+                param.main_grad = self.grad_data[rng.start : rng.end].view_as(local)
                 self.index_of[param] = index
 
         self.buckets: list[Bucket] = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,10 @@ from torch import nn
 from . import collectives as comm
 from .buffers import Bucket, ParamAndGradBuffer
 from .layout import default_bucket_size
+from .tensor_parallel import check_params, local_grad, local_tensor, resolve_dp_group, stat_groups
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_GROUP = object()  # process_group for a private single-process instance (BasicOptimizer)
@@ -63,6 +67,10 @@ class DistributedDataParallel(nn.Module):
             False an unused parameter's grad is zero and the optimizer still steps it.
         check_for_nan_in_grad: after the reduction, raise on every rank, naming the first
             parameter (in registration order) whose grad holds a nan or inf.
+        device_mesh: the data-parallel group as a mesh instead of ``process_group`` (give at
+            most one): a 1-D mesh, or a mesh with a dimension named "dp". Params may be DTensors
+            on the tensor-parallel submesh (``parallelize_module(module, mesh["tp"], plan)``);
+            see docs/tensor-parallel.md.
     """
 
     def __init__(
@@ -76,6 +84,7 @@ class DistributedDataParallel(nn.Module):
         *,
         find_unused_parameters: bool = False,
         check_for_nan_in_grad: bool = False,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
         named = _trainable_named_params(module)
@@ -88,7 +97,10 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"bucket_size must be a positive element count, got {bucket_size}")
 
         self.module = module
-        self.process_group = _resolve_group(process_group)
+        self.process_group = _resolve_group(resolve_dp_group(process_group, device_mesh))
+        # None without DTensor params; raises (on every rank, before any collective) on a
+        # DTensor layout distopt cannot compose with. See [Note: DTensor params].
+        self.tp_mesh = check_params(named, self.process_group)
         self.dp_size = comm.group_size(self.process_group)
         self.dp_rank = comm.group_rank(self.process_group)
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -100,7 +112,7 @@ class DistributedDataParallel(nn.Module):
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
-        total = sum(p.numel() for p in self.params)
+        total = sum(local_tensor(p).numel() for p in self.params)
         self.bucket_size = bucket_size or default_bucket_size(self.dp_size, total)
 
         # Torch DDP semantics: every replica starts from rank 0's weights.
@@ -166,7 +178,7 @@ class DistributedDataParallel(nn.Module):
         grad = param.grad
         if grad is None:
             return
-        param.main_grad.add_(grad)
+        param.main_grad.add_(local_grad(param, grad))
         param.grad = None
         self._grad_sync_done = False
         if self.find_unused_parameters:
@@ -260,7 +272,9 @@ class DistributedDataParallel(nn.Module):
                 if lo < hi and not bool(torch.isfinite(bucket.grad_data[lo:hi]).all()):
                     first_bad = min(first_bad, self._param_index[param])
         flag = torch.tensor([first_bad], dtype=torch.int64, device=self._device)
-        comm.all_reduce_small(flag, dist.ReduceOp.MIN, [self.process_group], self.comm_stats)
+        # Over the TP groups too, so that every rank of the mesh raises, or none does.
+        groups = [self.process_group, *stat_groups(self.tp_mesh)]
+        comm.all_reduce_small(flag, dist.ReduceOp.MIN, groups, self.comm_stats)
         index = int(flag.item())
         if index < len(self.params):
             name = self.param_names[self.params[index]]
@@ -320,7 +334,7 @@ class DistributedDataParallel(nn.Module):
         src = dist.get_global_rank(self.process_group, 0)
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor.data, src=src, group=self.process_group)
+                dist.broadcast(local_tensor(tensor.data), src=src, group=self.process_group)
 
 
 def _trainable_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -343,7 +357,7 @@ def _trainable_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]
             "(module.to(device))"
         )
     for name, p in named:
-        if type(p.data) is not torch.Tensor or p.is_sparse:
+        if type(local_tensor(p.data)) is not torch.Tensor or p.is_sparse:
             raise TypeError(
                 f"parameter '{name}' is a {type(p.data).__name__}; distopt buffers hold dense "
                 "local tensors only"

@@ -38,6 +38,7 @@ from .buffers import ParamAndGradBuffer
 from .ddp import _NO_GROUP, DistributedDataParallel
 from .layout import ShardPiece
 from .scaler import ConstantLossScaler, DynamicLossScaler
+from .tensor_parallel import common_mesh, grad_statistics
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -210,7 +211,16 @@ class _BufferOptimizer(torch.optim.Optimizer):
         if "foreach" in inspect.signature(optimizer_cls.__init__).parameters:
             kwargs.setdefault("foreach", True)
         self.optimizer = optimizer_cls(inner_groups, **kwargs)
-        self._grads = [m.grad for g in self.optimizer.param_groups for m in g["params"]]
+        mains = [m for g in self.optimizer.param_groups for m in g["params"]]
+        self._grads = [m.grad for m in mains]
+        # Tensor parallelism adds the TP groups to every reduction and leaves TP-replicated
+        # grads out of the sums on all but one TP rank; see [Note: TP grad statistics].
+        tp_groups, self._counted_grads = grad_statistics(
+            common_mesh([m.tp_mesh for m in self.models]),
+            [self.piece_info(m)[0] for m in mains],
+            self._grads,
+        )
+        self._reduce_groups += tp_groups
 
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these
         # aliases make torch's LR schedulers and step hooks act on it directly.
@@ -264,10 +274,12 @@ class _BufferOptimizer(torch.optim.Optimizer):
 
         grad_norm = None
         if self.clip_grad is not None:
-            total_norm = clip.global_grad_norm(grads, groups, device, stats)
+            total_norm = clip.global_grad_norm(self._counted_grads, groups, device, stats)
             grad_norm = float(total_norm.item())
             clip.clip_grads_(grads, self.clip_grad, total_norm)
-        num_zeros = clip.count_zeros(grads, groups, device, stats) if self.log_num_zeros else None
+        num_zeros = None
+        if self.log_num_zeros:
+            num_zeros = clip.count_zeros(self._counted_grads, groups, device, stats)
 
         skipped = self._detach_grads_of_unused_params()
         self.optimizer.step()
@@ -326,7 +338,8 @@ class DistributedOptimizer(_BufferOptimizer):
         params: optional torch-style param groups over the module's params (a list of params,
             or of dicts with ``params`` and per-group options). None: one group with all
             trainable params.
-        clip_grad: max global grad norm (one norm over every shard, bucket and dtype), or None.
+        clip_grad: max global grad norm (one norm over every shard, bucket and dtype, and over
+            the tensor-parallel ranks of DTensor params), or None.
         loss_scaler: ``DynamicLossScaler()`` or ``ConstantLossScaler(s)`` for fp16, or None.
         overlap_param_gather: all-gather the updated params in the background and let the next
             forward wait for each bucket just before its first use.
