@@ -220,6 +220,12 @@ class _BufferOptimizer(torch.optim.Optimizer):
             [self.piece_info(m)[0] for m in mains],
             self._grads,
         )
+        if tp_groups and model_parallel_group is not None:
+            raise ValueError(
+                "the model has DTensor (tensor-parallel) params, whose mesh already gives the "
+                "groups that grad statistics reduce over; drop model_parallel_group (passing the "
+                "TP group too would count every element twice)"
+            )
         self._reduce_groups += tp_groups
 
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these
