@@ -57,7 +57,10 @@ def _train_one_step(params: int, numel: int):
 
 
 def run(params: int, numel: int, root: Path) -> dict[str, float]:
-    import torch  # imported here, after main() has set the allocator up
+    # Imported here, after main() has set the allocator up. distopt imports DCP on first use;
+    # its modules are memory of the interpreter, not of any one save, so import it first.
+    import torch
+    import torch.distributed.checkpoint  # noqa: F401
 
     import distopt
 

@@ -51,7 +51,7 @@ CONFIGS = {
 }
 
 
-def build(name: str, bucket_size: int | None = 40, model: nn.Module | None = None,
+def build(name: str, bucket_size: int | None = 100, model: nn.Module | None = None,
           cls: type | None = None):
     config = CONFIGS[name]
     torch.manual_seed(0)
@@ -331,7 +331,7 @@ WORLDS = [1, 2, 3]
 @pytest.fixture(scope="module")
 def saved(root) -> list[dict]:
     cases = [(f"save-{n}", save_and_continue, (n, root)) for n in CONFIGS]
-    cases += [(f"resume-{n}", resume, (n, root, 40)) for n in CONFIGS]
+    cases += [(f"resume-{n}", resume, (n, root, 100)) for n in CONFIGS]
     return run_cases(4, cases)
 
 

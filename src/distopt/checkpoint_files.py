@@ -36,7 +36,7 @@ FORMAT = "distopt-checkpoint"
 VERSION = 1
 TMP_SUFFIX = ".distopt-tmp"
 OLD_SUFFIX = ".distopt-old"
-_BLOCK = 4 << 20  # bytes read at a time when checksumming
+_BLOCK = 1 << 20  # bytes read at a time when checksumming, into one reused buffer
 
 
 class CheckpointError(ValueError):
@@ -129,10 +129,12 @@ def begin_save(run_dir: Path, name: str | None) -> tuple[Path, Path, int]:
 def checksum(path: Path) -> dict[str, int]:
     """Size and CRC32 of a file, read a block at a time."""
     crc, size = 0, 0
+    buffer = bytearray(_BLOCK)
+    view = memoryview(buffer)
     with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
-            size += len(block)
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
     return {"bytes": size, "crc32": crc}
 
 
