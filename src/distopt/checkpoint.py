@@ -78,6 +78,12 @@ def check_pair(ddp: Models, opt: Any) -> None:
             "opt must be a distopt.DistributedOptimizer or distopt.BasicOptimizer, got "
             f"{type(opt).__name__}; plain torch optimizers save with torch.save"
         )
+    if getattr(opt, "model_parallel_group", None) is not None:
+        raise ValueError(
+            "checkpoints of an optimizer with a model_parallel_group are not supported: every "
+            "model-parallel part would write the same names into one checkpoint. Save each "
+            "part's opt.state_dict() and model state with torch.save, one file per rank"
+        )
     given = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
     if len(given) != len(opt.models) or any(
         g is not m and g is not m.module for g, m in zip(given, opt.models, strict=False)

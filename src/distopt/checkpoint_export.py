@@ -127,6 +127,9 @@ def export_checkpoint(
 
     from . import checkpoint_dcp
 
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {out}: {out.parent} is not a directory")
     ckpt_dir = files.resolve(ckpt)
     manifest = files.read_manifest(ckpt_dir)
     if verify:
@@ -138,7 +141,6 @@ def export_checkpoint(
     checkpoint_dcp.load(objects, ckpt_dir, None, metadata)
     tree = _export_tree(manifest, index, objects, master_weights)
 
-    out = Path(out)
     tmp = out.with_name(out.name + files.TMP_SUFFIX)
     try:
         _write(tree, tmp, ckpt_dir, metadata)
