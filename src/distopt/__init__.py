@@ -1,5 +1,13 @@
 """distopt: a Megatron-style distributed optimizer (ZeRO-1/2) for PyTorch."""
 
+from .checkpoint import (
+    CheckpointError,
+    export_checkpoint,
+    has_checkpoint,
+    load_checkpoint,
+    load_plain_checkpoint,
+    save_checkpoint,
+)
 from .ddp import DistributedDataParallel
 from .memory import MemoryReport, measure_state_bytes, theoretical_bytes_per_param
 from .optimizer import BasicOptimizer, DistributedOptimizer, StepResult
@@ -7,12 +15,18 @@ from .scaler import ConstantLossScaler, DynamicLossScaler
 
 __all__ = [
     "BasicOptimizer",
+    "CheckpointError",
     "ConstantLossScaler",
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicLossScaler",
     "MemoryReport",
     "StepResult",
+    "export_checkpoint",
+    "has_checkpoint",
+    "load_checkpoint",
+    "load_plain_checkpoint",
     "measure_state_bytes",
+    "save_checkpoint",
     "theoretical_bytes_per_param",
 ]

@@ -189,6 +189,10 @@ class _BufferOptimizer(torch.optim.Optimizer):
         self._device = self.models[0].params[0].device
 
         param_groups = _normalize_param_groups(params, self.models)
+        # The model params of each group as given: checkpoints name the groups by them, since
+        # the inner groups hold only this rank's pieces.
+        self.model_param_groups: list[list[nn.Parameter]] = [g["params"] for g in param_groups]
+        self.default_param_groups = params is None
         self._owned = [
             _OwnedMainParams(buf, sharded=self._sharded)
             for model in self.models
@@ -309,6 +313,31 @@ class _BufferOptimizer(torch.optim.Optimizer):
                     skipped.append((main, main.grad))
                     main.grad = None
         return skipped
+
+    def sync_model_params(self) -> None:
+        """Make every rank's model params the cast of the fp32 main params (after loading them).
+
+        Collective over the data-parallel group when the state is sharded.
+        """
+        for model in self.models:
+            model.finish_param_sync()
+        for owned in self._owned:
+            owned.copy_params_out()
+        if self._sharded:
+            for model in self.models:
+                model.start_param_sync(overlap=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, keyed by parameter name; see distopt.checkpoint_state."""
+        from .checkpoint_state import optimizer_state_dict
+
+        return optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict of ``state_dict()``'s format, written at any DP size; collective."""
+        from .checkpoint_state import load_optimizer_state_dict
+
+        load_optimizer_state_dict(self, state_dict)
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 main params from the model's params (after loading weights)."""

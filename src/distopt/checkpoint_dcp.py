@@ -1,0 +1,189 @@
+"""torch.distributed.checkpoint (DCP) for distopt's uneven shards.
+
+[Note: flat shards in DCP]
+DCP reshards by chunks: at save each rank declares which box of a global tensor it writes, at
+load which box it wants, and each rank reads exactly the saved chunks that overlap its own. A
+distopt piece is such a box of the flattened parameter (1-D, from the piece's start), but at
+offsets that no DTensor placement describes. ``_DcpFlat`` is a tensor subclass with the global
+1-D shape that implements DCP's checkpointable protocol (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``) for one ``FlatShard``; an empty shard
+declares no chunk. Replicated values (model params, step counts, options) are plain tensors and
+objects, which DCP writes once however many ranks hold them.
+
+The state dicts given to DCP are flat (keys such as ``main/l1.weight``), so both planners run
+with flattening off.
+
+[Note: bounded writes]
+DCP's FileSystemWriter keeps every tensor it wrote to a file referenced until the file is
+closed, and for views (a piece of the param buffer) and device tensors those are CPU copies:
+the rank's whole share of the model and state at once. ``_Writer`` writes the same files, in
+the same format (each item torch.save'd at a recorded offset, so DCP's reader reads them), but
+holds one item at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from .checkpoint_state import FlatShard
+
+
+class _DcpFlat(torch.Tensor):
+    """A FlatShard as DCP sees it: a 1-D tensor of ``numel`` elements holding one chunk."""
+
+    _shard: FlatShard
+
+    @staticmethod
+    def __new__(cls, shard: FlatShard) -> _DcpFlat:
+        local = shard.local
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, (shard.numel,), dtype=local.dtype, device=local.device
+        )
+        out._shard = shard
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a distopt checkpoint shard; use its FlatShard")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"_DcpFlat({self._shard})"
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        shard = self._shard
+        return ChunkStorageMetadata(
+            offsets=torch.Size([shard.offset]), sizes=torch.Size([shard.local.numel()])
+        )
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        shard = self._shard
+        if shard.local.numel() == 0:
+            return []
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([shard.offset])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=self._chunk(),
+                    properties=TensorProperties.create_from_tensor(shard.local),
+                    size=torch.Size([shard.numel]),
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()] if self._shard.local.numel() else []
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self._shard.local
+
+
+def as_dcp(shard: FlatShard) -> torch.Tensor:
+    return _DcpFlat(shard)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """One file per rank, one item in memory at a time; see [Note: bounded writes]."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        results = []
+        with open(Path(self.path) / name, "wb") as stream:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    assert isinstance(data, io.BytesIO)
+                    stream.write(data.getbuffer())
+                else:
+                    tensor = data.detach().cpu()
+                    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                        tensor = tensor.clone()  # torch.save writes a view's whole storage
+                    torch.save(tensor, stream)
+                    del tensor
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+                del data
+            stream.flush()
+            os.fsync(stream.fileno())
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+
+class _Reader(dcp.FileSystemReader):
+    """A reader that reuses metadata already read (and checked) instead of reading it again."""
+
+    def __init__(self, path: Path, metadata: Metadata | None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _no_dist(group: dist.ProcessGroup | None) -> bool:
+    return group is None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence DCP's notice that it runs in one process, which is what world size 1 means."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
+    """Write ``state`` into ``directory``; every file is fsynced before this returns."""
+    writer = _Writer(directory, sync_files=True)
+    planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with _quiet():
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=_no_dist(group))
+
+
+def load(
+    state: dict[str, Any],
+    directory: Path,
+    group: dist.ProcessGroup | None,
+    metadata: Metadata | None = None,
+) -> None:
+    """Fill ``state`` in place: tensors are written into, other values replaced."""
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with _quiet():
+        dcp.load(state, storage_reader=_Reader(directory, metadata), planner=planner,
+                 process_group=group, no_dist=_no_dist(group))
+
+
+def read_metadata(directory: Path) -> Metadata:
+    return dcp.FileSystemReader(directory).read_metadata()

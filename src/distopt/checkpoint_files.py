@@ -1,0 +1,197 @@
+"""Checkpoint directories on disk: atomic commits, the ``latest`` pointer, rotation, checksums.
+
+No torch and no collectives here: the caller decides which rank does what.
+
+[Note: atomic checkpoints]
+A run directory holds complete checkpoints only::
+
+    run_dir/
+      latest                    the name of the newest complete checkpoint
+      ckpt-000001/              a complete checkpoint
+        distopt.json            manifest: model and optimizer structure, files with CRC32s
+        .metadata               DCP's index of every saved chunk
+        __0_0.distcp ...        one file per saving rank
+      .ckpt-000002.distopt-tmp/ a save in progress, or one that was interrupted
+
+A save writes everything into the hidden temporary directory, fsyncs every file and then the
+directory, renames it into place (atomic on POSIX file systems), fsyncs the run directory, and
+only then replaces ``latest`` (write, fsync, rename). So whenever a rank dies, ``latest`` names a
+complete checkpoint. The next save removes what an interrupted one left behind. Old checkpoints
+are renamed to a hidden name before they are deleted, so a crash while pruning cannot leave a
+half-deleted directory that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "distopt.json"
+LATEST = "latest"
+FORMAT = "distopt-checkpoint"
+VERSION = 1
+TMP_SUFFIX = ".distopt-tmp"
+OLD_SUFFIX = ".distopt-old"
+_BLOCK = 1 << 20  # bytes read at a time when checksumming, into one reused buffer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded here; raised before anything changes."""
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint directory ``path`` names: itself, or the one its ``latest`` points to."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = path / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        target = path / name
+        if not name or "/" in name or not (target / MANIFEST).is_file():
+            raise CheckpointError(
+                f"{latest} names '{name}', which is not a complete checkpoint in {path}: "
+                "restore the directory or point 'latest' at one that exists"
+            )
+        return target
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: the path does not exist")
+    raise CheckpointError(
+        f"{path} is neither a distopt checkpoint (no {MANIFEST}) nor a run directory (no "
+        f"'{LATEST}'); a save interrupted before its commit leaves no checkpoint behind"
+    )
+
+
+def has_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a complete checkpoint or a run directory whose ``latest`` is one."""
+    try:
+        resolve(path)
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {ckpt_dir / MANIFEST}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt_dir / MANIFEST} is not a distopt checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{ckpt_dir} has checkpoint format version {manifest.get('version')}; this distopt "
+            f"reads version {VERSION}"
+        )
+    return manifest
+
+
+def _complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(sequence, directory) of every complete checkpoint in ``run_dir``, oldest first."""
+    found = []
+    for child in run_dir.iterdir() if run_dir.is_dir() else ():
+        if child.name.startswith(".") or not (child / MANIFEST).is_file():
+            continue
+        try:
+            found.append((int(json.loads((child / MANIFEST).read_text())["sequence"]), child))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to order or delete
+    return sorted(found)
+
+
+def begin_save(run_dir: Path, name: str | None) -> tuple[Path, Path, int]:
+    """Prepare an empty temporary directory; return (final dir, temporary dir, sequence)."""
+    if (run_dir / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{run_dir} is a checkpoint itself; save_checkpoint takes the run directory that "
+            f"holds checkpoints (here {run_dir.parent})"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for child in run_dir.iterdir():
+        if child.name.startswith(".") and child.name.endswith((TMP_SUFFIX, OLD_SUFFIX)):
+            shutil.rmtree(child, ignore_errors=True)  # left by an interrupted save or prune
+    existing = _complete_checkpoints(run_dir)
+    sequence = existing[-1][0] + 1 if existing else 1
+    final = run_dir / (name or f"ckpt-{sequence:06d}")
+    if final.exists():
+        raise CheckpointError(
+            f"{final} already exists: save under another name, or delete it first"
+        )
+    tmp = run_dir / f".{final.name}{TMP_SUFFIX}"
+    tmp.mkdir()
+    return final, tmp, sequence
+
+
+def checksum(path: Path) -> dict[str, int]:
+    """Size and CRC32 of a file, read a block at a time."""
+    crc, size = 0, 0
+    buffer = bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"bytes": size, "crc32": crc}
+
+
+def checksum_files(directory: Path, prefix: str) -> dict[str, dict[str, int]]:
+    return {
+        p.name: checksum(p) for p in sorted(directory.iterdir()) if p.name.startswith(prefix)
+    }
+
+
+def verify_files(ckpt_dir: Path, files: dict[str, dict[str, int]]) -> None:
+    """Raise CheckpointError naming the first file that is missing, truncated or corrupted."""
+    for name, expected in files.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(
+                f"{path} has {size} bytes, the manifest says {expected['bytes']}: the file is "
+                "truncated or was replaced; load an earlier checkpoint"
+            )
+        if checksum(path)["crc32"] != expected["crc32"]:
+            raise CheckpointError(
+                f"{path} is corrupted (CRC32 differs from the manifest's): load an earlier "
+                "checkpoint"
+            )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(tmp: Path, final: Path, manifest: dict[str, Any], keep: int | None) -> None:
+    """Write the manifest, move the checkpoint into place, point ``latest`` at it, prune."""
+    run_dir = final.parent
+    _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(run_dir)
+    pointer = run_dir / f".{LATEST}{TMP_SUFFIX}"
+    _write_durably(pointer, final.name + "\n")
+    os.replace(pointer, run_dir / LATEST)
+    _fsync_dir(run_dir)
+    if keep is not None:
+        for _, old in _complete_checkpoints(run_dir)[:-keep]:
+            if old != final:
+                trash = run_dir / f".{old.name}{OLD_SUFFIX}"
+                os.rename(old, trash)
+                shutil.rmtree(trash, ignore_errors=True)
