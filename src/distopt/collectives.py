@@ -3,6 +3,16 @@
 Each takes the process group explicitly, skips communication when the group has one rank (so
 world size 1 runs the same code), and records what it sent in an optional ``CommStats``, so
 tests and benchmarks can count collectives and bytes instead of guessing them.
+
+[Note: collectives on gloo]
+Gloo has no reduce-scatter of its own: torch's gloo backend clones the input, all-reduces the
+clone and copies one chunk out, so a reduce-scatter there costs a whole all-reduce plus two
+copies, and its all-gather goes through a temporary output and a copy as well. On gloo distopt
+therefore composes both from in-place per-chunk collectives, one per rank: the reduce-scatter
+is ``d`` reduces (chunk i summed into rank i, then divided by d), the all-gather ``d``
+broadcasts (chunk i from rank i). Both run on the bucket's own memory, so nothing is allocated,
+and together they move about one all-reduce's worth of bytes, as on NCCL. Only the owned chunk
+of a reduced bucket is meaningful afterwards; the others hold partial sums.
 """
 
 from __future__ import annotations
@@ -13,9 +23,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# torch >= 2.10 renamed the single-tensor collectives; keep working on the older names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch >= 2.10 renamed the single-tensor collectives; keep working on the older names. Looked
+# up at call time, so that wrappers installed later (benchmarks counting collectives) see them.
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else (
+    "reduce_scatter_tensor"
+)
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else (
+    "all_gather_into_tensor"
+)
 
 
 class _Done:
@@ -70,7 +85,11 @@ def reduce_scatter_avg(
         return DONE
     if stats is not None:
         stats.record("reduce_scatter", full)
-    return _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    if dist.get_backend(group) == "gloo":
+        return _gloo_reduce_scatter_avg(shard, full, group, async_op=async_op)
+    return getattr(dist, _REDUCE_SCATTER)(
+        shard, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
+    )
 
 
 def all_reduce_avg(
@@ -103,7 +122,69 @@ def all_gather(
         return DONE
     if stats is not None:
         stats.record("all_gather", full)
-    return _all_gather(full, shard, group=group, async_op=async_op)
+    if dist.get_backend(group) == "gloo":
+        return _gloo_all_gather(full, shard, group, async_op=async_op)
+    return getattr(dist, _ALL_GATHER)(full, shard, group=group, async_op=async_op)
+
+
+class _Composite:
+    """Handle of several collectives, with a last local step run once all have finished."""
+
+    __slots__ = ("_works", "_then")
+
+    def __init__(self, works: list, then=None) -> None:
+        self._works, self._then = works, then
+
+    def wait(self) -> bool:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def _gloo_reduce_scatter_avg(shard, full, group, *, async_op: bool):
+    # See [Note: collectives on gloo]. The bucket's numel is a multiple of d (layout.py).
+    size, rank = group_size(group), group_rank(group)
+    chunks = full.chunk(size)
+    works = [
+        dist.reduce(chunk, group_dst=i, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        for i, chunk in enumerate(chunks)
+    ]
+    mine = chunks[rank]
+
+    def average() -> None:
+        if shard.data_ptr() != mine.data_ptr():
+            shard.copy_(mine)
+        shard.div_(size)
+
+    handle = _Composite(works, average)
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
+
+
+def _gloo_all_gather(full, shard, group, *, async_op: bool):
+    # See [Note: collectives on gloo].
+    size, rank = group_size(group), group_rank(group)
+    chunks = full.chunk(size)
+    if shard.data_ptr() != chunks[rank].data_ptr():
+        chunks[rank].copy_(shard)
+    works = [
+        dist.broadcast(chunk, group_src=i, group=group, async_op=True)
+        for i, chunk in enumerate(chunks)
+    ]
+    handle = _Composite(works)
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
 
 
 def all_reduce_small(

@@ -1,0 +1,130 @@
+"""``distopt bench``: distopt against torch DDP, ZeroRedundancyOptimizer and FSDP2, side by side.
+
+One invocation runs every configuration (``systems.SYSTEMS``) on each model and data-parallel
+size asked for, each in its own freshly spawned process group, and reports per configuration:
+median step time and tokens/s over the warm steps, the ratio to DDP and to the fastest peer,
+the bytes per parameter a rank holds (measured, and the theory), peak RSS, the collectives
+issued per step with their payloads (counted) and a per-phase breakdown. It prints a table and
+writes ``bench.json`` and ``bench.png`` into ``--out``.
+
+``distopt bench --host-overhead`` runs the host-overhead microbenchmark instead
+(see ``host_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .models import MODELS
+from .runner import RunConfig, merge_rounds, run_config
+from .systems import SYSTEMS, theoretical_bytes_per_param
+
+__all__ = ["RunConfig", "main", "run_config"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="distopt bench",
+        description="Benchmark distopt against DDP, ZeroRedundancyOptimizer and FSDP2.",
+    )
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4],
+                   help="data-parallel sizes to run (default: 2 4)")
+    p.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS),
+                   help="models to run (default: gpt mlp)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                   help="configurations to run (default: all)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of every configuration, interleaved (default 3)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank (default 1)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: cores / nproc, at least 1)")
+    p.add_argument("--bucket-size", type=int, default=None,
+                   help="distopt elements per bucket (default: distopt's choice)")
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.png")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="run the step()+zero_grad() host-overhead microbenchmark instead")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse bad options before anything is spawned."""
+    for name in ("nproc", "steps", "repeat", "batch_size", "seq_len", "threads", "bucket_size"):
+        value = getattr(args, name)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v < 1 for v in values):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be at least 1, got {value}; pass a positive number")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _check(args)
+    if args.host_overhead:
+        from .host_overhead import main as host_main
+
+        return host_main(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("distopt bench: --device cuda needs a CUDA build of torch and a GPU",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda" and max(args.nproc) > torch.cuda.device_count():
+        print(f"distopt bench: --nproc {max(args.nproc)} needs as many GPUs, "
+              f"found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    cores = os.cpu_count() or 1
+    results: list[dict[str, Any]] = []
+    started = time.time()
+    for model in args.model:
+        for nproc in args.nproc:
+            threads = args.threads or max(1, cores // nproc)
+            rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+            for round_index in range(args.repeat):
+                # Rotate the order every round, so that a slow spell of the machine does not
+                # always fall on the same configuration.
+                shift = round_index % len(args.systems)
+                for system in args.systems[shift:] + args.systems[:shift]:
+                    config = RunConfig(
+                        system=system, model=model, nproc=nproc, steps=args.steps,
+                        warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
+                        device=args.device, threads=threads, bucket_size=args.bucket_size,
+                    )
+                    print(f"round {round_index + 1}/{args.repeat}: {model} d={nproc} {system}",
+                          file=sys.stderr, flush=True)
+                    rounds[system].append(run_config(config))
+            for system in args.systems:
+                result = merge_rounds(rounds[system])
+                result["theory_bytes_per_param"] = theoretical_bytes_per_param(system, nproc)
+                results.append(result)
+
+    from . import report
+
+    report.add_ratios(results)
+    print(report.format_table(results))
+    print(report.format_phases(results))
+    meta = {
+        "argv": ["distopt", "bench", *(argv if argv is not None else sys.argv[1:])],
+        "torch": torch.__version__,
+        "cpu_count": cores,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cuda_device": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "wall_s": time.time() - started,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    report.write_json(results, meta, os.path.join(args.out, "bench.json"))
+    report.plot(results, os.path.join(args.out, "bench.png"))
+    print(f"\nwrote {args.out}/bench.json and {args.out}/bench.png")
+    return 1 if any("error" in r for r in results) else 0

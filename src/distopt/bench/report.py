@@ -1,0 +1,131 @@
+"""The benchmark's outputs: a text table, a JSON file and a PNG bar chart."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any
+
+from .runner import PHASES
+from .systems import LABELS, PEERS
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Give each result its step time relative to DDP and to the fastest peer of its group.
+
+    Runs of one round are paired: the ratio is the median over rounds of the ratio of the two
+    configurations' medians in that round, so drifts of the machine's speed between rounds
+    cancel out.
+    """
+    for group in _groups(results).values():
+        ok = [r for r in group if "error" not in r]
+        by_name = {r["config"]["system"]: r for r in ok}
+        peers = [r for r in ok if r["config"]["system"] in PEERS]
+        for r in ok:
+            r["ratio_to_ddp"] = _paired_ratio(r, by_name.get("ddp"))
+            ratios = [_paired_ratio(r, p) for p in peers]
+            r["ratio_to_fastest_peer"] = max(ratios) if ratios else None
+            if peers:
+                fastest = min(peers, key=lambda p: p["median_step_s"])
+                r["fastest_peer"] = fastest["config"]["system"]
+
+
+def _paired_ratio(r: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    if base is None:
+        return None
+    pairs = zip(r["round_median_step_s"], base["round_median_step_s"], strict=False)
+    return statistics.median(a / b for a, b in pairs)
+
+
+def _groups(results: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        c = r["config"]
+        groups.setdefault((c["model"], c["nproc"], c["device"]), []).append(r)
+    return groups
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    lines = []
+    header = (
+        f"{'configuration':<32}{'step ms':>9}{'tok/s':>9}{'/DDP':>7}{'/best':>7}"
+        f"{'B/param':>9}{'theory':>8}{'RSS MiB':>9}{'wire MB':>9}  collectives per step"
+    )
+    for (model, nproc, device), group in _groups(results).items():
+        first = next((r for r in group if "error" not in r), group[0])
+        params = first.get("num_params", 0)
+        lines.append(
+            f"\n{model} ({params / 1e6:.2f}M params), d = {nproc}, {device}, "
+            f"batch {first['config']['batch_size']} x {first['config']['seq_len']} per rank"
+        )
+        lines.append(header)
+        for r in group:
+            name = LABELS[r["config"]["system"]]
+            if "error" in r:
+                lines.append(f"{name:<32}  failed: {r['error'].strip().splitlines()[-1]}")
+                continue
+            colls = ", ".join(
+                f"{op} {r['calls_per_step'][op]:g}x {b / 2**20:.1f}MiB"
+                for op, b in sorted(r["payload_bytes_per_step"].items())
+            )
+            lines.append(
+                f"{name:<32}{r['median_step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}"
+                f"{_ratio(r.get('ratio_to_ddp')):>7}{_ratio(r.get('ratio_to_fastest_peer')):>7}"
+                f"{r['bytes_per_param']:>9.2f}{r['theory_bytes_per_param']:>8.2f}"
+                f"{r['max_rss_bytes'] / 2**20:>9.0f}{r['wire_bytes_per_step'] / 1e6:>9.1f}  {colls}"
+            )
+    return "\n".join(lines)
+
+
+def format_phases(results: list[dict[str, Any]]) -> str:
+    lines = [f"\n{'per-phase ms (median, mean over ranks)':<44}" + "".join(
+        f"{p:>12}" for p in PHASES)]
+    for r in results:
+        if "error" in r:
+            continue
+        c = r["config"]
+        name = f"{c['model']} d={c['nproc']} {LABELS[c['system']]}"
+        lines.append(f"{name:<44}" + "".join(
+            f"{r['phases_s'][p] * 1e3:>12.1f}" for p in PHASES))
+    return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def write_json(results: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    """One panel per (model, d): median step time of each configuration, as a bar chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(_groups(results).items())
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.8), squeeze=False)
+    for ax, ((model, nproc, device), group) in zip(axes[0], groups, strict=True):
+        ok = [r for r in group if "error" not in r]
+        names = [LABELS[r["config"]["system"]].replace(", ", "\n") for r in ok]
+        values = [r["median_step_s"] * 1e3 for r in ok]
+        colors = ["#9aa5b1" if r["config"]["system"] in PEERS else "#2b7bb9" for r in ok]
+        bars = ax.barh(range(len(ok)), values, color=colors)
+        for bar, r in zip(bars, ok, strict=True):
+            ratio = r.get("ratio_to_ddp")
+            text = f" {bar.get_width():.0f}" + (f" ({ratio:.2f}x)" if ratio else "")
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text,
+                    va="center", fontsize=7)
+        ax.set_yticks(range(len(ok)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("median step time, ms (ratio to DDP)")
+        ax.set_title(f"{model}, d = {nproc}, {device}", fontsize=9)
+        ax.set_xlim(0, max(values, default=1) * 1.35)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

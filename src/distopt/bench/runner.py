@@ -1,0 +1,286 @@
+"""One configuration of the benchmark, run in its own freshly spawned process group.
+
+``run_config`` spawns ``nproc`` ranks (a FileStore rendezvous in a fresh directory: no ports),
+each of which builds the model from the same seed, wraps it as the configuration says, trains
+``warmup + steps`` steps on its own slice of the data and times every phase of every step. The
+ranks' results are gathered on rank 0 and written as JSON, which the parent reads back; the
+process group and its memory die with the processes, so each configuration's peak RSS and
+timings are its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .models import build_model
+from .systems import PEERS, CollectiveCounter, PhaseClock, build_system, wire_bytes
+
+PHASES = ("forward", "backward", "wait_reduce", "step", "wait_gather")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """What one spawned run trains and how it is measured."""
+
+    system: str
+    """One of ``systems.SYSTEMS``."""
+    model: str
+    """``gpt`` or ``mlp``."""
+    nproc: int
+    """Data-parallel ranks (processes)."""
+    steps: int = 20
+    """Timed steps, after the warm-up."""
+    warmup: int = 5
+    """Untimed steps first (allocations, lazy state, caches)."""
+    batch_size: int = 1
+    """Sequences per rank per step."""
+    seq_len: int = 128
+    """Tokens per sequence (MLP: rows per sample)."""
+    device: str = "cpu"
+    """``cpu`` (gloo) or ``cuda`` (nccl, one GPU per rank)."""
+    threads: int = 1
+    """torch intra-op threads per rank."""
+    bucket_size: int | None = None
+    """distopt elements per bucket; None = distopt's default."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1 or self.steps < 1 or self.warmup < 0:
+            raise ValueError("nproc and steps must be >= 1 and warmup >= 0")
+        if self.batch_size < 1 or self.seq_len < 1 or self.threads < 1:
+            raise ValueError("batch_size, seq_len and threads must be >= 1")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+
+def run_config(config: RunConfig, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Spawn the configuration's process group, run it, and return rank 0's summary."""
+    with tempfile.TemporaryDirectory(prefix="distopt-bench-") as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_worker, args=(rank, config, tmp), daemon=False)
+            for rank in range(config.nproc)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        path = os.path.join(tmp, "result.json")
+        if not os.path.exists(path):
+            errors = [
+                Path(tmp, f).read_text() for f in sorted(os.listdir(tmp)) if f.startswith("error")
+            ]
+            return {"config": asdict(config), "error": "\n".join(errors) or "no result"}
+        with open(path) as f:
+            return json.load(f)
+
+
+def _worker(rank: int, config: RunConfig, tmp: str) -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(config.threads)
+    cuda = config.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    store = dist.FileStore(os.path.join(tmp, "store"), config.nproc)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=config.nproc,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    try:
+        result = _measure(rank, config, device)
+        gathered: list[Any] = [None] * config.nproc
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            summary = _summarize(config, gathered)
+            with open(os.path.join(tmp, "result.json.tmp"), "w") as f:
+                json.dump(summary, f)
+            os.replace(os.path.join(tmp, "result.json.tmp"), os.path.join(tmp, "result.json"))
+    except Exception:
+        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, Any]:
+    torch.manual_seed(config.seed)
+    bench_model = build_model(config.model, config.seq_len)
+    module = bench_model.module.to(device)
+    num_params = sum(p.numel() for p in module.parameters())
+    system = build_system(config.system, module, device, bucket_size=config.bucket_size)
+    is_distopt = config.system not in PEERS
+    clock = PhaseClock(device)
+    if is_distopt:
+        clock.install()
+    counter = CollectiveCounter()
+    counter.install()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def mark() -> tuple[float, float]:
+        # (time, seconds spent so far in distopt's collectives)
+        sync()
+        return time.perf_counter(), clock.seconds["reduce"] + clock.seconds["gather"]
+
+    def compute(a: tuple[float, float], b: tuple[float, float]) -> float:
+        # Collective waits are cut out of the phase they happened in, so that the phases add
+        # up to the step: forward, backward and step are compute and host time.
+        return (b[0] - a[0]) - (b[1] - a[1])
+
+    rows, losses = [], []
+    for step in range(config.warmup + config.steps):
+        if step == config.warmup:
+            counter.reset()
+            if is_distopt:
+                system.model.comm_stats.reset()
+        inputs = bench_model.batch(step, rank, config.batch_size, device)
+        waits = dict(clock.seconds)
+        m0 = mark()
+        system.zero_grad()
+        loss = bench_model.loss(system.forward(*inputs))
+        m1 = mark()
+        system.backward(loss)
+        m2 = mark()
+        system.sync()
+        m3 = mark()
+        system.step()
+        m4 = mark()
+        losses.append(float(loss.detach()))
+        if step >= config.warmup:
+            rows.append({
+                "total": m4[0] - m0[0],
+                "forward": compute(m0, m1),
+                "backward": compute(m1, m2),
+                "wait_reduce": clock.seconds["reduce"] - waits["reduce"],
+                "step": compute(m2, m3) + compute(m3, m4),
+                "wait_gather": clock.seconds["gather"] - waits["gather"],
+            })
+    counter.uninstall()
+    if is_distopt:
+        clock.uninstall()
+        system.model.finish_param_sync()
+
+    state = system.state_bytes()
+    result: dict[str, Any] = {
+        "rank": rank,
+        "rows": rows,
+        "losses": losses,
+        "num_params": num_params,
+        "state_bytes": state,
+        "calls": dict(counter.calls),
+        "bytes": dict(counter.bytes),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "model_source": bench_model.source,
+        "checksum": float(sum(p.detach().double().sum() for p in _full_params(system))),
+    }
+    if is_distopt:
+        result["distopt_comm"] = {
+            "calls": dict(system.model.comm_stats.calls),
+            "bytes": dict(system.model.comm_stats.bytes),
+            "buckets": len(system.model.buckets),
+            "bucket_size": system.model.bucket_size,
+        }
+    if device.type == "cuda":
+        result["max_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    return result
+
+
+def _full_params(system) -> list[torch.Tensor]:
+    params = list(system.model.parameters())
+    if params and hasattr(params[0], "full_tensor"):
+        return [p.full_tensor() for p in params]
+    return params
+
+
+def _summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = len(per_rank[0]["rows"])
+    # A step ends when the slowest rank ends it: take the max over ranks, then the median.
+    totals = [max(r["rows"][i]["total"] for r in per_rank) for i in range(steps)]
+    phases = {
+        name: statistics.median(
+            statistics.mean(r["rows"][i][name] for r in per_rank) for i in range(steps)
+        )
+        for name in PHASES
+    }
+    median = statistics.median(totals)
+    tokens = config.nproc * config.batch_size * config.seq_len
+    first = per_rank[0]
+    d = config.nproc
+    state = first["state_bytes"]
+    payload = {op: b / steps for op, b in first["bytes"].items()}
+    summary = {
+        "config": asdict(config),
+        "model_source": first["model_source"],
+        "num_params": first["num_params"],
+        "median_step_s": median,
+        "step_s": totals,
+        "tokens_per_s": tokens / median,
+        "phases_s": phases,
+        "phases_by_rank_s": [
+            {name: statistics.median(row[name] for row in r["rows"]) for name in PHASES}
+            for r in per_rank
+        ],
+        "bytes_per_param": max(sum(r["state_bytes"].values()) for r in per_rank)
+        / first["num_params"],
+        "state_bytes": state,
+        "max_rss_bytes": max(r["max_rss_bytes"] for r in per_rank),
+        "calls_per_step": {op: c / steps for op, c in first["calls"].items()},
+        "payload_bytes_per_step": payload,
+        "wire_bytes_per_step": sum(wire_bytes(op, b, d) for op, b in payload.items()),
+        "final_loss": first["losses"][-1],
+        "checksum": first["checksum"],
+    }
+    if "distopt_comm" in first:
+        dc = first["distopt_comm"]
+        summary["distopt_comm"] = {
+            "calls_per_step": {op: c / steps for op, c in dc["calls"].items()},
+            "payload_bytes_per_step": {op: b / steps for op, b in dc["bytes"].items()},
+            "buckets": dc["buckets"],
+            "bucket_size": dc["bucket_size"],
+        }
+    if "max_cuda_bytes" in first:
+        summary["max_cuda_bytes"] = max(r["max_cuda_bytes"] for r in per_rank)
+    return summary
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs of a configuration: the median of their median step
+    times and phases; the per-run medians are kept for pairing ratios (report.add_ratios)."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[0]
+    merged = dict(ok[0])
+    merged["step_s"] = [t for r in ok for t in r["step_s"]]
+    merged["round_median_step_s"] = [r["median_step_s"] for r in ok]
+    # The median of the runs' medians: a slow spell of the machine during one run moves it less
+    # than it moves the pooled steps.
+    median = statistics.median(merged["round_median_step_s"])
+    merged["median_step_s"] = median
+    merged["tokens_per_s"] = ok[0]["tokens_per_s"] * ok[0]["median_step_s"] / median
+    merged["phases_s"] = {
+        name: statistics.median(r["phases_s"][name] for r in ok) for name in PHASES
+    }
+    merged["max_rss_bytes"] = max(r["max_rss_bytes"] for r in ok)
+    merged["failed_rounds"] = len(rounds) - len(ok)
+    return merged

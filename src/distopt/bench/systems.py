@@ -1,0 +1,349 @@
+"""The data-parallel systems the benchmark compares, behind one small training interface.
+
+Every system trains the same module with AdamW (``foreach``) and exposes the steps of one
+training iteration separately (``zero_grad``, ``forward``, ``backward``, ``sync``, ``step``), so
+the runner times each phase the same way for all of them. Peers get the options their docs
+recommend for speed: DDP with ``gradient_as_bucket_view``, ZeroRedundancyOptimizer with
+``parameters_as_bucket_view``, FSDP2 with ``reshard_after_forward=False`` (ZeRO-2-like).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+from distopt import collectives as comm
+
+SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "basic")
+"""Configurations, in the order the report lists them."""
+PEERS = ("ddp", "zero", "fsdp2")
+
+LABELS = {
+    "ddp": "torch DDP + AdamW",
+    "zero": "DDP + ZeroRedundancyOptimizer",
+    "fsdp2": "FSDP2 fully_shard (no reshard)",
+    "distopt-no-overlap": "distopt, overlap off",
+    "distopt": "distopt, overlap on",
+    "basic": "distopt BasicOptimizer",
+}
+
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}
+
+# Bytes each rank sends per byte of the full tensor, for bandwidth-optimal algorithms (the
+# "bus bandwidth" factors of nccl-tests): a ring all-reduce is a reduce-scatter plus an
+# all-gather. Used to turn counted payloads into per-rank wire bytes.
+_WIRE_FACTOR = {
+    "all_reduce": lambda d: 2 * (d - 1) / d,
+    "reduce_scatter": lambda d: (d - 1) / d,
+    "all_gather": lambda d: (d - 1) / d,
+    "broadcast": lambda d: (d - 1) / d,
+    "reduce": lambda d: (d - 1) / d,
+}
+
+
+def wire_bytes(op: str, payload: float, d: int) -> float:
+    """Bytes one rank sends for a collective over ``payload`` bytes, by a bandwidth-optimal
+    algorithm (small control all-reduces are counted like large ones)."""
+    base = op.removesuffix("_small")
+    return _WIRE_FACTOR[base](d) * payload if base in _WIRE_FACTOR else 0.0
+
+
+class CollectiveCounter:
+    """Counts every collective issued through ``torch.distributed`` while installed.
+
+    Wraps the module-level functions, so it sees what peers (DDP comm hooks, ZeRO's
+    broadcasts, FSDP2's gathers and reductions) and distopt issue from Python. Records the
+    payload: the bytes of the full (unsharded) tensor each collective covers.
+    """
+
+    _FUNCS = {
+        # name: (op, position and keyword of the full tensor, multiplied by the group size?)
+        "all_reduce": ("all_reduce", 0, "tensor", False),
+        "broadcast": ("broadcast", 0, "tensor", False),
+        "reduce": ("reduce", 0, "tensor", False),
+        "all_gather_single": ("all_gather", 0, "output_tensor", False),
+        "all_gather_into_tensor": ("all_gather", 0, "output_tensor", False),
+        "reduce_scatter_single": ("reduce_scatter", 1, "input", False),
+        "reduce_scatter_tensor": ("reduce_scatter", 1, "input", False),
+        "all_gather": ("all_gather", 1, "tensor", True),
+    }
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+        self._saved: dict[str, Any] = {}
+
+    def install(self) -> None:
+        for name, (op, position, keyword, times_group) in self._FUNCS.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+            setattr(dist, name, self._wrap(original, op, position, keyword, times_group))
+
+    def uninstall(self) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def _wrap(self, fn, op: str, position: int, keyword: str, times_group: bool):
+        def counted(*args, **kwargs):
+            tensor = args[position] if len(args) > position else kwargs.get(keyword)
+            if isinstance(tensor, torch.Tensor):
+                nbytes = tensor.numel() * tensor.element_size()
+                if times_group:
+                    nbytes *= dist.get_world_size(kwargs.get("group"))
+                small = "_small" if tensor.numel() <= 16 else ""
+                self.calls[op + small] += 1
+                self.bytes[op + small] += nbytes
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+class PhaseClock:
+    """Seconds spent in distopt's collectives, split into reduce and gather.
+
+    Installed only by the benchmark: it wraps ``distopt.collectives`` functions so that every
+    handle they return adds its ``wait()`` time (and a synchronous call its whole time) to a
+    running total. The library's hot path is untouched when it is not installed.
+    """
+
+    def __init__(self, sync_device: torch.device) -> None:
+        self.seconds = {"reduce": 0.0, "gather": 0.0}
+        self._cuda = sync_device.type == "cuda"
+        self._saved: dict[str, Any] = {}
+
+    def install(self) -> None:
+        for name, kind in (
+            ("reduce_scatter_avg", "reduce"),
+            ("all_reduce_avg", "reduce"),
+            ("all_gather", "gather"),
+        ):
+            self._saved[name] = getattr(comm, name)
+            setattr(comm, name, self._wrap(self._saved[name], kind))
+
+    def uninstall(self) -> None:
+        for name, original in self._saved.items():
+            setattr(comm, name, original)
+        self._saved.clear()
+
+    def _wrap(self, fn, kind: str):
+        clock = self
+
+        class Timed:
+            __slots__ = ("handle",)
+
+            def __init__(self, handle: Any) -> None:
+                self.handle = handle
+
+            def wait(self) -> Any:
+                start = time.perf_counter()
+                result = self.handle.wait()
+                if clock._cuda:
+                    torch.cuda.synchronize()
+                clock.seconds[kind] += time.perf_counter() - start
+                return result
+
+            def is_completed(self) -> bool:
+                return self.handle.is_completed()
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            handle = fn(*args, **kwargs)
+            if not kwargs.get("async_op", False):
+                clock.seconds[kind] += time.perf_counter() - start
+            if handle is None or handle is comm.DONE:
+                return handle
+            return Timed(handle)
+
+        return timed
+
+
+class System:
+    """One configuration under test: a wrapped model and its optimizer."""
+
+    name: str
+    model: nn.Module
+    optimizer: Any
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.model(*inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def sync(self) -> None:
+        """Wait for the gradient reduction (peers finish it inside backward)."""
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of persistent training state this rank holds: params, grads, optimizer
+        state, each storage counted once (views are free)."""
+        seen: set[int] = set()
+
+        def total(tensors) -> int:
+            n = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                t = _local(t)
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                n += storage.nbytes()
+            return n
+
+        params = list(self.model.parameters())
+        return {
+            "params": total(params),
+            "grads": total(p.grad for p in params),
+            "optimizer_state": total(_state_tensors(self._inner_optimizer())),
+        }
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer):
+    # Step counters are one scalar per tensor: bookkeeping, not per-element state.
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                yield value
+
+
+class _TorchDDP(System):
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.name = "ddp"
+        ids = [device.index] if device.type == "cuda" else None
+        self.model = nn.parallel.DistributedDataParallel(
+            module, device_ids=ids, gradient_as_bucket_view=True
+        )
+        # torch's own Python all-reduce hook (the same arithmetic as the built-in one), so that
+        # the benchmark sees and counts the all-reduces DDP's reducer issues.
+        self.model.register_comm_hook(None, default_hooks.allreduce_hook)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **ADAMW)
+
+
+class _Zero(_TorchDDP):
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        super().__init__(module, device)
+        self.name = "zero"
+        self.optimizer = ZeroRedundancyOptimizer(
+            self.model.parameters(), optimizer_class=torch.optim.AdamW,
+            parameters_as_bucket_view=True, **ADAMW,
+        )
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.optim
+
+
+class _FSDP2(System):
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.name = "fsdp2"
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # One FSDP unit per block and one at the root: the layout FSDP2's docs recommend,
+        # so each block's gather and reduction overlap with its neighbours' compute.
+        for child in _block_modules(module):
+            fully_shard(child, mesh=mesh, reshard_after_forward=False)
+        self.model = fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **ADAMW)
+
+
+def _block_modules(module: nn.Module) -> list[nn.Module]:
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    return [m for m in module.children() if any(True for _ in m.parameters())]
+
+
+class _Distopt(System):
+    def __init__(self, module: nn.Module, *, overlap: bool, bucket_size: int | None) -> None:
+        self.name = "distopt" if overlap else "distopt-no-overlap"
+        self.model = distopt.DistributedDataParallel(
+            module, bucket_size=bucket_size, overlap_grad_reduce=overlap
+        )
+        self.optimizer = distopt.DistributedOptimizer(
+            self.model, torch.optim.AdamW, overlap_param_gather=overlap, **ADAMW
+        )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def sync(self) -> None:
+        self.model.finish_grad_sync()
+
+    def state_bytes(self) -> dict[str, int]:
+        report = distopt.measure_state_bytes(self.optimizer)
+        return {
+            "params": report.params,
+            "grads": report.grads,
+            "main_params": report.main_params,
+            "main_grads": report.main_grads,
+            "optimizer_state": report.optimizer_state,
+        }
+
+
+class _Basic(_Distopt):
+    def __init__(self, module: nn.Module, *, bucket_size: int | None) -> None:
+        self.name = "basic"
+        self.model = distopt.DistributedDataParallel(
+            module, bucket_size=bucket_size, use_distributed_optimizer=False
+        )
+        self.optimizer = distopt.BasicOptimizer(self.model, torch.optim.AdamW, **ADAMW)
+
+
+def build_system(
+    name: str, module: nn.Module, device: torch.device, *, bucket_size: int | None = None
+) -> System:
+    """Wrap ``module`` (already on ``device``) as configuration ``name`` of ``SYSTEMS``."""
+    if name == "ddp":
+        return _TorchDDP(module, device)
+    if name == "zero":
+        return _Zero(module, device)
+    if name == "fsdp2":
+        return _FSDP2(module, device)
+    if name in ("distopt", "distopt-no-overlap"):
+        return _Distopt(module, overlap=name == "distopt", bucket_size=bucket_size)
+    if name == "basic":
+        return _Basic(module, bucket_size=bucket_size)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def theoretical_bytes_per_param(name: str, d: int) -> float:
+    """Persistent state per parameter for fp32 params and grads with Adam (DESIGN.md)."""
+    if name in ("ddp", "basic"):
+        return 16.0
+    if name == "zero":
+        return 8 + 8 / d  # params and grads replicated, Adam's moments sharded
+    if name == "fsdp2":
+        return 16 / d  # between steps everything is sharded (ZeRO-3)
+    return distopt.theoretical_bytes_per_param(torch.float32, torch.float32, d)

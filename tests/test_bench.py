@@ -1,0 +1,124 @@
+"""`distopt bench` end to end on a tiny run: every configuration trains the same model on the
+same data, and the collectives and bytes it reports are the exact expected numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from distopt.bench import main
+from distopt.bench.host_overhead import measure_host_overhead
+from distopt.bench.systems import wire_bytes
+
+D = 2
+# BasicOptimizer is left out to keep the test short; test_parity covers its numbers.
+SYSTEMS = ["ddp", "zero", "fsdp2", "distopt"]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main([
+        "--nproc", str(D), "--model", "mlp", "--systems", *SYSTEMS, "--steps", "2",
+        "--warmup", "1", "--repeat", "1", "--batch-size", "1", "--seq-len", "4",
+        "--out", str(out),
+    ])
+    with open(out / "bench.json") as f:
+        data = json.load(f)
+    return code, out, {r["config"]["system"]: r for r in data["results"]}, data["meta"]
+
+
+def test_every_configuration_ran_and_wrote_outputs(bench):
+    code, out, results, meta = bench
+    assert code == 0
+    assert sorted(results) == sorted(SYSTEMS)
+    assert all("error" not in r for r in results.values())
+    assert os.path.getsize(out / "bench.png") > 10_000
+    assert meta["argv"][:2] == ["distopt", "bench"]
+    for r in results.values():
+        assert len(r["step_s"]) == 2 and r["median_step_s"] > 0
+        assert r["ratio_to_ddp"] > 0 and r["max_rss_bytes"] > 2**20
+
+
+def test_all_configurations_train_the_same_trajectory(bench):
+    _, _, results, _ = bench
+    ref = results["ddp"]
+    for name, r in results.items():
+        assert r["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5), name
+        assert r["checksum"] == pytest.approx(ref["checksum"], rel=1e-5, abs=1e-3), name
+
+
+def test_counted_collectives_per_step(bench):
+    _, _, results, _ = bench
+    n_bytes = 4 * results["ddp"]["num_params"]  # fp32
+    payload = {name: r["payload_bytes_per_step"] for name, r in results.items()}
+    # DDP: every grad all-reduced once. ZeRO: the same, then each param broadcast by its owner.
+    assert payload["ddp"] == {"all_reduce": n_bytes}
+    assert payload["zero"] == {"all_reduce": n_bytes, "broadcast": n_bytes}
+    assert results["zero"]["calls_per_step"]["broadcast"] == D
+    # FSDP2 (no reshard after forward): one gather in forward, one reduction in backward.
+    assert payload["fsdp2"] == {"all_gather": n_bytes, "reduce_scatter": n_bytes}
+    # distopt: one reduce-scatter and one all-gather per bucket over the padded buffer, each
+    # made of d reduces and d broadcasts on gloo.
+    dist = results["distopt"]
+    buckets = dist["distopt_comm"]["buckets"]
+    padded = dist["distopt_comm"]["payload_bytes_per_step"]["reduce_scatter"]
+    assert dist["distopt_comm"]["calls_per_step"] == {"reduce_scatter": buckets,
+                                                      "all_gather": buckets}
+    assert dist["distopt_comm"]["payload_bytes_per_step"]["all_gather"] == padded
+    assert n_bytes <= padded < n_bytes * 1.001
+    assert payload["distopt"] == {"reduce": padded, "broadcast": padded}
+    assert dist["calls_per_step"] == {"reduce": D * buckets, "broadcast": D * buckets}
+    # Reduce-scatter + all-gather = one all-reduce's worth on the wire, as DDP.
+    assert dist["wire_bytes_per_step"] == pytest.approx(
+        results["ddp"]["wire_bytes_per_step"], rel=1e-3)
+
+
+def test_measured_bytes_per_param(bench):
+    _, _, results, _ = bench
+    assert results["ddp"]["bytes_per_param"] == 16.0
+    assert results["fsdp2"]["bytes_per_param"] == pytest.approx(16 / D, rel=1e-3)
+    # ZeRO partitions whole params over ranks, so its shard is only roughly 1/d.
+    assert results["zero"]["bytes_per_param"] == pytest.approx(8 + 8 / D, rel=0.05)
+    r = results["distopt"]
+    assert r["theory_bytes_per_param"] == 8 + 8 / D
+    # Padding of each bucket to a multiple of 64 d elements is the only excess.
+    assert r["theory_bytes_per_param"] <= r["bytes_per_param"]
+    assert r["bytes_per_param"] < r["theory_bytes_per_param"] * 1.001
+
+
+def test_phases_add_up_to_the_step(bench):
+    _, _, results, _ = bench
+    for name in ("distopt", "ddp"):
+        r = results[name]
+        total = sum(r["phases_s"].values())
+        assert total == pytest.approx(r["median_step_s"], rel=0.5), name
+    assert results["ddp"]["phases_s"]["wait_reduce"] == 0.0
+
+
+def test_bad_arguments_fail_before_launching(tmp_path):
+    with pytest.raises(ValueError, match="--nproc must be at least 1"):
+        main(["--nproc", "2", "0", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--steps must be at least 1"):
+        main(["--steps", "0", "--out", str(tmp_path)])
+    if not torch.cuda.is_available():
+        assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+
+
+def test_wire_bytes_model():
+    assert wire_bytes("all_reduce", 100, 4) == 150
+    assert wire_bytes("reduce_scatter", 100, 4) == 75
+    assert wire_bytes("all_gather", 100, 4) == 75
+    assert wire_bytes("all_reduce_small", 8, 2) == 8
+
+
+def test_host_overhead_times_equivalent_work():
+    torch.set_num_threads(1)
+    r = measure_host_overhead(count=40, numel=16, iters=10)
+    assert r["pieces"] == 40 and r["buckets"] == 1
+    # Both optimizers really stepped, from the same weights, with the same grads.
+    assert r["moved"] > 1e-3
+    assert r["max_param_diff"] <= 1e-6

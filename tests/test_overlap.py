@@ -1,0 +1,372 @@
+"""Overlapped grad reduction and param gather give exactly the results of the synchronous path.
+
+Every case trains the same model twice in one process, with overlap on (``overlap_grad_reduce``
+and ``overlap_param_gather``) and off, and compares the params after every step, bitwise: the
+arithmetic is the same, only its timing moves. A plain torch reference on the full batch checks
+both. The timing is perturbed the way FSDP2's tests expose ordering races: sleeps on some ranks
+before each collective, before the optimizer step and after the forward. The model uses its
+modules in an order unlike their registration order, with one bucket per layer, so the gathers
+complete in an order the forward does not follow.
+
+``StrictCollectives`` makes the ordering contract itself observable instead of hoping a race
+shows: an async reduction is only run when it is waited for, and fails the case if its bucket's
+grads changed after launch (a grad accumulated after its bucket was sent); an async gather
+fills the bucket's other ranks' chunks with NaN until it is waited for, so a module reading a
+param it did not wait for poisons the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import distopt
+from distopt import collectives as comm
+
+from dist_harness import case_result, run_cases
+from models import batches, rank_slice
+
+VOCAB, WIDTH = 11, 32
+STEPS = 4
+FP32_TOL = 1e-5
+ORDER = (2, 0, 3, 1)  # the forward's use of self.layers, unlike their registration order
+# Elements per bucket: 1056 per Linear, so each layer gets a bucket of its own, spread over
+# every rank's shard; the final norm with the last bias, and the embedding, get one each.
+BUCKET = 1100
+
+
+class Shuffled(nn.Module):
+    """Layers used out of registration order, an embedding tied to the head, a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in ORDER)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for i in ORDER:
+            h = h + torch.tanh(self.layers[i](h))
+        return F.linear(self.norm(h), self.emb.weight)
+
+
+def _loss(forward, tokens, targets) -> torch.Tensor:
+    return F.cross_entropy(forward(tokens).flatten(0, 1), targets.flatten())
+
+
+class _Deferred:
+    """A handle whose work runs when it is first waited for."""
+
+    def __init__(self, run) -> None:
+        self._run = run
+
+    def wait(self) -> bool:
+        run, self._run = self._run, None
+        if run is not None:
+            run()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._run is None
+
+
+class StrictCollectives:
+    """Patch distopt's collectives to check its waits; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.launched_before_sync = 0
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> StrictCollectives:
+        for name in ("reduce_scatter_avg", "all_gather"):
+            self._saved[name] = getattr(comm, name)
+        comm.reduce_scatter_avg = self._reduce_scatter_avg
+        comm.all_gather = self._all_gather
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(comm, name, fn)
+
+    def _reduce_scatter_avg(self, shard, full, group, *, async_op, stats=None):
+        real = self._saved["reduce_scatter_avg"]
+        if not async_op:
+            return real(shard, full, group, async_op=False, stats=stats)
+        self.launched_before_sync += 1
+        snapshot = full.clone()
+
+        def run() -> None:
+            if not torch.equal(full, snapshot):
+                self.violations.append("a grad was accumulated into a bucket after its launch")
+            real(shard, full, group, async_op=False, stats=stats)
+
+        return _Deferred(run)
+
+    def _all_gather(self, full, shard, group, *, async_op, stats=None):
+        real = self._saved["all_gather"]
+        if not async_op:
+            return real(full, shard, group, async_op=False, stats=stats)
+        mine = shard.clone()
+        full.fill_(float("nan"))  # others' chunks are unknown until the gather is waited for
+        shard.copy_(mine)
+        return _Deferred(lambda: real(full, shard, group, async_op=False, stats=stats))
+
+
+class Delays:
+    """Sleeps on odd ranks before each collective distopt issues (see [Note: param gather])."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds if dist.get_rank() % 2 == 1 else 0.0
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> Delays:
+        for name in ("reduce_scatter_avg", "all_gather"):
+            fn = self._saved[name] = getattr(comm, name)
+            setattr(comm, name, self._delayed(fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(comm, name, fn)
+
+    def _delayed(self, fn):
+        def delayed(*args, **kwargs):
+            time.sleep(self.seconds)
+            return fn(*args, **kwargs)
+
+        return delayed
+
+
+def _train(overlap: bool, delay: str, micro: int, strict: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Shuffled()
+    ref = copy.deepcopy(model)
+    ddp = distopt.DistributedDataParallel(
+        model, bucket_size=BUCKET, overlap_grad_reduce=overlap
+    )
+    opt = distopt.DistributedOptimizer(
+        ddp, torch.optim.AdamW, overlap_param_gather=overlap, lr=2e-2, weight_decay=0.1
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-2, weight_decay=0.1)
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    ref_flat = {ddp.param_names[p]: r for p, r in pairs}
+    sleep = 0.003 if rank % 2 == 1 else 0.0
+
+    # The first forward after construction sees rank 0's initial weights, as torch DDP does.
+    tokens, _ = batches(0, global_batch=4 * world)
+    first_forward = (ddp(tokens) - ref(tokens)).abs().max().item()
+
+    snapshots, worst, launches = [], 0.0, []
+    checker = StrictCollectives() if strict else contextlib.nullcontext()
+    with Delays(0.003 if delay == "collectives" else 0.0), checker:
+        for step in range(STEPS):
+            tokens, targets = batches(step, global_batch=4 * micro * world)
+            mine = [rank_slice(t, rank, world).chunk(micro) for t in (tokens, targets)]
+            opt.zero_grad()
+            if strict:
+                checker.launched_before_sync = 0
+            for i in range(micro):
+                # With overlap, this forward waits for the previous step's gathers in flight.
+                loss = _loss(ddp, mine[0][i], mine[1][i]) / micro
+                if delay == "after_forward":
+                    time.sleep(sleep)
+                if i < micro - 1:
+                    with ddp.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            if strict:
+                launches.append(checker.launched_before_sync)
+            if delay == "before_step":
+                time.sleep(sleep)
+            opt.step()
+
+            ref_opt.zero_grad()
+            _loss(ref, tokens, targets).backward()
+            ref_opt.step()
+            # Compare this rank's updated shard (the gather may still be in flight) with the
+            # same elements of the reference.
+            snapshots.append([m.detach().clone() for m in opt.main_params])
+            for main in opt.main_params:
+                param, piece = opt.piece_info(main)
+                expected = ref_flat[ddp.param_names[param]].detach().flatten()
+                r = piece.param_range
+                worst = max(worst, (main - expected[r.start : r.end]).abs().max().item())
+        ddp.finish_param_sync()
+    final = max(
+        (a - b).abs().max().item()
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    return {
+        "snapshots": snapshots,
+        "max_diff": max(worst, final),
+        "first_forward": first_forward,
+        "buckets": len(ddp.buckets),
+        "launched_in_backward": launches,
+        "violations": checker.violations if strict else [],
+    }
+
+
+def overlap_vs_sync(delay: str, micro: int = 1, strict: bool = False) -> dict:
+    """Train with overlap on and off in one process; return both results."""
+    return {"on": _train(True, delay, micro, strict), "off": _train(False, delay, micro, strict)}
+
+
+def strict_gather_with_first_use() -> dict:
+    """Under StrictCollectives, a forward whose first module is the last registered layer
+    still reads only gathered params, and the loss equals the synchronous one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = Shuffled()
+        ddp = distopt.DistributedDataParallel(
+            model, bucket_size=BUCKET, overlap_grad_reduce=overlap
+        )
+        opt = distopt.DistributedOptimizer(
+            ddp, torch.optim.SGD, overlap_param_gather=overlap, lr=0.5
+        )
+        tokens, targets = (rank_slice(t, rank, world) for t in batches(0, global_batch=4 * world))
+        with StrictCollectives():
+            _loss(ddp, tokens, targets).backward()
+            opt.step()
+            pending = len(ddp._gather_handles)
+            loss = _loss(ddp, tokens, targets).item()  # waits inside module pre-hooks only
+        losses[overlap] = (loss, pending)
+    return losses
+
+
+def counts_per_step() -> dict:
+    """Collectives of one overlapped step, as distopt records them and as gloo sees them."""
+    torch.manual_seed(0)
+    model = Shuffled()
+    ddp = distopt.DistributedDataParallel(model, bucket_size=BUCKET)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, overlap_param_gather=True)
+    seen: list[tuple[str, int]] = []
+    saved = {name: getattr(dist, name) for name in ("reduce", "broadcast", "all_reduce")}
+
+    def spy(name):
+        def call(tensor, *args, **kwargs):
+            seen.append((name, tensor.numel() * tensor.element_size()))
+            return saved[name](tensor, *args, **kwargs)
+
+        return call
+
+    tokens, targets = batches(0, global_batch=4 * dist.get_world_size())
+    for step in range(2):
+        if step == 1:
+            ddp.comm_stats.reset()
+            for name in saved:
+                setattr(dist, name, spy(name))
+        opt.zero_grad()
+        _loss(ddp, tokens, targets).backward()
+        opt.step()
+        ddp.finish_param_sync()
+    for name, fn in saved.items():
+        setattr(dist, name, fn)
+    return {
+        "calls": dict(ddp.comm_stats.calls),
+        "bytes": dict(ddp.comm_stats.bytes),
+        "seen": seen,
+        "buffer_bytes": sum(b.layout.numel * 4 for b in ddp.flat_buffers),
+        "buckets": len(ddp.buckets),
+        "launch_order": [b.order for b in ddp.buckets],
+        "first_bucket_params": [ddp.param_names[p] for p in ddp.buckets[0].params],
+    }
+
+
+DELAYS = ("none", "collectives", "before_step", "after_forward")
+
+
+def _cases() -> list:
+    cases = [(f"delay-{d}", overlap_vs_sync, (d,)) for d in DELAYS]
+    cases.append(("no-sync", overlap_vs_sync, ("collectives", 3)))
+    cases.append(("strict", overlap_vs_sync, ("none", 2, True)))
+    cases.append(("strict-first-use", strict_gather_with_first_use, ()))
+    cases.append(("counts", counts_per_step, ()))
+    return cases
+
+
+WORLDS = [2, 3]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+def world(request):
+    return request.param, run_cases(request.param, _cases())
+
+
+def _assert_identical(value: dict) -> None:
+    on, off = value["on"], value["off"]
+    for step, (a, b) in enumerate(zip(on["snapshots"], off["snapshots"], strict=True)):
+        for pa, pb in zip(a, b, strict=True):
+            assert torch.equal(pa, pb), f"overlap on and off differ after step {step}"
+    for run in (on, off):
+        assert run["max_diff"] <= FP32_TOL, run["max_diff"]
+        assert run["first_forward"] <= 1e-6
+    # The weights really moved, so equality is not that of two untouched models.
+    moved = max((a - b).abs().max().item()
+                for a, b in zip(on["snapshots"][-1], on["snapshots"][0], strict=True))
+    assert moved > 1e-2
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_overlap_is_bitwise_identical_under_delays(world, delay):
+    _, results = world
+    for value in case_result(results, f"delay-{delay}"):
+        _assert_identical(value)
+
+
+def test_no_sync_micro_batches_with_overlap(world):
+    _, results = world
+    for value in case_result(results, "no-sync"):
+        _assert_identical(value)
+
+
+def test_waits_are_where_the_data_is_used(world):
+    _, results = world
+    for value in case_result(results, "strict"):
+        _assert_identical(value)
+        on, off = value["on"], value["off"]
+        assert on["violations"] == [] and off["violations"] == []
+        # Overlap on: every bucket launched during the last micro-batch's backward (all params
+        # get grads), none during the no_sync one; off: none before finish_grad_sync.
+        assert on["launched_in_backward"] == [on["buckets"]] * STEPS
+        assert off["launched_in_backward"] == [0] * STEPS
+
+
+def test_forward_waits_for_each_bucket_before_first_use(world):
+    _, results = world
+    for value in case_result(results, "strict-first-use"):
+        (loss_on, pending_on), (loss_off, pending_off) = value[True], value[False]
+        assert pending_on == 6 and pending_off == 0  # gathers really were in flight
+        assert loss_on == loss_off and loss_on == loss_on  # equal, and not NaN
+
+
+def test_one_reduce_scatter_and_one_all_gather_per_bucket(world):
+    d, results = world
+    for value in case_result(results, "counts"):
+        buckets, buffer_bytes = value["buckets"], value["buffer_bytes"]
+        assert buckets == 6  # see BUCKET
+        assert value["calls"] == {"reduce_scatter": buckets, "all_gather": buckets}
+        # Reduce-scatter plus all-gather of the whole buffer: one all-reduce's worth.
+        assert value["bytes"] == {"reduce_scatter": buffer_bytes, "all_gather": buffer_bytes}
+        # On gloo each is d per-chunk collectives over the bucket, nothing else.
+        seen = value["seen"]
+        assert sorted({name for name, _ in seen}) == ["broadcast", "reduce"]
+        for name in ("reduce", "broadcast"):
+            assert sum(1 for n, _ in seen if n == name) == d * buckets
+            assert sum(b for n, b in seen if n == name) == buffer_bytes
+        # Buckets are launched in layout order, reverse registration (the usual backward
+        # order), filled greedily up to BUCKET elements: the final norm and the last bias.
+        assert value["launch_order"] == list(range(buckets))
+        assert value["first_bucket_params"] == ["norm.bias", "norm.weight", "layers.3.bias"]
