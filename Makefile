@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m torch.distributed.run --nproc_per_node 2 examples/quickstart.py
+	.venv/bin/distopt train $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

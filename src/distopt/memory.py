@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .tensor_parallel import local_tensor
+
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
@@ -94,7 +96,8 @@ def measure_state_bytes(optimizer) -> MemoryReport:
         if isinstance(v, torch.Tensor) and k != "step"
     )
     return MemoryReport(
-        num_params=sum(p.numel() for model in optimizer.models for p in model.params),
+        # Local elements: a tensor-parallel param's other shards live on other ranks.
+        num_params=sum(local_tensor(p).numel() for model in optimizer.models for p in model.params),
         params=params,
         grads=grads,
         main_params=main_params,

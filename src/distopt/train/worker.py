@@ -261,13 +261,31 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_store(rank: int, world: int) -> dist.Store:
+    """The launcher's TCPStore, under a prefix of its own for each restart of the group.
+
+    After a restart the launcher may hand the ranks the store of the failed attempt, where
+    gloo would find the dead ranks' addresses and fail to connect; a per-attempt prefix keeps
+    each attempt's keys apart.
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+        is_master=not agent_hosts and rank == 0, wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"distopt/attempt_{attempt}", store)
+
+
 def run_worker(config: TrainConfig) -> dict[str, Any]:
     """Entry point of every rank; the process group comes from torchrun's environment."""
     if not torch.cuda.is_available():
         # Ranks share the machine's cores; one thread each avoids oversubscription.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank,
+                            world_size=world)
     try:
         return Trainer(config).run()
     finally:
