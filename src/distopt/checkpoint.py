@@ -39,6 +39,7 @@ from .checkpoint_state import (
     check_scaler,
     class_path,
     hyper_params,
+    install_loaded_state,
     merge_state_dicts,
     model_prefixes,
     optimizer_state_dict,
@@ -390,15 +391,11 @@ def _load(opt: _BufferOptimizer, ckpt_dir: Path, manifest: dict[str, Any], metad
 
     with torch.no_grad():
         checkpoint_dcp.load(state, ckpt_dir, _group(opt), metadata)
-    for owned, slots in targets:
-        loaded = {k: state[v] if isinstance(v, str) else v for k, v in slots.items()}
-        if loaded:
-            opt.optimizer.state[owned.main] = loaded
-        else:
-            opt.optimizer.state.pop(owned.main, None)
-    for group, saved in zip(opt.param_groups, state["meta/param_groups"], strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-    if opt.loss_scaler is not None:
-        opt.loss_scaler.load_state_dict(manifest["loss_scaler"]["state"])
-    opt.sync_model_params()
+    install_loaded_state(
+        opt,
+        [(owned, {k: state[v] if isinstance(v, str) else v for k, v in slots.items()})
+         for owned, slots in targets],
+        state["meta/param_groups"],
+        manifest["loss_scaler"],
+    )
     return state["extra"]

@@ -24,6 +24,7 @@ model chunks. As with ``torch.optim``, the tensors are the live ones, not copies
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from numbers import Number
 from typing import TYPE_CHECKING, Any
@@ -305,18 +306,33 @@ def load_optimizer_state_dict(opt: _BufferOptimizer, state_dict: dict[str, Any])
     with torch.no_grad():
         for owned, source in mains:
             owned.main.detach().copy_(source)
+        new_states = []
         for owned, entries in states:
             live = opt.state.get(owned.main, {})
             group = group_of_main[id(owned.main)]
-            new = {k: new_state_value(v, owned, group, k, live) for k, v in entries.items()}
-            if new:
-                opt.optimizer.state[owned.main] = new
-            else:
-                opt.optimizer.state.pop(owned.main, None)
-    for group, saved in zip(opt.param_groups, state_dict["param_groups"], strict=True):
+            new_states.append(
+                (owned, {k: new_state_value(v, owned, group, k, live) for k, v in entries.items()})
+            )
+    install_loaded_state(opt, new_states, state_dict["param_groups"], state_dict["loss_scaler"])
+
+
+def install_loaded_state(
+    opt: _BufferOptimizer,
+    piece_states: Iterable[tuple[Any, dict[str, Any]]],
+    saved_groups: list[dict[str, Any]],
+    saved_scaler: dict[str, Any] | None,
+) -> None:
+    """The last, infallible part of every load: optimizer state per piece, the groups'
+    options, the loss scaler, and the model params rebuilt from the loaded main params."""
+    for owned, new in piece_states:
+        if new:
+            opt.optimizer.state[owned.main] = new
+        else:
+            opt.optimizer.state.pop(owned.main, None)
+    for group, saved in zip(opt.param_groups, saved_groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})
     if opt.loss_scaler is not None:
-        opt.loss_scaler.load_state_dict(state_dict["loss_scaler"]["state"])
+        opt.loss_scaler.load_state_dict(saved_scaler["state"])
     opt.sync_model_params()
 
 

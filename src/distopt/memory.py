@@ -7,6 +7,7 @@ the grad buffer) cost nothing extra, exactly as in memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -68,30 +69,36 @@ class MemoryReport:
         return {**asdict(self), "total": self.total, "bytes_per_param": self.bytes_per_param}
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not already in ``seen`` (which it extends):
+    each storage counts once, so views cost nothing. DTensors count their local shard."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local_tensor(t).untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
 def measure_state_bytes(optimizer) -> MemoryReport:
     """Measure what this rank holds for the models and the distopt optimizer given."""
     seen: set[int] = set()
 
-    def storage_bytes(tensors) -> int:
-        total = 0
-        for t in tensors:
-            if t is None:
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-        return total
+    def counted(tensors) -> int:
+        return storage_bytes(tensors, seen)
 
     buffers = [buf for model in optimizer.models for buf in model.flat_buffers]
-    params = storage_bytes(buf.param_data for buf in buffers)
-    grads = storage_bytes(buf.grad_data for buf in buffers)
-    main_params = storage_bytes(optimizer.main_params)
-    main_grads = storage_bytes(m.grad for m in optimizer.main_params)
+    params = counted(buf.param_data for buf in buffers)
+    grads = counted(buf.grad_data for buf in buffers)
+    main_params = counted(optimizer.main_params)
+    main_grads = counted(m.grad for m in optimizer.main_params)
     # Step counters are one scalar per tensor, not per element: bookkeeping, not state.
-    state = storage_bytes(
+    state = counted(
         v for s in optimizer.state.values() for k, v in s.items()
         if isinstance(v, torch.Tensor) and k != "step"
     )

@@ -19,6 +19,7 @@ from torch import nn
 
 import distopt
 from distopt import collectives as comm
+from distopt.memory import storage_bytes
 
 SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "basic")
 """Configurations, in the order the report lists them."""
@@ -198,17 +199,7 @@ class System:
         seen: set[int] = set()
 
         def total(tensors) -> int:
-            n = 0
-            for t in tensors:
-                if t is None:
-                    continue
-                t = _local(t)
-                storage = t.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(storage.data_ptr())
-                n += storage.nbytes()
-            return n
+            return storage_bytes(tensors, seen)
 
         params = list(self.model.parameters())
         return {
@@ -219,10 +210,6 @@ class System:
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer):
