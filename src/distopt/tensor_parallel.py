@@ -269,3 +269,43 @@ def grad_statistics(
         return [], grads
     counted = [g for p, g in zip(model_params, grads, strict=True) if tp.counts_once(p)]
     return stat_groups(tp), counted
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def piece_runs(param: nn.Parameter, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Where elements ``[start, end)`` of ``param``'s flattened local shard lie in the flattened
+    global tensor: ``(offset in the piece, global flat offset, length)`` per contiguous run.
+
+    See [Note: TP checkpoints]. A plain param (and a ``Replicate`` one) is the identity: one run.
+    """
+    if end <= start:
+        return []
+    if not is_dtensor(param):
+        return [(0, start, end - start)]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(param.shape)
+    local, offset = compute_local_shape_and_global_offset(shape, param.device_mesh,
+                                                          param.placements)
+    if len(shape) == 0:
+        return [(0, start, end - start)]
+    # The last dimension that is cut is `cut`; the dims after it are whole, so the local box is
+    # prod(local[:cut]) blocks of prod(local[cut:]) elements, each contiguous in the global tensor.
+    cut = max((d for d in range(len(shape)) if local[d] != shape[d]), default=0)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    block = 1
+    for n in local[cut:]:
+        block *= n
+    runs = []
+    for j in range(start // block, (end - 1) // block + 1):
+        lo, hi = max(start, j * block), min(end, (j + 1) * block)
+        where, index = offset[cut] * strides[cut], j
+        for d in range(cut - 1, -1, -1):  # unravel the block index over the leading dims
+            index, i = divmod(index, local[d])
+            where += (offset[d] + i) * strides[d]
+        runs.append((lo - start, where + lo - j * block, hi - lo))
+    return runs
