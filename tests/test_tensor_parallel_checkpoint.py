@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_tensor_parallel import BATCH, Block, batch, tp_plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -22,7 +23,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 import distopt
 
 from dist_harness import case_result, run_cases
-from test_tensor_parallel import BATCH, Block, batch, tp_plan
 
 STEPS = 5
 FP32_TOL = 1e-5
@@ -106,18 +106,37 @@ def resume_all(path: str) -> dict:
     return out
 
 
+def refuses_a_mesh_short_of_the_world(path: str) -> str:
+    """dp=1, tp=2 on ranks {0, 1} and on {2, 3}: a TP checkpoint spans every rank, so both
+    pairs would write one checkpoint; refused on every rank before any collective."""
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    torch.manual_seed(0)
+    model = Block()
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("pair", "tp"))
+    parallelize_module(model, mesh["tp"], tp_plan())
+    ddp = distopt.DistributedDataParallel(model, process_group=singles[dist.get_rank()])
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
+    messages = []
+    for call in (distopt.save_checkpoint, distopt.load_checkpoint):
+        with pytest.raises(ValueError, match="is not the world") as info:
+            call(path, ddp, opt)
+        messages.append(str(info.value))
+    return messages[0]
+
+
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> tuple[str, list[dict]]:
     path = str(tmp_path_factory.mktemp("tp_ckpt") / "run")
-    results = run_cases(4, [("resume_all", resume_all, (path,))])
-    return path, case_result(results, "resume_all")
+    results = run_cases(4, [("resume_all", resume_all, (path,)),
+                            ("refuses", refuses_a_mesh_short_of_the_world, (path,))])
+    return path, case_result(results, "resume_all"), results
 
 
 @pytest.mark.parametrize(
     ("name", "dtensors"), [("dp4_plain", 0), ("dp4_tp1", 11), ("dp2_tp2", 11)]
 )
 def test_resumes_at_another_layout_like_the_uninterrupted_run(four, name, dtensors):
-    _, values = four
+    _, values, _ = four
     for rank, value in enumerate(values):
         result = value[name]
         assert result["dtensors"] == dtensors
@@ -128,7 +147,7 @@ def test_resumes_at_another_layout_like_the_uninterrupted_run(four, name, dtenso
 
 
 def test_resumes_at_dp1_tp2(four):
-    path, values = four
+    path, values, _ = four
     ref = values[0]["ref"]
     results = run_cases(2, [("resume", resume, (path, 1, 2, ref["saved"], ref["reference"]))])
     for rank, result in enumerate(case_result(results, "resume")):
@@ -136,3 +155,18 @@ def test_resumes_at_dp1_tp2(four):
         assert result["before"] > 1e-2, rank
         assert result["loaded"] == 0.0, rank
         assert result["max_diff"] <= FP32_TOL, (rank, result["max_diff"])
+
+
+def test_export_holds_the_global_tensors(four, tmp_path):
+    path, values, _ = four
+    out = distopt.export_checkpoint(path, tmp_path / "plain.pt")
+    model = torch.load(out, weights_only=True)["model"]
+    names = [n for n, _ in Block().named_parameters()]
+    assert list(model) == [n for n in Block().state_dict()]
+    for name, saved in zip(names, values[0]["ref"]["saved"], strict=True):
+        assert torch.equal(model[name], saved), name
+
+
+def test_refuses_a_tp_mesh_short_of_the_world(four):
+    messages = case_result(four[2], "refuses")
+    assert all("(1 ranks) times the tensor-parallel mesh (2 ranks)" in m for m in messages)
