@@ -14,7 +14,8 @@ next to ``distopt.json``, the manifest that describes the model and the optimize
 every file with its CRC32. Loading reads the manifest and DCP's index, checks them against the
 model and the optimizer, verifies the files' checksums (split over the ranks), and only then,
 when every rank agrees, reads each rank's elements into place. See [Note: atomic checkpoints],
-[Note: flat shards in DCP] and [Note: DP-size independent state].
+[Note: flat shards in DCP], [Note: DP-size independent state] and, for tensor-parallel
+models, [Note: TP checkpoints] (distopt.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def check_pair(ddp: Models, opt: Any) -> None:
 
 def _group(opt: _BufferOptimizer) -> dist.ProcessGroup | None:
     """The ranks a checkpoint is collective over: the DP group, or with TP every rank (the
-    world, which check_pair has checked is the DP group times the TP mesh)."""
+    world, which _check_tp has checked is the DP group times the TP mesh)."""
     if _tp(opt) is not None:
         return dist.group.WORLD
     return opt.models[0].process_group

@@ -6,8 +6,9 @@ load which box it wants, and each rank reads exactly the saved chunks that overl
 distopt piece is such a box of the flattened parameter (1-D, from the piece's start), but at
 offsets that no DTensor placement describes. ``_DcpFlat`` is a tensor subclass with the global
 1-D shape that implements DCP's checkpointable protocol (``__create_write_items__``,
-``__create_chunk_list__``, ``__get_tensor_shard__``) for one ``FlatShard``; an empty shard
-declares no chunk. Replicated values (model params, step counts, options) are plain tensors and
+``__create_chunk_list__``, ``__get_tensor_shard__``) for one ``FlatShard``, or for the several
+runs a tensor-parallel piece covers (see [Note: TP checkpoints]); an empty chunk is not
+declared. Replicated values (model params, step counts, options) are plain tensors and
 objects, which DCP writes once however many ranks hold them.
 
 The state dicts given to DCP are flat (keys such as ``main/l1.weight``), so both planners run

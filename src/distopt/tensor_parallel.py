@@ -27,6 +27,19 @@ every TP mesh dimension, with a replicated param's grads counted only on the TP 
 coordinate is 0 along each dimension it is replicated over (exact, unlike dividing by the TP
 size). The loss scaler's inf flag is a max, so it is reduced over the same groups unweighted.
 The TP mesh is derived from the DTensor params (they must all share one), never passed in.
+
+[Note: TP checkpoints]
+A checkpoint stores each param's main values and per-element state as 1-D tensors of the
+param's global numel (see [Note: flat shards in DCP]), so that it reshards along TP as it does
+along DP. A ZeRO piece of a DTensor param is the range [a, b) of the flattened local shard, and
+the local shard is the box at global offset o of local shape l. With k the last dimension the
+box cuts, the box is prod(l[:k]) blocks of prod(l[k:]) elements, each contiguous in the
+flattened global tensor (the dims after k are whole); ``piece_runs`` intersects the piece with
+those blocks. Shard(0) gives one run; Shard(1) of a matrix one run per row segment. Each run is
+one DCP chunk at its global flat offset; a load asks for the runs of its own pieces and DCP
+reads the overlapping saved chunks. Replicated params (plain or Replicate) are the identity and
+are written only by the rank that counts them in grad statistics (TP coordinate 0), since every
+TP rank holds the same values.
 """
 
 from __future__ import annotations
