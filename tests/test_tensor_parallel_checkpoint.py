@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from test_tensor_parallel import BATCH, Block, batch, tp_plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import distopt
+from distopt.checkpoint_dcp import read_metadata
+from distopt.tensor_parallel import piece_runs
 
 from dist_harness import case_result, run_cases
 
@@ -124,11 +126,36 @@ def refuses_a_mesh_short_of_the_world(path: str) -> str:
     return messages[0]
 
 
+def runs_map_every_piece() -> int:
+    """piece_runs against the truth for every range [a, b) of the local shard, over 2-D meshes
+    that shard one dim twice, two dims, or replicate, for 1-, 2- and 3-D tensors."""
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    checked = 0
+    for shape in [(7,), (6, 10), (8, 5), (4, 6, 2)]:
+        for placements in [(Shard(0), Shard(1)), (Shard(1), Shard(0)), (Replicate(), Shard(0)),
+                           (Shard(0), Shard(0)), (Replicate(), Replicate()),
+                           (Shard(len(shape) - 1), Replicate())]:
+            if any(isinstance(p, Shard) and p.dim >= len(shape) for p in placements):
+                continue
+            whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32)
+            param = nn.Parameter(distribute_tensor(whole.reshape(shape), mesh, placements))
+            local = param.to_local().reshape(-1)
+            for a in range(local.numel() + 1):
+                for b in range(a, local.numel() + 1):
+                    got = torch.full((b - a,), -1.0)
+                    for i, g, n in piece_runs(param, a, b):
+                        got[i : i + n] = whole[g : g + n]
+                    assert torch.equal(got, local[a:b]), (shape, placements, a, b)
+                    checked += 1
+    return checked
+
+
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> tuple[str, list[dict]]:
     path = str(tmp_path_factory.mktemp("tp_ckpt") / "run")
     results = run_cases(4, [("resume_all", resume_all, (path,)),
-                            ("refuses", refuses_a_mesh_short_of_the_world, (path,))])
+                            ("refuses", refuses_a_mesh_short_of_the_world, (path,)),
+                            ("runs", runs_map_every_piece, ())])
     return path, case_result(results, "resume_all"), results
 
 
@@ -170,3 +197,32 @@ def test_export_holds_the_global_tensors(four, tmp_path):
 def test_refuses_a_tp_mesh_short_of_the_world(four):
     messages = case_result(four[2], "refuses")
     assert all("(1 ranks) times the tensor-parallel mesh (2 ranks)" in m for m in messages)
+
+
+def test_piece_runs_map_local_pieces_to_global_offsets(four):
+    assert all(n > 1000 for n in case_result(four[2], "runs"))
+
+
+def test_every_element_is_written_exactly_once(four):
+    """Chunks of each flat key tile [0, numel) with no gap or overlap, and replicated params
+    (LayerNorms, row-wise biases) come from the files of TP coordinate 0 (ranks 0 and 2)."""
+    path, _, _ = four
+    metadata = read_metadata(distopt.checkpoint.files.resolve(path))
+    index = metadata.state_dict_metadata
+    replicated = {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "o.bias", "fc2.bias"}
+    writers = {metadata.storage_data[i].relative_path[:4] for i in metadata.storage_data
+               if i.fqn.startswith(("main/", "state/")) and i.fqn.split("/")[1] in replicated
+               and len(index[i.fqn].size) == 1}  # not the 0-d step counts, which every rank has
+    assert writers == {"__0_", "__2_"}
+    numels = {n: p.numel() for n, p in Block().named_parameters()}
+    keys = [k for k in index if k.startswith(("main/", "state/")) and len(index[k].size) == 1]
+    assert len(keys) == 3 * len(numels)  # main, exp_avg, exp_avg_sq
+    row_segments = 0
+    for key in keys:
+        name = key.split("/")[1]
+        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in index[key].chunks)
+        assert index[key].size == torch.Size([numels[name]]), key
+        assert spans[0][0] == 0 and spans[-1][1] == numels[name], key
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), key
+        row_segments += len(spans) > 4  # more chunks than ranks: a row-wise weight
+    assert row_segments == 6  # o.weight and fc2.weight (Shard(1)), three keys each
