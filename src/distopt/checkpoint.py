@@ -14,7 +14,8 @@ next to ``distopt.json``, the manifest that describes the model and the optimize
 every file with its CRC32. Loading reads the manifest and DCP's index, checks them against the
 model and the optimizer, verifies the files' checksums (split over the ranks), and only then,
 when every rank agrees, reads each rank's elements into place. See [Note: atomic checkpoints],
-[Note: flat shards in DCP] and [Note: DP-size independent state].
+[Note: flat shards in DCP], [Note: DP-size independent state] and, for tensor-parallel
+models, [Note: TP checkpoints] (distopt.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .checkpoint_export import export_checkpoint, export_main, load_plain_checkp
 from .checkpoint_files import CheckpointError, has_checkpoint
 from .checkpoint_state import (
     FlatShard,
+    OwnedPiece,
     agree,
     check_groups,
     check_scaler,
@@ -46,6 +48,7 @@ from .checkpoint_state import (
     owned_pieces,
     scaler_state,
 )
+from .tensor_parallel import TensorParallelMesh, common_mesh, piece_runs
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -96,7 +99,46 @@ def check_pair(ddp: Models, opt: Any) -> None:
 
 
 def _group(opt: _BufferOptimizer) -> dist.ProcessGroup | None:
+    """The ranks a checkpoint is collective over: the DP group, or with TP every rank (the
+    world, which _check_tp has checked is the DP group times the TP mesh)."""
+    if _tp(opt) is not None:
+        return dist.group.WORLD
     return opt.models[0].process_group
+
+
+def _tp(opt: _BufferOptimizer) -> TensorParallelMesh | None:
+    return common_mesh([m.tp_mesh for m in opt.models])
+
+
+def _check_tp(opt: _BufferOptimizer) -> None:
+    tp = _tp(opt)
+    if tp is None:
+        return
+    dp_size = comm.group_size(opt.models[0].process_group)
+    tp_size = tp.mesh.size()
+    if dp_size * tp_size != dist.get_world_size():
+        raise ValueError(
+            f"checkpoints of tensor-parallel models are collective over every rank, but the "
+            f"data-parallel group ({dp_size} ranks) times the tensor-parallel mesh ({tp_size} "
+            f"ranks) is not the world ({dist.get_world_size()} ranks): run the model on a "
+            "(dp, tp) mesh that spans the default process group"
+        )
+
+
+def _dcp_piece(tp: TensorParallelMesh | None, owned: OwnedPiece, values: torch.Tensor,
+               writing: bool) -> torch.Tensor:
+    """``values`` (1-D, laid out like ``owned``'s piece) as chunks of the flattened global
+    parameter; see [Note: TP checkpoints]."""
+    from . import checkpoint_dcp
+
+    numel = owned.param.numel()
+    if tp is None:
+        return checkpoint_dcp.as_dcp(FlatShard(values, owned.start, numel))
+    if writing and not tp.counts_once(owned.param):
+        return checkpoint_dcp.as_dcp_chunks([], numel, values)  # TP coordinate 0 writes it
+    runs = piece_runs(owned.param, owned.start, owned.end)
+    return checkpoint_dcp.as_dcp_chunks([(g, values[i : i + n]) for i, g, n in runs], numel,
+                                        values)
 
 
 def _broadcast(obj: Any, group: dist.ProcessGroup | None) -> Any:
@@ -134,6 +176,7 @@ def save_checkpoint(
     is any object ``torch.save`` accepts, taken from rank 0 and returned by load_checkpoint.
     """
     check_pair(ddp, opt)
+    _check_tp(opt)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive number of checkpoints or None, got {keep!r}")
     if name is not None and (
@@ -144,7 +187,7 @@ def save_checkpoint(
             f"name must be a plain directory name (no '/', not hidden, not 'latest'), got {name!r}"
         )
     group = _group(opt)
-    rank, size = comm.group_rank(group), comm.group_size(group)
+    rank = comm.group_rank(group)
     for model in opt.models:
         model.finish_param_sync()  # an overlapped gather may still be writing the model params
 
@@ -170,7 +213,7 @@ def save_checkpoint(
         try:
             listed = {k: v for per_rank in written for k, v in per_rank.items()}
             listed[".metadata"] = files.checksum(tmp / ".metadata")
-            files.commit(tmp, final, _manifest(opt, sequence, final.name, listed, size), keep)
+            files.commit(tmp, final, _manifest(opt, sequence, final.name, listed), keep)
         except OSError as exc:
             failure = f"cannot commit checkpoint {final}: {exc}"
     failure = _broadcast(failure, group)
@@ -180,16 +223,18 @@ def save_checkpoint(
 
 
 def _save_state(opt: _BufferOptimizer, extra: Any, rank: int) -> dict[str, Any]:
-    from . import checkpoint_dcp
 
     sd = optimizer_state_dict(opt)
+    tp = _tp(opt)
+    owned = {o.name: o for o in owned_pieces(opt)}
     state: dict[str, Any] = {}
     for name, shard in sd["main_params"].items():
-        state[f"main/{name}"] = checkpoint_dcp.as_dcp(shard)
+        state[f"main/{name}"] = _dcp_piece(tp, owned[name], shard.local, writing=True)
     for name, entries in sd["state"].items():
         for key, value in entries.items():
-            dcp_value = checkpoint_dcp.as_dcp(value) if isinstance(value, FlatShard) else value
-            state[f"state/{name}/{key}"] = dcp_value
+            if isinstance(value, FlatShard):
+                value = _dcp_piece(tp, owned[name], value.local, writing=True)
+            state[f"state/{name}/{key}"] = value
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         for key, value in model.module.state_dict().items():
             state[f"model/{prefix}{key}"] = value
@@ -206,7 +251,8 @@ def _describe(value: Any) -> list[Any]:
 
 
 def _manifest(opt: _BufferOptimizer, sequence: int, name: str,
-              listed: dict[str, dict[str, int]], dp_size: int) -> dict[str, Any]:
+              listed: dict[str, dict[str, int]]) -> dict[str, Any]:
+    tp = _tp(opt)
     models = []
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         module = model.module
@@ -222,7 +268,8 @@ def _manifest(opt: _BufferOptimizer, sequence: int, name: str,
         "sequence": sequence,
         "name": name,
         "saved_at": time.time(),
-        "dp_size": dp_size,
+        "dp_size": comm.group_size(opt.models[0].process_group),
+        "tp_size": 1 if tp is None else tp.mesh.size(),
         "torch": torch.__version__,
         "optimizer": class_path(type(opt.optimizer)),
         "param_groups": [group["params"] for group in hyper_params(opt)],
@@ -249,6 +296,7 @@ def load_checkpoint(
     from . import checkpoint_dcp
 
     check_pair(ddp, opt)
+    _check_tp(opt)
     group = _group(opt)
     rank, size = comm.group_rank(group), comm.group_size(group)
     error, checked = None, None
@@ -352,11 +400,10 @@ def _load(opt: _BufferOptimizer, ckpt_dir: Path, manifest: dict[str, Any], metad
     state: dict[str, Any] = {"meta/param_groups": None, "extra": None}
     targets = []
     group_of_main = {id(m): g for g in opt.param_groups for m in g["params"]}
+    tp = _tp(opt)
     for owned in owned_pieces(opt):
         numel = owned.param.numel()
-        state[f"main/{owned.name}"] = checkpoint_dcp.as_dcp(
-            FlatShard(owned.main.detach(), owned.start, numel)
-        )
+        state[f"main/{owned.name}"] = _dcp_piece(tp, owned, owned.main.detach(), writing=False)
         live = opt.state.get(owned.main, {})
         group = group_of_main[id(owned.main)]
         slots: dict[str, Any] = {}
@@ -379,7 +426,7 @@ def _load(opt: _BufferOptimizer, ckpt_dir: Path, manifest: dict[str, Any], metad
             if len(shape) == 0:
                 state[fqn] = target
             else:
-                state[fqn] = checkpoint_dcp.as_dcp(FlatShard(target, owned.start, numel))
+                state[fqn] = _dcp_piece(tp, owned, target, writing=False)
             slots[key] = target
         targets.append((owned, slots))
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):

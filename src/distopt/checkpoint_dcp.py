@@ -6,8 +6,9 @@ load which box it wants, and each rank reads exactly the saved chunks that overl
 distopt piece is such a box of the flattened parameter (1-D, from the piece's start), but at
 offsets that no DTensor placement describes. ``_DcpFlat`` is a tensor subclass with the global
 1-D shape that implements DCP's checkpointable protocol (``__create_write_items__``,
-``__create_chunk_list__``, ``__get_tensor_shard__``) for one ``FlatShard``; an empty shard
-declares no chunk. Replicated values (model params, step counts, options) are plain tensors and
+``__create_chunk_list__``, ``__get_tensor_shard__``) for one ``FlatShard``, or for the several
+runs a tensor-parallel piece covers (see [Note: TP checkpoints]); an empty chunk is not
+declared. Replicated values (model params, step counts, options) are plain tensors and
 objects, which DCP writes once however many ranks hold them.
 
 The state dicts given to DCP are flat (keys such as ``main/l1.weight``), so both planners run
@@ -55,17 +56,18 @@ from .checkpoint_state import FlatShard
 
 
 class _DcpFlat(torch.Tensor):
-    """A FlatShard as DCP sees it: a 1-D tensor of ``numel`` elements holding one chunk."""
+    """Chunks of a flattened tensor as DCP sees them: a 1-D tensor of ``numel`` elements of
+    which this rank holds ``chunks``, each a 1-D tensor at a global flat offset."""
 
-    _shard: FlatShard
+    _chunks: dict[int, torch.Tensor]
 
     @staticmethod
-    def __new__(cls, shard: FlatShard) -> _DcpFlat:
-        local = shard.local
+    def __new__(cls, chunks: list[tuple[int, torch.Tensor]], numel: int,
+                like: torch.Tensor) -> _DcpFlat:
         out = torch.Tensor._make_wrapper_subclass(
-            cls, (shard.numel,), dtype=local.dtype, device=local.device
+            cls, (numel,), dtype=like.dtype, device=like.device
         )
-        out._shard = shard
+        out._chunks = {offset: local for offset, local in chunks if local.numel()}
         return out
 
     @classmethod
@@ -73,39 +75,42 @@ class _DcpFlat(torch.Tensor):
         raise NotImplementedError(f"{func} on a distopt checkpoint shard; use its FlatShard")
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"_DcpFlat({self._shard})"
-
-    def _chunk(self) -> ChunkStorageMetadata:
-        shard = self._shard
-        return ChunkStorageMetadata(
-            offsets=torch.Size([shard.offset]), sizes=torch.Size([shard.local.numel()])
-        )
+        spans = ", ".join(f"[{o}, {o + t.numel()})" for o, t in self._chunks.items())
+        return f"_DcpFlat({self.shape[0]}: {spans})"
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        shard = self._shard
-        if shard.local.numel() == 0:
-            return []
         return [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size([shard.offset])),
+                index=MetadataIndex(fqn, torch.Size([offset])),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=self._chunk(),
-                    properties=TensorProperties.create_from_tensor(shard.local),
-                    size=torch.Size([shard.numel]),
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self._chunks[offset]),
+                    size=self.shape,
                 ),
             )
+            for offset, chunk in zip(self._chunks, self.__create_chunk_list__(), strict=True)
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [self._chunk()] if self._shard.local.numel() else []
+        return [
+            ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([t.numel()]))
+            for offset, t in self._chunks.items()
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self._shard.local
+        assert index.offset is not None
+        return self._chunks[index.offset[0]]
 
 
 def as_dcp(shard: FlatShard) -> torch.Tensor:
-    return _DcpFlat(shard)
+    return _DcpFlat([(shard.offset, shard.local)], shard.numel, shard.local)
+
+
+def as_dcp_chunks(chunks: list[tuple[int, torch.Tensor]], numel: int,
+                  like: torch.Tensor) -> torch.Tensor:
+    """Several chunks of one flattened tensor (a TP piece's runs); see [Note: TP checkpoints]."""
+    return _DcpFlat(chunks, numel, like)
 
 
 class _Writer(dcp.FileSystemWriter):
