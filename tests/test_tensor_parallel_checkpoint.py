@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_tensor_parallel import BATCH, Block, batch, tp_plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -25,6 +24,7 @@ from distopt.checkpoint_dcp import read_metadata
 from distopt.tensor_parallel import piece_runs
 
 from dist_harness import case_result, run_cases
+from test_tensor_parallel import BATCH, Block, batch, tp_plan
 
 STEPS = 5
 FP32_TOL = 1e-5
