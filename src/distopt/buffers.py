@@ -92,9 +92,3 @@ class ParamAndGradBuffer:
 
     def bucket_of(self, param: nn.Parameter) -> Bucket:
         return self.buckets[self.layout.params[self.index_of[param]].bucket]
-
-    def param_shards(self) -> list[torch.Tensor]:
-        return [b.param_shard for b in self.buckets]
-
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [b.grad_shard for b in self.buckets]

@@ -147,6 +147,14 @@ class _Composite:
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
 
+    def finish(self, async_op: bool) -> _Composite | None:
+        """The handle for an async call; a synchronous one waits now and returns None, as
+        torch.distributed does."""
+        if async_op:
+            return self
+        self.wait()
+        return None
+
 
 def _gloo_reduce_scatter_avg(shard, full, group, *, async_op: bool):
     # See [Note: collectives on gloo]. The bucket's numel is a multiple of d (layout.py).
@@ -163,11 +171,7 @@ def _gloo_reduce_scatter_avg(shard, full, group, *, async_op: bool):
             shard.copy_(mine)
         shard.div_(size)
 
-    handle = _Composite(works, average)
-    if not async_op:
-        handle.wait()
-        return None
-    return handle
+    return _Composite(works, average).finish(async_op)
 
 
 def _gloo_all_gather(full, shard, group, *, async_op: bool):
@@ -180,11 +184,7 @@ def _gloo_all_gather(full, shard, group, *, async_op: bool):
         dist.broadcast(chunk, group_src=i, group=group, async_op=True)
         for i, chunk in enumerate(chunks)
     ]
-    handle = _Composite(works)
-    if not async_op:
-        handle.wait()
-        return None
-    return handle
+    return _Composite(works).finish(async_op)
 
 
 def all_reduce_small(

@@ -145,10 +145,6 @@ class BufferLayout:
         b = self.buckets[bucket]
         return b.shard_range(rank).shifted(b.buffer_range.start)
 
-    def shard_offset(self, bucket: int) -> int:
-        """Where a bucket's shard starts in the concatenation of one rank's shards."""
-        return sum(b.shard_size for b in self.buckets[:bucket])
-
 
 def default_bucket_size(dp_size: int, total_numel: int) -> int:
     """Elements per bucket when the caller gives none.

@@ -123,7 +123,7 @@ class _OwnedMainParams:
         return self.buffer.params[piece.param_index]
 
     def copy_params_in(self) -> None:
-        """Model params -> fp32 main params (at construction and after loading weights)."""
+        """Model params -> fp32 main params (at construction)."""
         if self.shard_fp32 is not None:
             torch._foreach_copy_(self._main_segments, self.param_regions)
 
@@ -338,13 +338,6 @@ class _BufferOptimizer(torch.optim.Optimizer):
         from .checkpoint_state import load_optimizer_state_dict
 
         load_optimizer_state_dict(self, state_dict)
-
-    def reload_model_params(self) -> None:
-        """Refresh the fp32 main params from the model's params (after loading weights)."""
-        for model in self.models:
-            model.finish_param_sync()
-        for owned in self._owned:
-            owned.copy_params_in()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
