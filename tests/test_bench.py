@@ -61,8 +61,8 @@ def test_counted_collectives_per_step(bench):
     assert results["zero"]["calls_per_step"]["broadcast"] == D
     # FSDP2 (no reshard after forward): one gather in forward, one reduction in backward.
     assert payload["fsdp2"] == {"all_gather": n_bytes, "reduce_scatter": n_bytes}
-    # distopt: one reduce-scatter and one all-gather per bucket over the padded buffer, each
-    # made of d reduces and d broadcasts on gloo.
+    # distopt: one reduce-scatter and one all-gather per bucket over the padded buffer; on
+    # gloo each is d - 1 point-to-point sends of a chunk per rank.
     dist = results["distopt"]
     buckets = dist["distopt_comm"]["buckets"]
     padded = dist["distopt_comm"]["payload_bytes_per_step"]["reduce_scatter"]
@@ -70,8 +70,8 @@ def test_counted_collectives_per_step(bench):
                                                       "all_gather": buckets}
     assert dist["distopt_comm"]["payload_bytes_per_step"]["all_gather"] == padded
     assert n_bytes <= padded < n_bytes * 1.001
-    assert payload["distopt"] == {"reduce": padded, "broadcast": padded}
-    assert dist["calls_per_step"] == {"reduce": D * buckets, "broadcast": D * buckets}
+    assert payload["distopt"] == {"send": 2 * padded * (D - 1) / D}
+    assert dist["calls_per_step"] == {"send": 2 * (D - 1) * buckets}
     # Reduce-scatter + all-gather = one all-reduce's worth on the wire, as DDP.
     assert dist["wire_bytes_per_step"] == pytest.approx(
         results["ddp"]["wire_bytes_per_step"], rel=1e-3)
@@ -112,6 +112,7 @@ def test_wire_bytes_model():
     assert wire_bytes("all_reduce", 100, 4) == 150
     assert wire_bytes("reduce_scatter", 100, 4) == 75
     assert wire_bytes("all_gather", 100, 4) == 75
+    assert wire_bytes("send", 100, 4) == 100
     assert wire_bytes("all_reduce_small", 8, 2) == 8
 
 

@@ -94,6 +94,7 @@ def test_default_bucket_size_scales_with_model_and_group():
     assert default_bucket_size(2, 8_000_000) == 2_000_000  # about four buckets
     assert default_bucket_size(8, 10**10) == 40_000_000  # Megatron's cap
     assert default_bucket_size(64, 10**10) == 64_000_000  # 1M elements per rank
+    assert default_bucket_size(2, 8_000_000, target_buckets=2) == 4_000_000  # gloo: two
 
 
 def test_bad_arguments():

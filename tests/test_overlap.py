@@ -253,7 +253,8 @@ def counts_per_step() -> dict:
     ddp = distopt.DistributedDataParallel(model, bucket_size=BUCKET)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, overlap_param_gather=True)
     seen: list[tuple[str, int]] = []
-    saved = {name: getattr(dist, name) for name in ("reduce", "broadcast", "all_reduce")}
+    names = ("isend", "irecv", "all_to_all_single", "reduce", "broadcast", "all_reduce")
+    saved = {name: getattr(dist, name) for name in names}
 
     def spy(name):
         def call(tensor, *args, **kwargs):
@@ -360,12 +361,13 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket(world):
         assert value["calls"] == {"reduce_scatter": buckets, "all_gather": buckets}
         # Reduce-scatter plus all-gather of the whole buffer: one all-reduce's worth.
         assert value["bytes"] == {"reduce_scatter": buffer_bytes, "all_gather": buffer_bytes}
-        # On gloo each is d per-chunk collectives over the bucket, nothing else.
+        # On gloo both are point-to-point: per bucket, each rank sends every other rank its
+        # chunk of the grads, then its chunk of the params, and receives theirs; nothing else.
         seen = value["seen"]
-        assert sorted({name for name, _ in seen}) == ["broadcast", "reduce"]
-        for name in ("reduce", "broadcast"):
-            assert sum(1 for n, _ in seen if n == name) == d * buckets
-            assert sum(b for n, b in seen if n == name) == buffer_bytes
+        assert sorted({name for name, _ in seen}) == ["irecv", "isend"]
+        for name in ("isend", "irecv"):
+            assert sum(1 for n, _ in seen if n == name) == 2 * (d - 1) * buckets
+            assert sum(b for n, b in seen if n == name) * d == 2 * buffer_bytes * (d - 1)
         # Buckets are launched in layout order, reverse registration (the usual backward
         # order), filled greedily up to BUCKET elements: the final norm and the last bias.
         assert value["launch_order"] == list(range(buckets))

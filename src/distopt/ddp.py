@@ -15,6 +15,15 @@ shards. With ``overlap_param_gather`` the gathers are started asynchronously (th
 buckets first) and each module waits, in a forward pre-hook, only for the buckets of its own
 parameters. Anything still in flight when the wrapped forward returns is waited for, so a
 parameter read outside a module's own forward (a tied head) is never stale afterwards.
+
+[Note: grads written, not zeroed]
+``zero_grad_buffer`` does not clear the grad buffer: it only forgets which parameters have a
+grad. The first grad a parameter gets after it is copied into the buffer, later ones (more
+micro-batches) are added; a parameter that got none by the time its bucket is reduced has its
+slot zeroed then. This spares a write of the whole buffer every step (for a model that fits in
+cache it is as costly as the reduction's own pass over the buffer), and the reduced result is
+the same as with a cleared buffer. Padding between parameters is never written by anything but
+the reduction of zeros, so it stays zero.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from torch import nn
 
 from . import collectives as comm
 from .buffers import Bucket, ParamAndGradBuffer
-from .layout import default_bucket_size
+from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
 from .tensor_parallel import check_params, local_grad, local_tensor, resolve_dp_group, stat_groups
 
 if TYPE_CHECKING:
@@ -56,7 +65,8 @@ class DistributedDataParallel(nn.Module):
             process when torch.distributed is not initialized).
         grad_dtype: dtype of the grad buffer and of the reduction; None means each
             parameter's own dtype.
-        bucket_size: elements per bucket; None picks ``layout.default_bucket_size``.
+        bucket_size: elements per bucket; None picks ``layout.default_bucket_size`` (about a
+            quarter of the model, or half of it on gloo).
         overlap_grad_reduce: start each bucket's reduction during backward, as soon as its
             last grad is accumulated, instead of in ``finish_grad_sync``.
         use_distributed_optimizer: reduce-scatter buckets (for DistributedOptimizer); False
@@ -113,7 +123,10 @@ class DistributedDataParallel(nn.Module):
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
         total = sum(local_tensor(p).numel() for p in self.params)
-        self.bucket_size = bucket_size or default_bucket_size(self.dp_size, total)
+        target = TARGET_BUCKETS_GLOO if comm.is_gloo(self.process_group) else TARGET_BUCKETS
+        self.bucket_size = bucket_size or default_bucket_size(
+            self.dp_size, total, target_buckets=target
+        )
 
         # Torch DDP semantics: every replica starts from rank 0's weights.
         self._broadcast_from_first_rank(module)
@@ -148,6 +161,7 @@ class DistributedDataParallel(nn.Module):
 
         self._sync_enabled = True
         self._grad_sync_done = False
+        self._grad_written = bytearray(len(self.params))
         self._reset_grad_sync_state()
         self._grad_hooks = [
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
@@ -178,11 +192,16 @@ class DistributedDataParallel(nn.Module):
         grad = param.grad
         if grad is None:
             return
-        param.main_grad.add_(local_grad(param, grad))
+        index = self._param_index[param]
+        if self._grad_written[index]:
+            param.main_grad.add_(local_grad(param, grad))
+        else:  # see [Note: grads written, not zeroed]
+            param.main_grad.copy_(local_grad(param, grad))
+            self._grad_written[index] = 1
         param.grad = None
         self._grad_sync_done = False
         if self.find_unused_parameters:
-            self._used[self._param_index[param]] = 1
+            self._used[index] = 1
         if self._sync_enabled and self.overlap_grad_reduce:
             bucket = self._bucket_of[param]
             pending = self._pending[bucket.order]
@@ -203,6 +222,9 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._next_launch])
 
     def _launch(self, bucket: Bucket) -> None:
+        for param in bucket.params:
+            if not self._grad_written[self._param_index[param]]:
+                param.main_grad.zero_()  # see [Note: grads written, not zeroed]
         if self.use_distributed_optimizer:
             handle = comm.reduce_scatter_avg(
                 bucket.grad_shard, bucket.grad_data, self.process_group,
@@ -242,9 +264,12 @@ class DistributedDataParallel(nn.Module):
             self._raise_on_nonfinite_grad()
 
     def zero_grad_buffer(self) -> None:
-        """Zero all grads; call before the first backward of each step."""
-        for buf in self.flat_buffers:
-            buf.grad_data.zero_()
+        """Start a new step's grads; call before its first backward.
+
+        The next grad of each parameter replaces what the buffer holds, and a parameter that
+        gets none counts as zero (see [Note: grads written, not zeroed]).
+        """
+        self._grad_written = bytearray(len(self.params))
         self._reset_grad_sync_state()
         self._grad_sync_done = False
 

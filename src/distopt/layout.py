@@ -146,23 +146,28 @@ class BufferLayout:
         return b.shard_range(rank).shifted(b.buffer_range.start)
 
 
-def default_bucket_size(dp_size: int, total_numel: int) -> int:
+MIN_CHUNK = 65_536
+TARGET_BUCKETS = 4
+TARGET_BUCKETS_GLOO = 2
+
+
+def default_bucket_size(
+    dp_size: int, total_numel: int, *, target_buckets: int = TARGET_BUCKETS
+) -> int:
     """Elements per bucket when the caller gives none.
 
     Three forces: a bucket must be large enough that each rank's chunk of it (bucket / d)
     amortises the per-collective latency (at least ``MIN_CHUNK`` elements per rank); small
-    enough that a model is cut into several buckets, so the first reduce-scatter starts while most
-    of backward is still ahead (``TARGET_BUCKETS``); and never above Megatron's 40M elements (or
-    1M per rank for very large groups), past which overlap gains nothing and the last bucket's
-    exposed communication grows.
+    enough that a model is cut into several buckets (``target_buckets``), so the first
+    reduce-scatter starts while most of backward is still ahead; and never above Megatron's 40M
+    elements (or 1M per rank for very large groups), past which overlap gains nothing and the
+    last bucket's exposed communication grows. On gloo, ``DistributedDataParallel`` asks for
+    ``TARGET_BUCKETS_GLOO``: there the collectives run on the same CPU cores as the compute,
+    so overlap hides less and each extra collective costs its fixed price in CPU time.
     """
     upper = max(40_000_000, 1_000_000 * dp_size)
-    per_target = -(-total_numel // TARGET_BUCKETS)
+    per_target = -(-total_numel // target_buckets)
     return max(min(upper, per_target), MIN_CHUNK * dp_size)
-
-
-MIN_CHUNK = 65_536
-TARGET_BUCKETS = 4
 
 
 def pad_to(n: int, multiple: int) -> int:

@@ -45,6 +45,7 @@ _WIRE_FACTOR = {
     "all_gather": lambda d: (d - 1) / d,
     "broadcast": lambda d: (d - 1) / d,
     "reduce": lambda d: (d - 1) / d,
+    "send": lambda d: 1.0,  # point-to-point: the payload is what is sent
 }
 
 
@@ -73,6 +74,8 @@ class CollectiveCounter:
         "reduce_scatter_single": ("reduce_scatter", 1, "input", False),
         "reduce_scatter_tensor": ("reduce_scatter", 1, "input", False),
         "all_gather": ("all_gather", 1, "tensor", True),
+        # Receives are the other end of counted sends: counting them too would count twice.
+        "isend": ("send", 0, "tensor", False),
     }
 
     def __init__(self) -> None:
