@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distopt.bench import main
+from distopt.bench.collectives import OPS
 from distopt.bench.host_overhead import measure_host_overhead
 from distopt.bench.systems import wire_bytes
 
@@ -123,3 +124,19 @@ def test_host_overhead_times_equivalent_work():
     # Both optimizers really stepped, from the same weights, with the same grads.
     assert r["moved"] > 1e-3
     assert r["max_param_diff"] <= 1e-6
+
+
+def test_collectives_microbenchmark_checks_results_then_times_every_op(tmp_path, capsys):
+    code = main(["--collectives", "--nproc", "3", "--numel", "3001", "--steps", "2",
+                 "--warmup", "1", "--out", str(tmp_path)])
+    assert code == 0
+    with open(tmp_path / "collectives.json") as f:
+        (r,) = json.load(f)["results"]
+    assert r["nproc"] == 3 and r["numel"] == 3000  # cut to a multiple of d
+    # distopt's point-to-point reduce-scatter (an average) and all-gather give the backend's
+    # results, on random data that differs per rank.
+    assert r["check"]["all_gather_equal"]
+    assert r["check"]["reduce_scatter_max_abs_diff"] < 1e-5
+    assert sorted(r["call_ms"]) == sorted(OPS)
+    assert all(len(times) == 2 and min(times) > 0 for times in r["call_ms"].values())
+    assert "(rs + ag) / all_reduce" in capsys.readouterr().out

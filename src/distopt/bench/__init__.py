@@ -8,7 +8,8 @@ issued per step with their payloads (counted) and a per-phase breakdown. It prin
 writes ``bench.json`` and ``bench.png`` into ``--out``.
 
 ``distopt bench --host-overhead`` runs the host-overhead microbenchmark instead
-(see ``host_overhead.py``).
+(see ``host_overhead.py``), and ``distopt bench --collectives`` times distopt's collectives
+against the backend's own (see ``collectives.py``).
 """
 
 from __future__ import annotations
@@ -54,12 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.png")
     p.add_argument("--host-overhead", action="store_true",
                    help="run the step()+zero_grad() host-overhead microbenchmark instead")
+    p.add_argument("--collectives", action="store_true",
+                   help="time distopt's reduce-scatter and all-gather against the backend's "
+                        "own collectives on one tensor instead (--steps calls each)")
+    p.add_argument("--numel", type=int, default=3_260_000,
+                   help="elements of the --collectives tensor (default: the gpt model's)")
     return p
 
 
 def _check(args: argparse.Namespace) -> None:
     """Refuse bad options before anything is spawned."""
-    for name in ("nproc", "steps", "repeat", "batch_size", "seq_len", "threads", "bucket_size"):
+    for name in (
+        "nproc", "steps", "repeat", "batch_size", "seq_len", "threads", "bucket_size", "numel"
+    ):
         value = getattr(args, name)
         values = value if isinstance(value, list) else [value]
         if any(v is not None and v < 1 for v in values):
@@ -76,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         from .host_overhead import main as host_main
 
         return host_main(args)
+    if args.collectives:
+        from .collectives import main as collectives_main
+
+        return collectives_main(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("distopt bench: --device cuda needs a CUDA build of torch and a GPU",
               file=sys.stderr)
