@@ -286,6 +286,78 @@ def counts_per_step() -> dict:
     }
 
 
+def late_grads() -> dict:
+    """A grad that arrives after its bucket's reduction started raises on every rank, and
+    zero_grad() recovers; an all-reduced buffer keeps accumulating, as torch DDP's does.
+    SGD, whose step scales with the grad, so that a stale grad left behind would show."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = batches(0, global_batch=4 * world)
+    mine = [rank_slice(t, rank, world) for t in (tokens, targets)]
+    errors, recovered = {}, {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        ddp = distopt.DistributedDataParallel(
+            Shuffled(), bucket_size=BUCKET, overlap_grad_reduce=overlap
+        )
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+        _loss(ddp, *mine).backward()
+        if not overlap:
+            opt.step()  # the sync finished: each rank's buffer holds averages in its chunk only
+        try:
+            _loss(ddp, *mine).backward()  # neither no_sync nor zero_grad
+            errors[overlap] = None
+        except RuntimeError as error:
+            errors[overlap] = str(error)
+        opt.zero_grad()
+        _loss(ddp, *mine).backward()
+        opt.step()
+        ddp.finish_param_sync()
+        recovered[overlap] = [p.detach().clone() for p in ddp.module.parameters()]
+
+    # The same two steps on a model that never saw the bad backward.
+    torch.manual_seed(0)
+    clean = distopt.DistributedDataParallel(Shuffled(), bucket_size=BUCKET)
+    clean_opt = distopt.DistributedOptimizer(clean, torch.optim.SGD, lr=0.1)
+    for _ in range(2):
+        clean_opt.zero_grad()
+        _loss(clean, *mine).backward()
+        clean_opt.step()
+    clean.finish_param_sync()
+    expected_no_overlap = [p.detach().clone() for p in clean.module.parameters()]
+    torch.manual_seed(0)
+    once = distopt.DistributedDataParallel(Shuffled(), bucket_size=BUCKET)
+    once_opt = distopt.DistributedOptimizer(once, torch.optim.SGD, lr=0.1)
+    _loss(once, *mine).backward()
+    once_opt.step()
+    expected_overlap = [p.detach().clone() for p in once.module.parameters()]
+
+    # All-reduced buckets: two backwards after a finished sync give the sum of both averages.
+    torch.manual_seed(0)
+    model = Shuffled()
+    ref = copy.deepcopy(model)
+    basic = distopt.DistributedDataParallel(model, use_distributed_optimizer=False)
+    for _ in range(2):
+        _loss(basic, *mine).backward()
+        basic.finish_grad_sync()
+    for _ in range(2):
+        _loss(ref, tokens, targets).backward()
+    accumulated = max(
+        (p.main_grad - r.grad).abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    return {
+        "errors": errors,
+        "recovered_diff": {
+            True: max((a - b).abs().max().item()
+                      for a, b in zip(recovered[True], expected_overlap, strict=True)),
+            False: max((a - b).abs().max().item()
+                       for a, b in zip(recovered[False], expected_no_overlap, strict=True)),
+        },
+        "all_reduce_accumulated_diff": accumulated,
+        "grad_scale": max(r.grad.abs().max().item() for r in ref.parameters()),
+    }
+
+
 DELAYS = ("none", "collectives", "before_step", "after_forward")
 
 
@@ -295,6 +367,7 @@ def _cases() -> list:
     cases.append(("strict", overlap_vs_sync, ("none", 2, True)))
     cases.append(("strict-first-use", strict_gather_with_first_use, ()))
     cases.append(("counts", counts_per_step, ()))
+    cases.append(("late-grads", late_grads, ()))
     return cases
 
 
@@ -372,3 +445,20 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket(world):
         # order), filled greedily up to BUCKET elements: the final norm and the last bias.
         assert value["launch_order"] == list(range(buckets))
         assert value["first_bucket_params"] == ["norm.bias", "norm.weight", "layers.3.bias"]
+
+
+def test_grad_after_its_bucket_was_reduced_raises_on_every_rank(world):
+    _, results = world
+    for value in case_result(results, "late-grads"):
+        for overlap in (True, False):
+            error = value["errors"][overlap]
+            assert error is not None, f"overlap={overlap}: the second backward did not raise"
+            assert "after its bucket's data-parallel reduction had started" in error
+            assert "ddp.no_sync()" in error and "zero_grad()" in error
+            assert error.startswith("parameter '")
+        # After zero_grad() the next step is exactly that of a model that never saw the bad
+        # backward: no stale grad, no reduction left half done.
+        assert value["recovered_diff"] == {True: 0.0, False: 0.0}
+        # All-reduced buckets accumulate across synced backwards like torch DDP.
+        assert value["grad_scale"] > 1e-2
+        assert value["all_reduce_accumulated_diff"] <= 1e-6

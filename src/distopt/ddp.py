@@ -24,6 +24,18 @@ slot zeroed then. This spares a write of the whole buffer every step (for a mode
 cache it is as costly as the reduction's own pass over the buffer), and the reduced result is
 the same as with a cleared buffer. Padding between parameters is never written by anything but
 the reduction of zeros, so it stays zero.
+
+[Note: grads after the reduction]
+Once a bucket's reduction has started, a grad that arrives for one of its parameters cannot
+join it: with overlap the bucket is already on the wire, and after a reduce-scatter each rank's
+buffer holds the average only in its own chunk and its local grads elsewhere, so reducing the
+buffer again would mix the two. Such a grad comes from a second backward without ``no_sync``
+or ``zero_grad`` in between, or from a parameter whose grad is accumulated twice in one
+backward (reentrant activation checkpointing); on several ranks it raises in the grad hook,
+rather than give a silently wrong step. The one case that stays correct is kept: with
+all-reduced buckets and a finished sync, every rank holds the same average, and a further
+backward adds to it and reduces again, as torch DDP does. On one process nothing is reduced
+and grads simply accumulate.
 """
 
 from __future__ import annotations
@@ -193,6 +205,9 @@ class DistributedDataParallel(nn.Module):
         if grad is None:
             return
         index = self._param_index[param]
+        if self.dp_size > 1 and self._reduction_started_for(param):
+            param.grad = None  # so that the next backward, after zero_grad(), starts clean
+            self._raise_late_grad(param)
         if self._grad_written[index]:
             param.main_grad.add_(local_grad(param, grad))
         else:  # see [Note: grads written, not zeroed]
@@ -208,6 +223,23 @@ class DistributedDataParallel(nn.Module):
             pending.discard(param)
             if not pending:
                 self._launch_ready_buckets()
+
+    def _reduction_started_for(self, param: nn.Parameter) -> bool:
+        # See [Note: grads after the reduction]. A reduced bucket stays reduced until
+        # zero_grad_buffer; only the all-reduce path may reduce it again, after a finished sync.
+        if self._grad_sync_done:
+            return self.use_distributed_optimizer
+        return self._bucket_of[param].order < self._next_launch
+
+    def _raise_late_grad(self, param: nn.Parameter) -> None:
+        raise RuntimeError(
+            f"parameter '{self.param_names[param]}' got a gradient after its bucket's "
+            "data-parallel reduction had started, so it would be left out of the reduced "
+            "gradient; accumulate micro-batches inside ddp.no_sync() (all but the last), call "
+            "optimizer.zero_grad() before the next step's first backward, and run each "
+            "parameter's backward once per step (no reentrant activation checkpointing across "
+            "a bucket)"
+        )
 
     def _reset_grad_sync_state(self) -> None:
         self._pending = [set(s) for s in self._bucket_param_sets]
@@ -269,6 +301,10 @@ class DistributedDataParallel(nn.Module):
         The next grad of each parameter replaces what the buffer holds, and a parameter that
         gets none counts as zero (see [Note: grads written, not zeroed]).
         """
+        # Reductions launched but never waited for (a backward that raised before the step)
+        # still write into the buffer and own their receive buffers: finish them first.
+        for handle in self._grad_handles:
+            handle.wait()
         self._grad_written = bytearray(len(self.params))
         self._reset_grad_sync_state()
         self._grad_sync_done = False
