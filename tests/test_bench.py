@@ -140,3 +140,20 @@ def test_collectives_microbenchmark_checks_results_then_times_every_op(tmp_path,
     assert sorted(r["call_ms"]) == sorted(OPS)
     assert all(len(times) == 2 and min(times) > 0 for times in r["call_ms"].values())
     assert "(rs + ag) / all_reduce" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, reduce, gather", [
+    ("distopt", True, True),
+    ("distopt-no-overlap", False, False),
+    ("distopt-overlap-reduce", True, False),
+    ("distopt-overlap-gather", False, True),
+])
+def test_distopt_configurations_set_the_overlaps_they_name(name, reduce, gather):
+    from torch import nn
+
+    from distopt.bench.systems import LABELS, build_system
+
+    system = build_system(name, nn.Linear(4, 4), torch.device("cpu"))
+    assert system.name == name and name in LABELS
+    assert system.model.overlap_grad_reduce is reduce
+    assert system.optimizer.overlap_param_gather is gather

@@ -25,7 +25,7 @@ import torch
 
 from .models import MODELS
 from .runner import RunConfig, merge_rounds, run_config
-from .systems import SYSTEMS, theoretical_bytes_per_param
+from .systems import SPLIT_OVERLAP, SYSTEMS, theoretical_bytes_per_param
 
 __all__ = ["RunConfig", "main", "run_config"]
 
@@ -39,8 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="data-parallel sizes to run (default: 2 4)")
     p.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS),
                    help="models to run (default: gpt mlp)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
-                   help="configurations to run (default: all)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS + SPLIT_OVERLAP,
+                   default=list(SYSTEMS),
+                   help="configurations to run (default: all but the split-overlap ones)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of every configuration, interleaved (default 3)")

@@ -22,7 +22,9 @@ from distopt import collectives as comm
 from distopt.memory import storage_bytes
 
 SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "basic")
-"""Configurations, in the order the report lists them."""
+"""Configurations run by default, in the order the report lists them."""
+SPLIT_OVERLAP = ("distopt-overlap-reduce", "distopt-overlap-gather")
+"""Configurations run only when asked for: one of distopt's two overlaps at a time."""
 PEERS = ("ddp", "zero", "fsdp2")
 
 LABELS = {
@@ -31,6 +33,8 @@ LABELS = {
     "fsdp2": "FSDP2 fully_shard (no reshard)",
     "distopt-no-overlap": "distopt, overlap off",
     "distopt": "distopt, overlap on",
+    "distopt-overlap-reduce": "distopt, reduce overlap only",
+    "distopt-overlap-gather": "distopt, gather overlap only",
     "basic": "distopt BasicOptimizer",
 }
 
@@ -276,13 +280,16 @@ def _block_modules(module: nn.Module) -> list[nn.Module]:
 
 
 class _Distopt(System):
-    def __init__(self, module: nn.Module, *, overlap: bool, bucket_size: int | None) -> None:
-        self.name = "distopt" if overlap else "distopt-no-overlap"
+    def __init__(
+        self, module: nn.Module, *, name: str, reduce: bool, gather: bool,
+        bucket_size: int | None,
+    ) -> None:
+        self.name = name
         self.model = distopt.DistributedDataParallel(
-            module, bucket_size=bucket_size, overlap_grad_reduce=overlap
+            module, bucket_size=bucket_size, overlap_grad_reduce=reduce
         )
         self.optimizer = distopt.DistributedOptimizer(
-            self.model, torch.optim.AdamW, overlap_param_gather=overlap, **ADAMW
+            self.model, torch.optim.AdamW, overlap_param_gather=gather, **ADAMW
         )
 
     def zero_grad(self) -> None:
@@ -321,11 +328,23 @@ def build_system(
         return _Zero(module, device)
     if name == "fsdp2":
         return _FSDP2(module, device)
-    if name in ("distopt", "distopt-no-overlap"):
-        return _Distopt(module, overlap=name == "distopt", bucket_size=bucket_size)
+    if name in _DISTOPT_OVERLAPS:
+        reduce, gather = _DISTOPT_OVERLAPS[name]
+        return _Distopt(module, name=name, reduce=reduce, gather=gather, bucket_size=bucket_size)
     if name == "basic":
         return _Basic(module, bucket_size=bucket_size)
-    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+    raise ValueError(
+        f"unknown system {name!r}; choose from {', '.join(SYSTEMS + SPLIT_OVERLAP)}"
+    )
+
+
+# (overlap_grad_reduce, overlap_param_gather) of each distopt configuration.
+_DISTOPT_OVERLAPS = {
+    "distopt": (True, True),
+    "distopt-no-overlap": (False, False),
+    "distopt-overlap-reduce": (True, False),
+    "distopt-overlap-gather": (False, True),
+}
 
 
 def theoretical_bytes_per_param(name: str, d: int) -> float:
