@@ -105,8 +105,11 @@ def test_bad_arguments_fail_before_launching(tmp_path):
         main(["--nproc", "2", "0", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--steps must be at least 1"):
         main(["--steps", "0", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--numel must be at least 1"):
+        main(["--collectives", "--numel", "0", "--out", str(tmp_path)])
     if not torch.cuda.is_available():
         assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+        assert main(["--collectives", "--device", "cuda", "--out", str(tmp_path)]) == 2
 
 
 def test_wire_bytes_model():

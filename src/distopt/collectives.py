@@ -15,10 +15,9 @@ receives the d - 1 others' copies of its own chunk into a temporary of (d - 1)/d
 which it adds to its chunk and divides by d once they have all arrived; in the all-gather each
 rank sends its chunk to every other rank and receives theirs in place. Each rank sends (d-1)/d
 of the bucket in each, so the two together move exactly one all-reduce's worth of bytes, as on
-NCCL. Only the owned chunk of a reduced bucket is meaningful afterwards. Measured on a 2-core
-machine, this costs less CPU than the alternatives (all_to_all_single into a temporary as
-large as the bucket, reduces and broadcasts) and, at 4 ranks, half the time of gloo's own
-reduce-scatter and all-gather (see benchmarks/README.md).
+NCCL. Only the owned chunk of a reduced bucket is meaningful afterwards. On a 2-core machine
+each takes about half the time of gloo's own reduce-scatter or all-gather
+(``distopt bench --collectives``; see benchmarks/README.md).
 """
 
 from __future__ import annotations

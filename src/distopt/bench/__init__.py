@@ -85,10 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         from .host_overhead import main as host_main
 
         return host_main(args)
-    if args.collectives:
-        from .collectives import main as collectives_main
-
-        return collectives_main(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("distopt bench: --device cuda needs a CUDA build of torch and a GPU",
               file=sys.stderr)
@@ -97,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distopt bench: --nproc {max(args.nproc)} needs as many GPUs, "
               f"found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
+    if args.collectives:
+        from .collectives import main as collectives_main
+
+        return collectives_main(args)
     cores = os.cpu_count() or 1
     results: list[dict[str, Any]] = []
     started = time.time()

@@ -12,7 +12,6 @@ rank checks that distopt's results equal the backend's, so both sides compute th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .. import collectives as comm
+from .runner import init_rank
 
 OPS = (
     "torch all_reduce",
@@ -60,15 +60,7 @@ def measure_collectives(
 
 
 def _worker(rank, nproc, numel, iters, warmup, device, threads, tmp) -> None:
-    torch.set_num_threads(threads)
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", store=dist.FileStore(os.path.join(tmp, "store"), nproc),
-        rank=rank, world_size=nproc, timeout=datetime.timedelta(seconds=300),
-    )
+    dev = init_rank(rank, nproc, device, threads, tmp)
     try:
         result = _measure(rank, nproc, numel - numel % nproc, iters, warmup, dev)
         if rank == 0:

@@ -95,18 +95,24 @@ def run_config(config: RunConfig, timeout_s: float = 600.0) -> dict[str, Any]:
             return json.load(f)
 
 
-def _worker(rank: int, config: RunConfig, tmp: str) -> None:
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(config.threads)
-    cuda = config.device == "cuda"
+def init_rank(rank: int, nproc: int, device: str, threads: int, tmp: str) -> torch.device:
+    """Join the group of ``nproc`` spawned ranks that meet in directory ``tmp`` (gloo on
+    ``cpu``, nccl on ``cuda`` with one GPU per rank); return this rank's device."""
+    torch.set_num_threads(threads)
+    cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    store = dist.FileStore(os.path.join(tmp, "store"), config.nproc)
+    store = dist.FileStore(os.path.join(tmp, "store"), nproc)
     dist.init_process_group(
-        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=config.nproc,
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=nproc,
         timeout=datetime.timedelta(seconds=300),
     )
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def _worker(rank: int, config: RunConfig, tmp: str) -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    device = init_rank(rank, config.nproc, config.device, config.threads, tmp)
     try:
         result = _measure(rank, config, device)
         gathered: list[Any] = [None] * config.nproc
