@@ -160,7 +160,7 @@ def test_dynamic_scaler_and_nan_check_are_refused_together():
 def _owner(ddp: distopt.DistributedDataParallel, param: nn.Parameter, index: int) -> int:
     """The DP rank whose shard holds element ``index`` of ``param`` after the reduction."""
     buf = ddp.buffer_of[param]
-    slot = buf.layout.params[buf.index_of[param]]
+    slot = next(s for p, s in zip(buf.params, buf.layout.params, strict=True) if p is param)
     return (slot.bucket_range.start + index) // buf.layout.buckets[slot.bucket].shard_size
 
 

@@ -240,7 +240,7 @@ def strict_gather_with_first_use() -> dict:
         with StrictCollectives():
             _loss(ddp, tokens, targets).backward()
             opt.step()
-            pending = len(ddp._gather_handles)
+            pending = ddp.param_gathers_in_flight
             loss = _loss(ddp, tokens, targets).item()  # waits inside module pre-hooks only
         losses[overlap] = (loss, pending)
     return losses

@@ -22,14 +22,18 @@ each takes about half the time of gloo's own reduce-scatter or all-gather
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 # torch >= 2.10 renamed the single-tensor collectives; keep working on the older names. Looked
-# up at call time, so that wrappers installed later (benchmarks counting collectives) see them.
+# up at call time, so that wrappers installed later (benchmarks counting peers' collectives)
+# see them.
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else (
     "reduce_scatter_tensor"
 )
@@ -60,10 +64,22 @@ DONE = _Done()
 
 @dataclass(slots=True)
 class CommStats:
-    """Counts of collectives issued and the bytes of the full (unsharded) tensor each covered."""
+    """What distopt's collectives did: calls, bytes and, when ``timed``, seconds of waiting.
+
+    Every DDP wrapper owns one (``ddp.comm_stats``) and passes it to each collective it issues,
+    so tests and benchmarks count and time communication through this object alone. ``bytes``
+    is the size of the full (unsharded) tensor each call covered. With ``timed`` set, each op
+    also adds to ``seconds`` the time this rank spent blocked on it: a synchronous call's whole
+    duration, an asynchronous one's ``wait()``; ``synchronize`` (e.g. ``torch.cuda.synchronize``)
+    is called before the clock stops, so that device time is counted too. Off by default: the
+    hot path then only checks one flag.
+    """
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)
+    timed: bool = False
+    synchronize: Callable[[], Any] | None = None
 
     def record(self, op: str, tensor: torch.Tensor) -> None:
         self.calls[op] += 1
@@ -72,6 +88,42 @@ class CommStats:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.seconds.clear()
+
+    def _stop_clock(self, op: str, start: float) -> None:
+        if self.synchronize is not None:
+            self.synchronize()
+        self.seconds[op] += time.perf_counter() - start
+
+
+class _TimedWait:
+    """A handle whose ``wait()`` adds the time it blocked to ``stats.seconds[op]``."""
+
+    __slots__ = ("_handle", "_stats", "_op")
+
+    def __init__(self, handle: Any, stats: CommStats, op: str) -> None:
+        self._handle, self._stats, self._op = handle, stats, op
+
+    def wait(self) -> Any:
+        start = time.perf_counter()
+        result = self._handle.wait()
+        self._stats._stop_clock(self._op, start)
+        return result
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
+
+def _timed(stats: CommStats | None, op: str, async_op: bool, call: Callable[[], Any]) -> Any:
+    """Run ``call`` (which issues collective ``op``) and time it when ``stats.timed``."""
+    if stats is None or not stats.timed:
+        return call()
+    start = time.perf_counter()
+    handle = call()
+    if not async_op:
+        stats._stop_clock(op, start)
+        return handle
+    return _TimedWait(handle, stats, op)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -103,10 +155,12 @@ def reduce_scatter_avg(
     if stats is not None:
         stats.record("reduce_scatter", full)
     if is_gloo(group):
-        return _gloo_reduce_scatter_avg(shard, full, group, async_op=async_op)
-    return getattr(dist, _REDUCE_SCATTER)(
-        shard, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
-    )
+        call = lambda: _gloo_reduce_scatter_avg(shard, full, group, async_op=async_op)
+    else:
+        call = lambda: getattr(dist, _REDUCE_SCATTER)(
+            shard, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
+        )
+    return _timed(stats, "reduce_scatter", async_op, call)
 
 
 def all_reduce_avg(
@@ -121,7 +175,8 @@ def all_reduce_avg(
         return DONE
     if stats is not None:
         stats.record("all_reduce", full)
-    return dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    call = lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    return _timed(stats, "all_reduce", async_op, call)
 
 
 def all_gather(
@@ -140,8 +195,10 @@ def all_gather(
     if stats is not None:
         stats.record("all_gather", full)
     if is_gloo(group):
-        return _gloo_all_gather(full, shard, group, async_op=async_op)
-    return getattr(dist, _ALL_GATHER)(full, shard, group=group, async_op=async_op)
+        call = lambda: _gloo_all_gather(full, shard, group, async_op=async_op)
+    else:
+        call = lambda: getattr(dist, _ALL_GATHER)(full, shard, group=group, async_op=async_op)
+    return _timed(stats, "all_gather", async_op, call)
 
 
 class _Composite:

@@ -49,9 +49,16 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as comm
-from .buffers import Bucket, ParamAndGradBuffer
+from .buckets import Bucket, ParamAndGradBuffer
 from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
-from .tensor_parallel import check_params, local_grad, local_tensor, resolve_dp_group, stat_groups
+from .tensor_parallel import (
+    check_params,
+    is_dtensor,
+    local_grad,
+    local_tensor,
+    resolve_dp_group,
+    stat_groups,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -123,6 +130,8 @@ class DistributedDataParallel(nn.Module):
         # None without DTensor params; raises (on every rank, before any collective) on a
         # DTensor layout distopt cannot compose with. See [Note: DTensor params].
         self.tp_mesh = check_params(named, self.process_group)
+        # Over the TP groups too, so that every rank of the mesh raises, or none does.
+        self._nan_check_groups = [self.process_group, *stat_groups(self.tp_mesh)]
         self.dp_size = comm.group_size(self.process_group)
         self.dp_rank = comm.group_rank(self.process_group)
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -153,6 +162,9 @@ class DistributedDataParallel(nn.Module):
                 bucket_size=self.bucket_size,
                 dp_size=self.dp_size,
                 dp_rank=self.dp_rank,
+                group=self.process_group,
+                reduce_scatter=use_distributed_optimizer,
+                stats=self.comm_stats,
             )
             for dtype, plist in by_dtype.items()
         ]
@@ -169,23 +181,25 @@ class DistributedDataParallel(nn.Module):
         for order, bucket in enumerate(self.buckets):
             bucket.order = order
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._bucket_param_sets = [frozenset(b.params) for b in self.buckets]
+        # Only these params need their DTensor grads turned into local ones in the hook.
+        self._dtensor_params = frozenset(p for p in self.params if is_dtensor(p))
 
         self._sync_enabled = True
         self._grad_sync_done = False
-        self._grad_written = bytearray(len(self.params))
-        self._reset_grad_sync_state()
+        self._next_launch = 0  # the first bucket of the launch order not launched yet
+        self._used = bytearray(len(self.params))  # with find_unused_parameters
+        self.unused_params: frozenset[nn.Parameter] = frozenset()
+        self._gathers_in_flight = False
         self._grad_hooks = [
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
         ]
-        self._gather_handles: dict[int, Any] = {}
         self._param_wait_hooks = self._register_param_wait_hooks(module)
 
     # ------------------------------------------------------------------ forward / backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.module(*args, **kwargs)
-        if self._gather_handles:
+        if self._gathers_in_flight:
             self.finish_param_sync()
         return output
 
@@ -204,32 +218,26 @@ class DistributedDataParallel(nn.Module):
         grad = param.grad
         if grad is None:
             return
-        index = self._param_index[param]
-        if self.dp_size > 1 and self._reduction_started_for(param):
+        bucket = self._bucket_of[param]
+        if self.dp_size > 1 and self._reduction_started(bucket):
             param.grad = None  # so that the next backward, after zero_grad(), starts clean
             self._raise_late_grad(param)
-        if self._grad_written[index]:
-            param.main_grad.add_(local_grad(param, grad))
-        else:  # see [Note: grads written, not zeroed]
-            param.main_grad.copy_(local_grad(param, grad))
-            self._grad_written[index] = 1
+        if param in self._dtensor_params:
+            grad = local_grad(param, grad)
+        bucket.add_grad(param, grad)
         param.grad = None
         self._grad_sync_done = False
         if self.find_unused_parameters:
-            self._used[index] = 1
-        if self._sync_enabled and self.overlap_grad_reduce:
-            bucket = self._bucket_of[param]
-            pending = self._pending[bucket.order]
-            pending.discard(param)
-            if not pending:
-                self._launch_ready_buckets()
+            self._used[self._param_index[param]] = 1
+        if self._sync_enabled and self.overlap_grad_reduce and bucket.mark_ready(param):
+            self._launch_ready_buckets()
 
-    def _reduction_started_for(self, param: nn.Parameter) -> bool:
+    def _reduction_started(self, bucket: Bucket) -> bool:
         # See [Note: grads after the reduction]. A reduced bucket stays reduced until
         # zero_grad_buffer; only the all-reduce path may reduce it again, after a finished sync.
         if self._grad_sync_done:
             return self.use_distributed_optimizer
-        return self._bucket_of[param].order < self._next_launch
+        return bucket.reduction_started
 
     def _raise_late_grad(self, param: nn.Parameter) -> None:
         raise RuntimeError(
@@ -241,33 +249,22 @@ class DistributedDataParallel(nn.Module):
             "a bucket)"
         )
 
-    def _reset_grad_sync_state(self) -> None:
-        self._pending = [set(s) for s in self._bucket_param_sets]
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in launch order; see [Note: bucket launch order].
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        self.buckets[self._next_launch].launch_reduction()
+        self._next_launch += 1
+
+    def _reset_reductions(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset_reduction()
         self._next_launch = 0
-        self._grad_handles: list[Any] = []
         if self.find_unused_parameters:
             self._used = bytearray(len(self.params))
-        self.unused_params: frozenset[nn.Parameter] = frozenset()
-
-    def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self.buckets) and not self._pending[self._next_launch]:
-            self._launch(self.buckets[self._next_launch])
-
-    def _launch(self, bucket: Bucket) -> None:
-        for param in bucket.params:
-            if not self._grad_written[self._param_index[param]]:
-                param.main_grad.zero_()  # see [Note: grads written, not zeroed]
-        if self.use_distributed_optimizer:
-            handle = comm.reduce_scatter_avg(
-                bucket.grad_shard, bucket.grad_data, self.process_group,
-                async_op=True, stats=self.comm_stats,
-            )
-        else:
-            handle = comm.all_reduce_avg(
-                bucket.grad_data, self.process_group, async_op=True, stats=self.comm_stats
-            )
-        self._grad_handles.append(handle)
-        self._next_launch = bucket.order + 1
+        self.unused_params = frozenset()
 
     # ------------------------------------------------------------------ grad sync
 
@@ -281,15 +278,15 @@ class DistributedDataParallel(nn.Module):
         if self._grad_sync_done:
             return
         while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-        for handle in self._grad_handles:
-            handle.wait()
+            self._launch_next()
+        for bucket in self.buckets:
+            bucket.wait_reduction()
         unused: frozenset[nn.Parameter] = frozenset()
         if self.find_unused_parameters:
             used = torch.tensor(list(self._used), dtype=torch.int32, device=self._device)
             comm.all_reduce_small(used, dist.ReduceOp.MAX, [self.process_group], self.comm_stats)
             unused = frozenset(p for p, u in zip(self.params, used.tolist(), strict=True) if not u)
-        self._reset_grad_sync_state()
+        self._reset_reductions()
         self.unused_params = unused
         self._grad_sync_done = True
         if self.check_for_nan_in_grad:
@@ -303,39 +300,23 @@ class DistributedDataParallel(nn.Module):
         """
         # Reductions launched but never waited for (a backward that raised before the step)
         # still write into the buffer and own their receive buffers: finish them first.
-        for handle in self._grad_handles:
-            handle.wait()
-        self._grad_written = bytearray(len(self.params))
-        self._reset_grad_sync_state()
+        for bucket in self.buckets:
+            bucket.wait_reduction()
+            bucket.forget_grads()
+        self._reset_reductions()
         self._grad_sync_done = False
 
     @property
     def _device(self) -> torch.device:
         return self.params[0].device
 
-    def owned_grad_region(self, bucket: Bucket) -> torch.Tensor:
-        """The part of a bucket's grads this rank holds reduced after ``finish_grad_sync``."""
-        return bucket.grad_shard if self.use_distributed_optimizer else bucket.grad_data
-
     def _raise_on_nonfinite_grad(self) -> None:
         first_bad = len(self.params)
         for bucket in self.buckets:
-            region = self.owned_grad_region(bucket)
-            if bool(torch.isfinite(region).all()):
-                continue
-            start = region.data_ptr() - bucket.grad_data.data_ptr()
-            start //= bucket.grad_data.element_size()
-            owned = range(start, start + region.numel())
-            buf = self.buffer_of[bucket.params[0]]
-            for param in bucket.params:
-                slot = buf.layout.params[buf.index_of[param]].bucket_range
-                lo, hi = max(slot.start, owned.start), min(slot.end, owned.stop)
-                if lo < hi and not bool(torch.isfinite(bucket.grad_data[lo:hi]).all()):
-                    first_bad = min(first_bad, self._param_index[param])
+            for param in bucket.nonfinite_params():
+                first_bad = min(first_bad, self._param_index[param])
         flag = torch.tensor([first_bad], dtype=torch.int64, device=self._device)
-        # Over the TP groups too, so that every rank of the mesh raises, or none does.
-        groups = [self.process_group, *stat_groups(self.tp_mesh)]
-        comm.all_reduce_small(flag, dist.ReduceOp.MIN, groups, self.comm_stats)
+        comm.all_reduce_small(flag, dist.ReduceOp.MIN, self._nan_check_groups, self.comm_stats)
         index = int(flag.item())
         if index < len(self.params):
             name = self.param_names[self.params[index]]
@@ -355,37 +336,37 @@ class DistributedDataParallel(nn.Module):
         """
         self.finish_param_sync()
         for bucket in reversed(self.buckets):
-            handle = comm.all_gather(
-                bucket.param_data, bucket.param_shard, self.process_group,
-                async_op=overlap, stats=self.comm_stats,
-            )
-            if overlap and handle is not comm.DONE:
-                self._gather_handles[bucket.order] = handle
+            bucket.start_gather(async_op=overlap)
+        self._gathers_in_flight = overlap
 
     def finish_param_sync(self) -> None:
         """Wait for every param gather still in flight."""
-        handles, self._gather_handles = self._gather_handles, {}
-        for handle in handles.values():
-            handle.wait()
+        self._gathers_in_flight = False
+        for bucket in self.buckets:
+            bucket.wait_gather()
+
+    @property
+    def param_gathers_in_flight(self) -> int:
+        """How many buckets' param gathers are started and not yet waited for."""
+        return sum(bucket.gather_in_flight for bucket in self.buckets)
 
     def _register_param_wait_hooks(self, module: nn.Module) -> list[Any]:
         hooks = []
         for submodule in module.modules():
-            orders = sorted(
-                {self._bucket_of[p].order for p in submodule.parameters(recurse=False)
-                 if p in self._bucket_of}
+            buckets = sorted(
+                {self._bucket_of[p] for p in submodule.parameters(recurse=False)
+                 if p in self._bucket_of},
+                key=lambda b: b.order,
             )
-            if orders:
-                hooks.append(submodule.register_forward_pre_hook(self._make_wait_hook(orders)))
+            if buckets:
+                hooks.append(submodule.register_forward_pre_hook(self._make_wait_hook(buckets)))
         return hooks
 
-    def _make_wait_hook(self, orders: list[int]):
+    def _make_wait_hook(self, buckets: list[Bucket]):
         def wait_for_params(_module: nn.Module, _args: Any) -> None:
-            if self._gather_handles:
-                for order in orders:
-                    handle = self._gather_handles.pop(order, None)
-                    if handle is not None:
-                        handle.wait()
+            if self._gathers_in_flight:
+                for bucket in buckets:
+                    bucket.wait_gather()
 
         return wait_for_params
 

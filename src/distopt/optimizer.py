@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import clip
-from .buffers import ParamAndGradBuffer
+from .buckets import ParamAndGradBuffer
 from .ddp import _NO_GROUP, DistributedDataParallel
 from .layout import ShardPiece
 from .scaler import ConstantLossScaler, DynamicLossScaler

@@ -35,11 +35,11 @@ class ManySmall(nn.Module):
         self.params = nn.ParameterList(nn.Parameter(torch.randn(numel)) for _ in range(count))
 
 
-def _as_after_backward(ddp: distopt.DistributedDataParallel) -> None:
-    # What backward leaves behind once the buffer holds the grads: every parameter marked as
-    # having one, and a grad sync still to do. Set directly, so that no autograd is timed.
-    ddp._grad_written[:] = b"\x01" * len(ddp._grad_written)
-    ddp._grad_sync_done = False
+def _backward_with(params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+    """A backward that leaves exactly ``grads`` as the params' grads (through distopt's hooks
+    into the grad buffer), so that what is timed next starts where a real step does."""
+    loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True))
+    loss.backward()
 
 
 def _timeit(fn, refill, iters: int, sync) -> list[float]:
@@ -82,9 +82,10 @@ def measure_host_overhead(
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW)
     initial = [p.detach().clone() for p in model.parameters()]
 
+    distopt_params = list(model.parameters())
+
     def distopt_refill() -> None:
-        torch._foreach_copy_([p.main_grad for p in model.parameters()], grads)
-        _as_after_backward(ddp)
+        _backward_with(distopt_params, grads)
 
     def inner_step() -> None:
         opt.optimizer.step()
@@ -140,10 +141,12 @@ def measure_step_bandwidth(
     model = nn.Linear(numel // 1024, 1024, bias=False).to(dev)
     ddp = distopt.DistributedDataParallel(model)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW)
-    ddp.flat_buffers[0].grad_data.normal_()
+    weight = model.weight
+    grad = torch.randn_like(weight)
 
     def refill() -> None:
-        _as_after_backward(ddp)
+        opt.zero_grad()
+        _backward_with([weight], [grad])
 
     step_times = _timeit(opt.step, refill, iters, sync)[2:]
     src = torch.randn(numel, device=dev)

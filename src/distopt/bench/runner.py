@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .models import build_model
-from .systems import PEERS, CollectiveCounter, PhaseClock, build_system, wire_bytes
+from .systems import PEERS, CollectiveCounter, build_system, wire_bytes
 
 PHASES = ("forward", "backward", "wait_reduce", "step", "wait_gather")
 
@@ -137,17 +137,26 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
     num_params = sum(p.numel() for p in module.parameters())
     system = build_system(config.system, module, device, bucket_size=config.bucket_size)
     is_distopt = config.system not in PEERS
-    clock = PhaseClock(device)
-    if is_distopt:
-        clock.install()
     counter = CollectiveCounter()
     counter.install()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if is_distopt:
+        # distopt times its own collectives' waits; see collectives.CommStats.
+        system.model.comm_stats.timed = True
+        system.model.comm_stats.synchronize = sync
+
+    def waits() -> dict[str, float]:
+        # Seconds spent so far blocked in distopt's reductions and gathers (0 for peers).
+        if not is_distopt:
+            return {"reduce": 0.0, "gather": 0.0}
+        seconds = system.model.comm_stats.seconds
+        return {"reduce": seconds["reduce_scatter"] + seconds["all_reduce"],
+                "gather": seconds["all_gather"]}
 
     def mark() -> tuple[float, float]:
         # (time, seconds spent so far in distopt's collectives)
         sync()
-        return time.perf_counter(), clock.seconds["reduce"] + clock.seconds["gather"]
+        return time.perf_counter(), sum(waits().values())
 
     def compute(a: tuple[float, float], b: tuple[float, float]) -> float:
         # Collective waits are cut out of the phase they happened in, so that the phases add
@@ -161,7 +170,7 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
             if is_distopt:
                 system.model.comm_stats.reset()
         inputs = bench_model.batch(step, rank, config.batch_size, device)
-        waits = dict(clock.seconds)
+        before = waits()
         m0 = mark()
         system.zero_grad()
         loss = bench_model.loss(system.forward(*inputs))
@@ -178,13 +187,12 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
                 "total": m4[0] - m0[0],
                 "forward": compute(m0, m1),
                 "backward": compute(m1, m2),
-                "wait_reduce": clock.seconds["reduce"] - waits["reduce"],
+                "wait_reduce": waits()["reduce"] - before["reduce"],
                 "step": compute(m2, m3) + compute(m3, m4),
-                "wait_gather": clock.seconds["gather"] - waits["gather"],
+                "wait_gather": waits()["gather"] - before["gather"],
             })
     counter.uninstall()
     if is_distopt:
-        clock.uninstall()
         system.model.finish_param_sync()
 
     state = system.state_bytes()

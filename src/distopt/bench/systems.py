@@ -9,7 +9,6 @@ recommend for speed: DDP with ``gradient_as_bucket_view``, ZeroRedundancyOptimiz
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any
 
@@ -18,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 import distopt
-from distopt import collectives as comm
 from distopt.memory import storage_bytes
 
 SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "basic")
@@ -117,65 +115,6 @@ class CollectiveCounter:
             return fn(*args, **kwargs)
 
         return counted
-
-
-class PhaseClock:
-    """Seconds spent in distopt's collectives, split into reduce and gather.
-
-    Installed only by the benchmark: it wraps ``distopt.collectives`` functions so that every
-    handle they return adds its ``wait()`` time (and a synchronous call its whole time) to a
-    running total. The library's hot path is untouched when it is not installed.
-    """
-
-    def __init__(self, sync_device: torch.device) -> None:
-        self.seconds = {"reduce": 0.0, "gather": 0.0}
-        self._cuda = sync_device.type == "cuda"
-        self._saved: dict[str, Any] = {}
-
-    def install(self) -> None:
-        for name, kind in (
-            ("reduce_scatter_avg", "reduce"),
-            ("all_reduce_avg", "reduce"),
-            ("all_gather", "gather"),
-        ):
-            self._saved[name] = getattr(comm, name)
-            setattr(comm, name, self._wrap(self._saved[name], kind))
-
-    def uninstall(self) -> None:
-        for name, original in self._saved.items():
-            setattr(comm, name, original)
-        self._saved.clear()
-
-    def _wrap(self, fn, kind: str):
-        clock = self
-
-        class Timed:
-            __slots__ = ("handle",)
-
-            def __init__(self, handle: Any) -> None:
-                self.handle = handle
-
-            def wait(self) -> Any:
-                start = time.perf_counter()
-                result = self.handle.wait()
-                if clock._cuda:
-                    torch.cuda.synchronize()
-                clock.seconds[kind] += time.perf_counter() - start
-                return result
-
-            def is_completed(self) -> bool:
-                return self.handle.is_completed()
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            handle = fn(*args, **kwargs)
-            if not kwargs.get("async_op", False):
-                clock.seconds[kind] += time.perf_counter() - start
-            if handle is None or handle is comm.DONE:
-                return handle
-            return Timed(handle)
-
-        return timed
 
 
 class System:
