@@ -51,6 +51,7 @@ from torch import nn
 from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer
 from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from .options import GradSyncOptions
 from .tensor_parallel import (
     check_params,
     is_dtensor,
@@ -63,7 +64,6 @@ from .tensor_parallel import (
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_GROUP = object()  # process_group for a private single-process instance (BasicOptimizer)
 
 
@@ -117,13 +117,14 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         named = _trainable_named_params(module)
-        if grad_dtype is not None and grad_dtype not in GRAD_DTYPES:
-            raise ValueError(
-                f"grad_dtype={grad_dtype} is not supported; use torch.float32, torch.bfloat16, "
-                "torch.float16 or None (each parameter's own dtype)"
-            )
-        if bucket_size is not None and bucket_size < 1:
-            raise ValueError(f"bucket_size must be a positive element count, got {bucket_size}")
+        self.options = GradSyncOptions(
+            grad_dtype=grad_dtype,
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=use_distributed_optimizer,
+            find_unused_parameters=find_unused_parameters,
+            check_for_nan_in_grad=check_for_nan_in_grad,
+        )
 
         self.module = module
         self.process_group = _resolve_group(resolve_dp_group(process_group, device_mesh))
@@ -134,10 +135,6 @@ class DistributedDataParallel(nn.Module):
         self._nan_check_groups = [self.process_group, *stat_groups(self.tp_mesh)]
         self.dp_size = comm.group_size(self.process_group)
         self.dp_rank = comm.group_rank(self.process_group)
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.use_distributed_optimizer = use_distributed_optimizer
-        self.find_unused_parameters = find_unused_parameters
-        self.check_for_nan_in_grad = check_for_nan_in_grad
         self.comm_stats = comm.CommStats()
 
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
@@ -145,7 +142,7 @@ class DistributedDataParallel(nn.Module):
         self._param_index = {p: i for i, p in enumerate(self.params)}
         total = sum(local_tensor(p).numel() for p in self.params)
         target = TARGET_BUCKETS_GLOO if comm.is_gloo(self.process_group) else TARGET_BUCKETS
-        self.bucket_size = bucket_size or default_bucket_size(
+        self.bucket_size = self.options.bucket_size or default_bucket_size(
             self.dp_size, total, target_buckets=target
         )
 
@@ -158,12 +155,12 @@ class DistributedDataParallel(nn.Module):
         self.flat_buffers: list[ParamAndGradBuffer] = [
             ParamAndGradBuffer(
                 plist,
-                grad_dtype=grad_dtype or dtype,
+                grad_dtype=self.options.grad_dtype or dtype,
                 bucket_size=self.bucket_size,
                 dp_size=self.dp_size,
                 dp_rank=self.dp_rank,
                 group=self.process_group,
-                reduce_scatter=use_distributed_optimizer,
+                reduce_scatter=self.options.use_distributed_optimizer,
                 stats=self.comm_stats,
             )
             for dtype, plist in by_dtype.items()
@@ -194,6 +191,12 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
         ]
         self._param_wait_hooks = self._register_param_wait_hooks(module)
+
+    # The options as read-only attributes; ``self.options`` holds them.
+    overlap_grad_reduce = property(lambda self: self.options.overlap_grad_reduce)
+    use_distributed_optimizer = property(lambda self: self.options.use_distributed_optimizer)
+    find_unused_parameters = property(lambda self: self.options.find_unused_parameters)
+    check_for_nan_in_grad = property(lambda self: self.options.check_for_nan_in_grad)
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -227,16 +230,16 @@ class DistributedDataParallel(nn.Module):
         bucket.add_grad(param, grad)
         param.grad = None
         self._grad_sync_done = False
-        if self.find_unused_parameters:
+        if self.options.find_unused_parameters:
             self._used[self._param_index[param]] = 1
-        if self._sync_enabled and self.overlap_grad_reduce and bucket.mark_ready(param):
+        if self._sync_enabled and self.options.overlap_grad_reduce and bucket.mark_ready(param):
             self._launch_ready_buckets()
 
     def _reduction_started(self, bucket: Bucket) -> bool:
         # See [Note: grads after the reduction]. A reduced bucket stays reduced until
         # zero_grad_buffer; only the all-reduce path may reduce it again, after a finished sync.
         if self._grad_sync_done:
-            return self.use_distributed_optimizer
+            return self.options.use_distributed_optimizer
         return bucket.reduction_started
 
     def _raise_late_grad(self, param: nn.Parameter) -> None:
@@ -262,7 +265,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.reset_reduction()
         self._next_launch = 0
-        if self.find_unused_parameters:
+        if self.options.find_unused_parameters:
             self._used = bytearray(len(self.params))
         self.unused_params = frozenset()
 
@@ -282,14 +285,14 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.wait_reduction()
         unused: frozenset[nn.Parameter] = frozenset()
-        if self.find_unused_parameters:
+        if self.options.find_unused_parameters:
             used = torch.tensor(list(self._used), dtype=torch.int32, device=self._device)
             comm.all_reduce_small(used, dist.ReduceOp.MAX, [self.process_group], self.comm_stats)
             unused = frozenset(p for p, u in zip(self.params, used.tolist(), strict=True) if not u)
         self._reset_reductions()
         self.unused_params = unused
         self._grad_sync_done = True
-        if self.check_for_nan_in_grad:
+        if self.options.check_for_nan_in_grad:
             self._raise_on_nonfinite_grad()
 
     def zero_grad_buffer(self) -> None:

@@ -37,6 +37,7 @@ from . import clip
 from .buckets import ParamAndGradBuffer
 from .ddp import _NO_GROUP, DistributedDataParallel
 from .layout import ShardPiece
+from .options import StepOptions
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .tensor_parallel import common_mesh, grad_statistics
 
@@ -148,15 +149,12 @@ class _BufferOptimizer(torch.optim.Optimizer):
         models: Sequence[DistributedDataParallel],
         optimizer_cls: type[torch.optim.Optimizer],
         params: Iterable[Any] | None,
-        clip_grad: float | None,
+        options: StepOptions,
         loss_scaler: ConstantLossScaler | DynamicLossScaler | None,
-        log_num_zeros: bool,
         model_parallel_group: dist.ProcessGroup | None,
         optimizer_kwargs: dict[str, Any],
     ) -> None:
         _check_optimizer_cls(optimizer_cls)
-        if clip_grad is not None and not clip_grad > 0:
-            raise ValueError(f"clip_grad must be a positive max norm or None, got {clip_grad}")
         if loss_scaler is not None and not isinstance(
             loss_scaler, (ConstantLossScaler, DynamicLossScaler)
         ):
@@ -176,9 +174,8 @@ class _BufferOptimizer(torch.optim.Optimizer):
                     "one of the two (check_for_nan_in_grad is meant for bf16/fp32 training)"
                 )
         self.models = list(models)
-        self.clip_grad = clip_grad
+        self.options = options
         self.loss_scaler = loss_scaler
-        self.log_num_zeros = log_num_zeros
         self.model_parallel_group = model_parallel_group
         # Groups over which the inf flag, the grad norm and the zero count are reduced: the DP
         # group when each rank owns a shard, then the model-parallel group, whose ranks hold
@@ -248,6 +245,11 @@ class _BufferOptimizer(torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
 
+    # The options as read-only attributes; ``self.options`` holds them.
+    clip_grad = property(lambda self: self.options.clip_grad)
+    log_num_zeros = property(lambda self: self.options.log_num_zeros)
+    overlap_param_gather = property(lambda self: self.options.overlap_param_gather)
+
     # ------------------------------------------------------------------ training API
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -283,12 +285,12 @@ class _BufferOptimizer(torch.optim.Optimizer):
                 return StepResult(updated=False)
 
         grad_norm = None
-        if self.clip_grad is not None:
+        if self.options.clip_grad is not None:
             total_norm = clip.global_grad_norm(self._counted_grads, groups, device, stats)
             grad_norm = float(total_norm.item())
-            clip.clip_grads_(grads, self.clip_grad, total_norm)
+            clip.clip_grads_(grads, self.options.clip_grad, total_norm)
         num_zeros = None
-        if self.log_num_zeros:
+        if self.options.log_num_zeros:
             num_zeros = clip.count_zeros(self._counted_grads, groups, device, stats)
 
         skipped = self._detach_grads_of_unused_params()
@@ -402,15 +404,16 @@ class DistributedOptimizer(_BufferOptimizer):
                     "use_distributed_optimizer=True (it reduce-scatters grads); this one "
                     "all-reduces them: rebuild it, or use distopt.BasicOptimizer"
                 )
-        self.overlap_param_gather = overlap_param_gather
+        options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
+                              overlap_param_gather=overlap_param_gather)
         super().__init__(
-            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros,
-            model_parallel_group, optimizer_kwargs,
+            models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
+            optimizer_kwargs,
         )
 
     def _gather_params(self) -> None:
         for model in self.models:
-            model.start_param_sync(overlap=self.overlap_param_gather)
+            model.start_param_sync(overlap=self.options.overlap_param_gather)
 
 
 class BasicOptimizer(_BufferOptimizer):
@@ -451,9 +454,10 @@ class BasicOptimizer(_BufferOptimizer):
                     "reduce-scatters them: build it with use_distributed_optimizer=False, or "
                     "use distopt.DistributedOptimizer"
                 )
+        options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros)
         super().__init__(
-            models, optimizer_cls, params, clip_grad, loss_scaler, log_num_zeros,
-            model_parallel_group, optimizer_kwargs,
+            models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
+            optimizer_kwargs,
         )
 
 
