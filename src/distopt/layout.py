@@ -101,15 +101,6 @@ class BufferLayout:
     buckets: tuple[BucketLayout, ...]
     params: tuple[ParamSlot, ...]  # in the order given to build_layout
 
-    @property
-    def num_param_elements(self) -> int:
-        return sum(b.num_param_elements for b in self.buckets)
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements of all buckets that one rank owns, padding included."""
-        return self.numel // self.dp_size
-
     def shard_pieces(self, rank: int) -> list[ShardPiece]:
         """Every (param, rank) overlap for ``rank``, ordered by bucket then by position."""
         if not 0 <= rank < self.dp_size:
@@ -139,11 +130,6 @@ class BufferLayout:
                     )
                 )
         return pieces
-
-    def shard_buffer_range(self, bucket: int, rank: int) -> Range:
-        """Rank's shard of a bucket in buffer coordinates."""
-        b = self.buckets[bucket]
-        return b.shard_range(rank).shifted(b.buffer_range.start)
 
 
 MIN_CHUNK = 65_536

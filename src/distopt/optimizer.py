@@ -38,7 +38,7 @@ from .buckets import ParamAndGradBuffer
 from .ddp import _NO_GROUP, DistributedDataParallel
 from .layout import ShardPiece
 from .options import StepOptions
-from .scaler import ConstantLossScaler, DynamicLossScaler
+from .scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from .tensor_parallel import common_mesh, grad_statistics
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -150,7 +150,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
         optimizer_cls: type[torch.optim.Optimizer],
         params: Iterable[Any] | None,
         options: StepOptions,
-        loss_scaler: ConstantLossScaler | DynamicLossScaler | None,
+        loss_scaler: LossScaler | None,
         model_parallel_group: dist.ProcessGroup | None,
         optimizer_kwargs: dict[str, Any],
     ) -> None:
@@ -389,7 +389,7 @@ class DistributedOptimizer(_BufferOptimizer):
         optimizer_cls: type[torch.optim.Optimizer],
         params: Iterable[Any] | None = None,
         clip_grad: float | None = None,
-        loss_scaler: ConstantLossScaler | DynamicLossScaler | None = None,
+        loss_scaler: LossScaler | None = None,
         overlap_param_gather: bool = False,
         *,
         log_num_zeros: bool = False,
@@ -433,7 +433,7 @@ class BasicOptimizer(_BufferOptimizer):
         optimizer_cls: type[torch.optim.Optimizer],
         params: Iterable[Any] | None = None,
         clip_grad: float | None = None,
-        loss_scaler: ConstantLossScaler | DynamicLossScaler | None = None,
+        loss_scaler: LossScaler | None = None,
         *,
         log_num_zeros: bool = False,
         grad_dtype: torch.dtype | None = torch.float32,
