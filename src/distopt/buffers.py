@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .dtensor import alias_local, local_tensor
 from .layout import BucketLayout, BufferLayout, build_layout
-from .tensor_parallel import alias_local, local_tensor
 
 
 @dataclass(eq=False, slots=True)

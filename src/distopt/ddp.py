@@ -50,8 +50,10 @@ from torch import nn
 
 from . import collectives as comm
 from .buffers import Bucket, ParamAndGradBuffer
+from .dtensor import local_grad, local_tensor
 from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
-from .tensor_parallel import check_params, local_grad, local_tensor, resolve_dp_group, stat_groups
+from .parallel import ParallelLayout, resolve_dp_group
+from .tensor_parallel import TensorParallelMesh, check_params, stat_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -119,12 +121,11 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"bucket_size must be a positive element count, got {bucket_size}")
 
         self.module = module
-        self.process_group = _resolve_group(resolve_dp_group(process_group, device_mesh))
-        # None without DTensor params; raises (on every rank, before any collective) on a
-        # DTensor layout distopt cannot compose with. See [Note: DTensor params].
-        self.tp_mesh = check_params(named, self.process_group)
-        self.dp_size = comm.group_size(self.process_group)
-        self.dp_rank = comm.group_rank(self.process_group)
+        dp_group = _resolve_group(resolve_dp_group(process_group, device_mesh))
+        # The TP mesh is None without DTensor params; check_params raises (on every rank, before
+        # any collective) on a DTensor layout distopt cannot compose with. See
+        # [Note: DTensor params].
+        self.parallel = ParallelLayout.of(dp_group, check_params(named, dp_group))
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.find_unused_parameters = find_unused_parameters
@@ -180,6 +181,26 @@ class DistributedDataParallel(nn.Module):
         ]
         self._gather_handles: dict[int, Any] = {}
         self._param_wait_hooks = self._register_param_wait_hooks(module)
+
+    # ------------------------------------------------------------------ parallel layout
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group (None for a single process)."""
+        return self.parallel.dp_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallel.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.parallel.dp_rank
+
+    @property
+    def tp_mesh(self) -> TensorParallelMesh | None:
+        """The mesh of the DTensor params, None without them; see [Note: DTensor params]."""
+        return self.parallel.tp
 
     # ------------------------------------------------------------------ forward / backward
 
