@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as comm
+from .dtensor import alias_local, local_tensor
 from .layout import BucketLayout, BufferLayout, Range, build_layout
-from .tensor_parallel import alias_local, local_tensor
 
 
 class Bucket:

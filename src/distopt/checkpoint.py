@@ -48,7 +48,7 @@ from .checkpoint_state import (
     owned_pieces,
     scaler_state,
 )
-from .tensor_parallel import TensorParallelMesh, common_mesh, piece_runs
+from .tensor_parallel import TensorParallelMesh, piece_runs
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -95,33 +95,6 @@ def check_pair(ddp: Models, opt: Any) -> None:
         raise ValueError(
             "ddp is not the model the optimizer was built over: pass the same "
             "distopt.DistributedDataParallel (or the list of model chunks) given to the optimizer"
-        )
-
-
-def _group(opt: _BufferOptimizer) -> dist.ProcessGroup | None:
-    """The ranks a checkpoint is collective over: the DP group, or with TP every rank (the
-    world, which _check_tp has checked is the DP group times the TP mesh)."""
-    if _tp(opt) is not None:
-        return dist.group.WORLD
-    return opt.models[0].process_group
-
-
-def _tp(opt: _BufferOptimizer) -> TensorParallelMesh | None:
-    return common_mesh([m.tp_mesh for m in opt.models])
-
-
-def _check_tp(opt: _BufferOptimizer) -> None:
-    tp = _tp(opt)
-    if tp is None:
-        return
-    dp_size = comm.group_size(opt.models[0].process_group)
-    tp_size = tp.mesh.size()
-    if dp_size * tp_size != dist.get_world_size():
-        raise ValueError(
-            f"checkpoints of tensor-parallel models are collective over every rank, but the "
-            f"data-parallel group ({dp_size} ranks) times the tensor-parallel mesh ({tp_size} "
-            f"ranks) is not the world ({dist.get_world_size()} ranks): run the model on a "
-            "(dp, tp) mesh that spans the default process group"
         )
 
 
@@ -176,7 +149,7 @@ def save_checkpoint(
     is any object ``torch.save`` accepts, taken from rank 0 and returned by load_checkpoint.
     """
     check_pair(ddp, opt)
-    _check_tp(opt)
+    group = opt.parallel.checkpoint_group()
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive number of checkpoints or None, got {keep!r}")
     if name is not None and (
@@ -186,7 +159,6 @@ def save_checkpoint(
         raise ValueError(
             f"name must be a plain directory name (no '/', not hidden, not 'latest'), got {name!r}"
         )
-    group = _group(opt)
     rank = comm.group_rank(group)
     for model in opt.models:
         model.finish_param_sync()  # an overlapped gather may still be writing the model params
@@ -225,7 +197,7 @@ def save_checkpoint(
 def _save_state(opt: _BufferOptimizer, extra: Any, rank: int) -> dict[str, Any]:
 
     sd = optimizer_state_dict(opt)
-    tp = _tp(opt)
+    tp = opt.parallel.tp
     owned = {o.name: o for o in owned_pieces(opt)}
     state: dict[str, Any] = {}
     for name, shard in sd["main_params"].items():
@@ -252,7 +224,6 @@ def _describe(value: Any) -> list[Any]:
 
 def _manifest(opt: _BufferOptimizer, sequence: int, name: str,
               listed: dict[str, dict[str, int]]) -> dict[str, Any]:
-    tp = _tp(opt)
     models = []
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         module = model.module
@@ -268,8 +239,8 @@ def _manifest(opt: _BufferOptimizer, sequence: int, name: str,
         "sequence": sequence,
         "name": name,
         "saved_at": time.time(),
-        "dp_size": comm.group_size(opt.models[0].process_group),
-        "tp_size": 1 if tp is None else tp.mesh.size(),
+        "dp_size": opt.parallel.dp_size,
+        "tp_size": opt.parallel.tp_size,
         "torch": torch.__version__,
         "optimizer": class_path(type(opt.optimizer)),
         "param_groups": [group["params"] for group in hyper_params(opt)],
@@ -296,8 +267,7 @@ def load_checkpoint(
     from . import checkpoint_dcp
 
     check_pair(ddp, opt)
-    _check_tp(opt)
-    group = _group(opt)
+    group = opt.parallel.checkpoint_group()
     rank, size = comm.group_rank(group), comm.group_size(group)
     error, checked = None, None
     try:
@@ -400,7 +370,7 @@ def _load(opt: _BufferOptimizer, ckpt_dir: Path, manifest: dict[str, Any], metad
     state: dict[str, Any] = {"meta/param_groups": None, "extra": None}
     targets = []
     group_of_main = {id(m): g for g in opt.param_groups for m in g["params"]}
-    tp = _tp(opt)
+    tp = opt.parallel.tp
     for owned in owned_pieces(opt):
         numel = owned.param.numel()
         state[f"main/{owned.name}"] = _dcp_piece(tp, owned, owned.main.detach(), writing=False)
@@ -437,7 +407,7 @@ def _load(opt: _BufferOptimizer, ckpt_dir: Path, manifest: dict[str, Any], metad
                 state[f"model/{prefix}{key}"] = value.detach()
 
     with torch.no_grad():
-        checkpoint_dcp.load(state, ckpt_dir, _group(opt), metadata)
+        checkpoint_dcp.load(state, ckpt_dir, opt.parallel.checkpoint_group(), metadata)
     install_loaded_state(
         opt,
         [(owned, {k: state[v] if isinstance(v, str) else v for k, v in slots.items()})

@@ -50,25 +50,20 @@ from torch import nn
 
 from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer
+from .dtensor import is_dtensor, local_grad, local_tensor
 from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
 from .options import GradSyncOptions
-from .tensor_parallel import (
-    check_params,
-    is_dtensor,
-    local_grad,
-    local_tensor,
-    resolve_dp_group,
-    stat_groups,
-)
+from .parallel import ParallelLayout, resolve_dp_group
+from .tensor_parallel import TensorParallelMesh, check_params, stat_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-_NO_GROUP = object()  # process_group for a private single-process instance (BasicOptimizer)
+_THIS_PROCESS = object()  # process_group of for_this_process(): no group, even under dist
 
 
 def _resolve_group(process_group: Any) -> dist.ProcessGroup | None:
-    if process_group is _NO_GROUP:
+    if process_group is _THIS_PROCESS:
         return None
     if process_group is not None:
         return process_group
@@ -127,14 +122,13 @@ class DistributedDataParallel(nn.Module):
         )
 
         self.module = module
-        self.process_group = _resolve_group(resolve_dp_group(process_group, device_mesh))
-        # None without DTensor params; raises (on every rank, before any collective) on a
-        # DTensor layout distopt cannot compose with. See [Note: DTensor params].
-        self.tp_mesh = check_params(named, self.process_group)
+        dp_group = _resolve_group(resolve_dp_group(process_group, device_mesh))
+        # The TP mesh is None without DTensor params; check_params raises (on every rank, before
+        # any collective) on a DTensor layout distopt cannot compose with. See
+        # [Note: DTensor params].
+        self.parallel = ParallelLayout.of(dp_group, check_params(named, dp_group))
         # Over the TP groups too, so that every rank of the mesh raises, or none does.
         self._nan_check_groups = [self.process_group, *stat_groups(self.tp_mesh)]
-        self.dp_size = comm.group_size(self.process_group)
-        self.dp_rank = comm.group_rank(self.process_group)
         self.comm_stats = comm.CommStats()
 
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
@@ -197,6 +191,33 @@ class DistributedDataParallel(nn.Module):
     use_distributed_optimizer = property(lambda self: self.options.use_distributed_optimizer)
     find_unused_parameters = property(lambda self: self.options.find_unused_parameters)
     check_for_nan_in_grad = property(lambda self: self.options.check_for_nan_in_grad)
+
+    @classmethod
+    def for_this_process(cls, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
+        """Wrap ``module`` for training on this process alone, without communication, even
+        when torch.distributed is initialized (``BasicOptimizer`` over a plain module).
+        ``kwargs`` are the other options of the constructor."""
+        return cls(module, process_group=_THIS_PROCESS, **kwargs)
+
+    # ------------------------------------------------------------------ parallel layout
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group (None for a single process)."""
+        return self.parallel.dp_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallel.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.parallel.dp_rank
+
+    @property
+    def tp_mesh(self) -> TensorParallelMesh | None:
+        """The mesh of the DTensor params, None without them; see [Note: DTensor params]."""
+        return self.parallel.tp
 
     # ------------------------------------------------------------------ forward / backward
 

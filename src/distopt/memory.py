@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .tensor_parallel import local_tensor
+from .dtensor import local_tensor
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 

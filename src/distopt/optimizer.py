@@ -35,11 +35,12 @@ from torch import nn
 
 from . import clip
 from .buckets import ParamAndGradBuffer
-from .ddp import _NO_GROUP, DistributedDataParallel
+from .ddp import DistributedDataParallel
 from .layout import ShardPiece
 from .options import StepOptions
+from .parallel import ParallelLayout, common_layout
 from .scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from .tensor_parallel import common_mesh, grad_statistics
+from .tensor_parallel import grad_statistics
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -161,10 +162,9 @@ class _BufferOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "loss_scaler must be distopt.DynamicLossScaler() or distopt.ConstantLossScaler(s)"
             )
-        groups = {id(m.process_group) for m in models}
-        if len(groups) > 1:
-            raise ValueError("all model chunks must use the same data-parallel process group")
-        _check_model_parallel_group(model_parallel_group, models[0].process_group)
+        # The DP group and TP mesh every model chunk shares, checked once.
+        self.parallel: ParallelLayout = common_layout([m.parallel for m in models])
+        _check_model_parallel_group(model_parallel_group, self.parallel.dp_group)
         if isinstance(loss_scaler, DynamicLossScaler):
             checked = [m for m in models if m.check_for_nan_in_grad]
             if checked:
@@ -180,7 +180,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
         # Groups over which the inf flag, the grad norm and the zero count are reduced: the DP
         # group when each rank owns a shard, then the model-parallel group, whose ranks hold
         # other parts of the model. Each grad element must be owned by exactly one rank of all.
-        self._reduce_groups = [self.models[0].process_group] if self._sharded else []
+        self._reduce_groups = [self.parallel.dp_group] if self._sharded else []
         if model_parallel_group is not None:
             self._reduce_groups.append(model_parallel_group)
         self._device = self.models[0].params[0].device
@@ -217,7 +217,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
         # Tensor parallelism adds the TP groups to every reduction and leaves TP-replicated
         # grads out of the sums on all but one TP rank; see [Note: TP grad statistics].
         tp_groups, self._counted_grads = grad_statistics(
-            common_mesh([m.tp_mesh for m in self.models]),
+            self.parallel.tp,
             [self.piece_info(m)[0] for m in mains],
             self._grads,
         )
@@ -442,9 +442,8 @@ class BasicOptimizer(_BufferOptimizer):
     ) -> None:
         if isinstance(model, nn.Module) and not isinstance(model, DistributedDataParallel):
             # A plain module: the same buffers and hooks, on this process alone.
-            model = DistributedDataParallel(
-                model, process_group=_NO_GROUP, grad_dtype=grad_dtype,
-                use_distributed_optimizer=False,
+            model = DistributedDataParallel.for_this_process(
+                model, grad_dtype=grad_dtype, use_distributed_optimizer=False
             )
         models = _as_model_list(model, "BasicOptimizer")
         for m in models:

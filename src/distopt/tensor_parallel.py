@@ -9,8 +9,9 @@ split by ZeRO across the DP ranks, while the params stay DTensors for the forwar
 
 [Note: DTensor params]
 * Buffers hold local shards. ``ParamAndGradBuffer`` lays out ``local_tensor(p)`` and makes the
-  DTensor's local tensor a view into ``param_data`` (``alias_local``); ``main_grad`` is a plain
-  view of the same local shape. The hook adds ``local_grad(p, p.grad)`` into it: the local
+  DTensor's local tensor a view into ``param_data`` (``alias_local``, in dtensor.py);
+  ``main_grad`` is a plain view of the same local shape. The hook adds
+  ``local_grad(p, p.grad)`` into it: the local
   part of the DTensor grad, first redistributed to the param's placements when it differs
   (a ``Partial`` grad of a ``Replicate`` param under sequence parallelism).
 * Every rank of one DP group holds the same TP coordinate, so the same local shapes and the
@@ -46,87 +47,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .dtensor import is_dtensor
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-
-def _dtensor_cls() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
-
-
-def is_dtensor(tensor: Any) -> bool:
-    cls = _dtensor_cls()
-    return cls is not None and isinstance(tensor, cls)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view, no copy); any other tensor as it is."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor
-
-
-def alias_local(param: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``view`` (already holding the values) the storage of ``param``'s local shard."""
-    if not is_dtensor(param):
-        param.data = view
-        return
-    # ``param.data = DTensor.from_local(view, ...)`` leaves the DTensor's local tensor where it
-    # was (no aliasing), so swap the local tensor itself, as FSDP2 does for its sharded params.
-    with torch.no_grad():
-        param._local_tensor = view
-    if param.to_local().data_ptr() != view.data_ptr():
-        raise RuntimeError(
-            "this torch version does not let distopt alias a DTensor's local shard; "
-            "report it with the torch version"
-        )
-
-
-def local_grad(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-    """The local part of a param's grad, laid out like the param's local shard."""
-    if not is_dtensor(grad):
-        return grad
-    if tuple(grad.placements) != tuple(param.placements):
-        # A Replicate param fed sequence-sharded activations (SequenceParallel's LayerNorm)
-        # gets a Partial grad: sum it over the TP group now (the same collective in the same
-        # backward order on every TP rank), since the DP buffer holds plain local values.
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    return grad._local_tensor
-
-
-def resolve_dp_group(process_group: Any, device_mesh: DeviceMesh | None) -> Any:
-    """The DP group named by ``process_group`` or by ``device_mesh`` (at most one of the two)."""
-    if device_mesh is None:
-        return process_group
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if process_group is not None:
-        raise ValueError(
-            "pass the data-parallel group either as process_group= or as device_mesh=, not both"
-        )
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(
-            f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
-            f"{type(device_mesh).__name__}"
-        )
-    if device_mesh.ndim == 1:
-        return device_mesh.get_group()
-    names = device_mesh.mesh_dim_names or ()
-    if "dp" not in names:
-        raise ValueError(
-            f"device_mesh has {device_mesh.ndim} dimensions named {names or 'nothing'}; distopt "
-            "needs the data-parallel one: name it 'dp' (mesh_dim_names=('dp', 'tp')) or pass "
-            "the 1-D submesh, device_mesh=mesh['dp']"
-        )
-    return device_mesh["dp"].get_group()
 
 
 @dataclass(frozen=True, slots=True)
