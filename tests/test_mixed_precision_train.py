@@ -133,7 +133,7 @@ def test_fp16_loss_scaler_skips_and_unscales(runs):
 def test_state_bytes_follow_the_design_table(runs):
     for name in RUNS:
         for value in runs[name]:
-            # Padding is the only excess over DESIGN.md's table.
+            # Padding is the only excess over the memory table of docs/design.md.
             assert value["theory"] <= value["bytes_per_param"] < value["theory"] * 1.1
 
 

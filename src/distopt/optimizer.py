@@ -1,6 +1,7 @@
 """DistributedOptimizer (ZeRO-1/2) and BasicOptimizer (replicated), over distopt DDP buffers.
 
-Data flow of one step, for one buffer of d ranks (see DESIGN.md for the memory table)::
+Data flow of one step, for one buffer of d ranks (docs/design.md has the memory table and the
+map of who calls whom)::
 
     grad_data  [N]      grads accumulated by the DDP hooks (dtype grad_dtype)
       | reduce-scatter (average), bucket by bucket, overlapped with backward
@@ -92,7 +93,7 @@ class _OwnedMainParams:
 
         fp32 = torch.float32
         device = buffer.param_data.device
-        # Separate fp32 copies only where the model's dtype is not fp32 (DESIGN.md's table).
+        # Separate fp32 copies only where the model's dtype is not fp32 (docs/design.md, Memory).
         self.shard_fp32 = None
         if buffer.param_dtype != fp32:
             self.shard_fp32 = torch.empty(total, dtype=fp32, device=device)
