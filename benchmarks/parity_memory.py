@@ -14,16 +14,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import torch  # noqa: E402
-
 import distopt  # noqa: E402
+from distopt.dtypes import dtype_name  # noqa: E402
 
 from dist_harness import case_result, run_cases  # noqa: E402
 from test_parity import MEMORY_ROWS, _cases  # noqa: E402
 
 PARITY = ["fp32-adamw", "fp32-sgd", "fp32-adagrad", "fp32-adamw-zero-grads",
           "fp32-adamw-no-overlap", "bf16-fp32grads", "bf16-bf16grads", "no-sync"]
-NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def main() -> None:
@@ -43,7 +41,7 @@ def main() -> None:
             measured = max(v["report"].bytes_per_param for v in values)
             n = values[0]["report"].num_params
             theory = distopt.theoretical_bytes_per_param(pd, gd, d)
-            print(f"| {NAMES[pd]} / {NAMES[gd]} | {d} | {measured:.3f} | {theory:.3f} | "
+            print(f"| {dtype_name(pd)} / {dtype_name(gd)} | {d} | {measured:.3f} | {theory:.3f} | "
                   f"{values[0]['padded'] - n} elements |")
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
 import torch
 
 import distopt
+from distopt.dtypes import DTYPES
+from distopt.memory import BytesPerParam, bytes_per_param_breakdown
 from distopt.memory_cli import main
 
 
@@ -36,3 +39,17 @@ def test_bad_arguments_give_one_line(capsys):
         main(["--params", "7e9", "--dtype", "fp8"])
     with pytest.raises(ValueError, match="dp_size"):
         distopt.theoretical_bytes_per_param(torch.float32, None, 0)
+
+
+def test_breakdown_is_the_theory_by_component():
+    assert bytes_per_param_breakdown(torch.bfloat16, torch.float32) == BytesPerParam(
+        params=2, grads=4, main_params=4, main_grads=0, optimizer_state=8)
+    for param, grad, dp, state in itertools.product(DTYPES.values(), DTYPES.values(),
+                                                    (1, 2, 3, 8), (4, 8)):
+        breakdown = bytes_per_param_breakdown(param, grad, optimizer_state_bytes=state)
+        for distributed in (True, False):
+            total = distopt.theoretical_bytes_per_param(
+                param, grad, dp, distributed=distributed, optimizer_state_bytes=state)
+            assert breakdown.total(dp, distributed=distributed) == total
+            per_rank = breakdown.per_rank(dp, distributed=distributed)
+            assert sum(per_rank.values()) == pytest.approx(total)

@@ -2,6 +2,7 @@
 
 Each subcommand lives in its own module and is imported only when used, so ``distopt memory``
 starts instantly and a broken optional dependency of one command cannot break the others.
+A command that needs the ``train`` extra checks for it before its module is imported.
 """
 
 from __future__ import annotations
@@ -9,16 +10,25 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .extras import BENCH_NEEDS, TRAIN_NEEDS, require
+
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {}
+# subcommand -> the packages of the train extra it imports
+NEEDS: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str, module: str, function: str, help_line: str) -> None:
+def register(
+    name: str, module: str, function: str, help_line: str, needs: tuple[str, ...] = ()
+) -> None:
     SUBCOMMANDS[name] = (module, function, help_line)
+    NEEDS[name] = needs
 
 
-register("train", "distopt.train.launch", "main", "train the demo GPT on several ranks")
-register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO and FSDP2")
+register("train", "distopt.train.launch", "main", "train the demo GPT on several ranks",
+         needs=TRAIN_NEEDS)
+register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO and FSDP2",
+         needs=BENCH_NEEDS)
 register("memory", "distopt.memory_cli", "main", "bytes per parameter and GiB per rank")
 register("export", "distopt.checkpoint", "export_main", "checkpoint -> plain PyTorch file")
 
@@ -39,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"distopt: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2
+    require(f"distopt {name}", NEEDS[name])
     module, function, _ = SUBCOMMANDS[name]
     return int(getattr(importlib.import_module(module), function)(rest) or 0)
 

@@ -8,19 +8,92 @@ the grad buffer) cost nothing extra, exactly as in memory.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from .dtensor import local_tensor
-
-_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+from .dtypes import DTYPES
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    if dtype not in _BYTES:
+    if dtype not in DTYPES.values():
         raise ValueError(f"unsupported dtype {dtype}; use torch.float32, bfloat16 or float16")
-    return _BYTES[dtype]
+    return dtype.itemsize
+
+
+def _check_dp_size(dp_size: int) -> None:
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class BytesPerParam:
+    """The theory of what training state costs, component by component: bytes per parameter
+    of each component when one rank holds all of it.
+
+    The fields are the components ``MemoryReport`` measures. Every rank holds the model's params
+    and its grad buffer whole; the distributed optimizer shards the other components
+    (``SHARDED``) over the data-parallel ranks, so that each rank holds ``1/d`` of them.
+    """
+
+    params: int
+    """The model's params, in their training dtype."""
+    grads: int
+    """The grad buffer, in the grad dtype."""
+    main_params: int
+    """fp32 master copies of bf16/fp16 params (fp32 params are their own master copies)."""
+    main_grads: int
+    """fp32 copies of the reduced grads, when the grad buffer is bf16/fp16."""
+    optimizer_state: int
+    """The torch optimizer's state: 8 for Adam's two fp32 moments, 4 for SGD's momentum."""
+
+    def per_rank(self, dp_size: int, *, distributed: bool = True) -> dict[str, float]:
+        """Each component's bytes per parameter on one of ``dp_size`` data-parallel ranks, by
+        field name; ``distributed=False``: replicated, every rank holds everything."""
+        _check_dp_size(dp_size)
+        shards = dp_size if distributed else 1
+        return {
+            name: getattr(self, name) / (shards if name in SHARDED else 1)
+            for name in COMPONENTS
+        }
+
+    def total(self, dp_size: int, *, distributed: bool = True) -> float:
+        """Bytes per parameter one of ``dp_size`` data-parallel ranks holds in all."""
+        _check_dp_size(dp_size)
+        # One division of the sharded components' sum, not one per component: the table's
+        # ``whole + sharded / d``, to the last bit.
+        whole = sum(getattr(self, name) for name in COMPONENTS if name not in SHARDED)
+        sharded = sum(getattr(self, name) for name in COMPONENTS if name in SHARDED)
+        return whole + sharded / (dp_size if distributed else 1)
+
+
+COMPONENTS: tuple[str, ...] = tuple(f.name for f in fields(BytesPerParam))
+"""The components of training state, in the order the reports list them."""
+SHARDED = frozenset({"main_params", "main_grads", "optimizer_state"})
+"""The components the distributed optimizer shards over the data-parallel ranks."""
+
+
+def bytes_per_param_breakdown(
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype | None = None,
+    *,
+    optimizer_state_bytes: int = 8,
+) -> BytesPerParam:
+    """DESIGN.md's bytes-per-parameter table for one choice of dtypes, by component.
+
+    ``grad_dtype=None`` means grads in the param dtype. ``optimizer_state_bytes`` is 8 for
+    Adam's two fp32 moments, 4 for SGD with momentum.
+    """
+    grad_dtype = grad_dtype or param_dtype
+    return BytesPerParam(
+        params=_element_size(param_dtype),
+        grads=_element_size(grad_dtype),
+        # The optimizer steps in fp32: low-precision params and grads get fp32 copies.
+        main_params=4 if param_dtype != torch.float32 else 0,
+        main_grads=4 if grad_dtype != torch.float32 else 0,
+        optimizer_state=optimizer_state_bytes,
+    )
 
 
 def theoretical_bytes_per_param(
@@ -35,15 +108,13 @@ def theoretical_bytes_per_param(
 
     ``optimizer_state_bytes`` is 8 for Adam's two fp32 moments, 4 for SGD with momentum.
     ``distributed=False`` gives the replicated (DDP + torch optimizer) figure.
+    ``bytes_per_param_breakdown`` gives the same figure component by component.
     """
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    grad_dtype = grad_dtype or param_dtype
-    model = _element_size(param_dtype) + _element_size(grad_dtype)
-    main_params = 4 if param_dtype != torch.float32 else 0
-    main_grads = 4 if grad_dtype != torch.float32 else 0
-    sharded = main_params + main_grads + optimizer_state_bytes
-    return model + sharded / (dp_size if distributed else 1)
+    _check_dp_size(dp_size)
+    breakdown = bytes_per_param_breakdown(
+        param_dtype, grad_dtype, optimizer_state_bytes=optimizer_state_bytes
+    )
+    return breakdown.total(dp_size, distributed=distributed)
 
 
 @dataclass(frozen=True, slots=True)

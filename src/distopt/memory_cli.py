@@ -3,8 +3,8 @@
     distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype fp32
     distopt memory --model small --dp 4
 
-The figures are DESIGN.md's bytes-per-parameter table (``theoretical_bytes_per_param``) split
-by component; activations and padding are not included.
+The figures are DESIGN.md's bytes-per-parameter table (``bytes_per_param_breakdown``), by
+component; activations and padding are not included.
 """
 
 from __future__ import annotations
@@ -14,10 +14,18 @@ import sys
 
 import torch
 
-from .memory import theoretical_bytes_per_param
+from .dtypes import DTYPES, dtype_name
+from .memory import COMPONENTS, bytes_per_param_breakdown
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
+LABELS = {
+    "params": "model params",
+    "grads": "grad buffer",
+    "main_params": "fp32 main params",
+    "main_grads": "fp32 main grads",
+    "optimizer_state": "optimizer state",
+}
+"""The table's name for each component of ``distopt.memory.BytesPerParam``."""
 
 
 def _positive_count(text: str) -> int:
@@ -46,20 +54,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def components(param_dtype: torch.dtype, grad_dtype: torch.dtype, dp: int,
-               state_bytes: int) -> list[tuple[str, float, float]]:
-    """(component, replicated bytes/param, distopt bytes/param) rows."""
-    rows = [
-        ("model params", param_dtype.itemsize, param_dtype.itemsize),
-        ("grad buffer", grad_dtype.itemsize, grad_dtype.itemsize),
-        ("fp32 main params", 4.0 if param_dtype != torch.float32 else 0.0, 0.0),
-        ("fp32 main grads", 4.0 if grad_dtype != torch.float32 else 0.0, 0.0),
-        ("optimizer state", float(state_bytes), 0.0),
-    ]
-    return [(name, rep, dist if name in ("model params", "grad buffer") else rep / dp)
-            for name, rep, dist in rows]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.model is not None:
@@ -79,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     grad_dtype = DTYPES[args.grad_dtype] if args.grad_dtype else (
         torch.float32 if param_dtype != torch.float32 else param_dtype)
 
-    rows = components(param_dtype, grad_dtype, args.dp, args.optimizer_state_bytes)
-    rep_total = theoretical_bytes_per_param(param_dtype, grad_dtype, args.dp, distributed=False,
-                                            optimizer_state_bytes=args.optimizer_state_bytes)
-    dist_total = theoretical_bytes_per_param(param_dtype, grad_dtype, args.dp,
-                                             optimizer_state_bytes=args.optimizer_state_bytes)
-    gname = {v: k for k, v in DTYPES.items()}[grad_dtype]
-    print(f"{label}, {args.dtype} params, {gname} grads, data-parallel size {args.dp}\n")
+    theory = bytes_per_param_breakdown(
+        param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes
+    )
+    replicated, distributed = theory.per_rank(args.dp, distributed=False), theory.per_rank(args.dp)
+    rows = [(LABELS[name], replicated[name], distributed[name]) for name in COMPONENTS]
+    rep_total = theory.total(args.dp, distributed=False)
+    dist_total = theory.total(args.dp)
+    print(f"{label}, {args.dtype} params, {dtype_name(grad_dtype)} grads, "
+          f"data-parallel size {args.dp}\n")
     print(f"{'component':<18}{'replicated':>14}{'distopt':>14}{'distopt GiB/rank':>18}")
     print(f"{'':<18}{'B/param':>14}{'B/param':>14}")
     for name, rep, dist in [*rows, ("total", rep_total, dist_total)]:

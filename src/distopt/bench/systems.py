@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distopt
-from distopt.memory import storage_bytes
+from distopt.memory import bytes_per_param_breakdown, storage_bytes
 
 SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "basic")
 """Configurations run by default, in the order the report lists them."""
@@ -288,10 +288,12 @@ _DISTOPT_OVERLAPS = {
 
 def theoretical_bytes_per_param(name: str, d: int) -> float:
     """Persistent state per parameter for fp32 params and grads with Adam (DESIGN.md)."""
+    fp32 = bytes_per_param_breakdown(torch.float32, torch.float32)
     if name in ("ddp", "basic"):
-        return 16.0
+        return fp32.total(d, distributed=False)
     if name == "zero":
-        return 8 + 8 / d  # params and grads replicated, Adam's moments sharded
+        # params and grads replicated, Adam's moments sharded
+        return fp32.params + fp32.grads + fp32.optimizer_state / d
     if name == "fsdp2":
-        return 16 / d  # between steps everything is sharded (ZeRO-3)
-    return distopt.theoretical_bytes_per_param(torch.float32, torch.float32, d)
+        return fp32.total(d, distributed=False) / d  # between steps everything is sharded (ZeRO-3)
+    return fp32.total(d)

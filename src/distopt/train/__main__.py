@@ -3,8 +3,13 @@ start the processes themselves (several machines, schedulers)."""
 
 import sys
 
+from ..extras import TRAIN_NEEDS, require
 from .config import parse_args
 from .worker import run_worker
+
+# Every rank checks before the group forms: were rank 0 alone to fail later, for want of the
+# progress bar or the plot, the other ranks would wait for it in a collective.
+require("distopt train", TRAIN_NEEDS)
 
 try:
     config = parse_args(sys.argv[1:])

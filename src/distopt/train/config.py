@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPES
 from .model import MODEL_PRESETS
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -24,7 +25,6 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "radam": (torch.optim.RAdam, {"betas": (0.9, 0.95)}),
     "adamax": (torch.optim.Adamax, {}),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import distopt
-
-from .config import DTYPES, OPTIMIZERS, TrainConfig
+from ..dtypes import DTYPES
+from ..memory import bytes_per_param_breakdown
+from .config import OPTIMIZERS, TrainConfig
 
 _STATE_BYTES = {"sgd": 4, "adagrad": 4, "rmsprop": 4}  # fp32 state per param; Adam-likes: 8
 
@@ -25,13 +23,13 @@ def write_summary(
     *,
     num_files: tuple[int, int],
 ) -> dict[str, Any]:
-    param_dtype, grad_dtype = DTYPES[config.dtype], DTYPES[config.grad_dtype]
-    state_bytes = _STATE_BYTES.get(config.optimizer, 8)
+    breakdown = bytes_per_param_breakdown(
+        DTYPES[config.dtype], DTYPES[config.grad_dtype],
+        optimizer_state_bytes=_STATE_BYTES.get(config.optimizer, 8),
+    )
     theory = {
-        "distopt": distopt.theoretical_bytes_per_param(
-            param_dtype, grad_dtype, world, optimizer_state_bytes=state_bytes),
-        "replicated": distopt.theoretical_bytes_per_param(
-            param_dtype, grad_dtype, world, distributed=False, optimizer_state_bytes=state_bytes),
+        "distopt": breakdown.total(world),
+        "replicated": breakdown.total(world, distributed=False),
     }
     evals = [h for h in history if "heldout_loss" in h]
     first, last = evals[0]["heldout_loss"], evals[-1]["heldout_loss"]
@@ -100,4 +98,3 @@ def write_loss_plot(path: Path, history: list[dict[str, Any]]) -> None:
 
 
 __all__ = ["write_loss_plot", "write_summary"]
-_ = torch  # dtypes come through config

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import distopt
 
-from .config import DTYPES, OPTIMIZERS, TrainConfig
+from ..dtypes import DTYPES
+from .config import OPTIMIZERS, TrainConfig
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
 from .report import write_loss_plot, write_summary

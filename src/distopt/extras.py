@@ -1,0 +1,40 @@
+"""What distopt's applications need beyond torch: the ``train`` extra.
+
+The library needs only torch. ``distopt train`` draws a progress bar (tqdm) and a loss plot
+(matplotlib), ``distopt bench`` a bar chart (matplotlib); ``pip install 'distopt[train]'``
+installs both. The commands look for these packages before they start anything, so that a
+missing one costs one line of error up front, not a traceback at the end of a run or from
+every rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+TRAIN_NEEDS = ("matplotlib", "tqdm")
+"""Imported by ``distopt train``'s rank 0: the loss plot and the progress bar."""
+BENCH_NEEDS = ("matplotlib",)
+"""Imported by ``distopt bench``: the bar chart."""
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: imports of it are blocked
+    return importlib.util.find_spec(module) is not None
+
+
+def missing(modules: Sequence[str]) -> list[str]:
+    """The top-level ``modules`` that are not installed, without importing any of them."""
+    return [module for module in modules if not _installed(module)]
+
+
+def require(command: str, modules: Sequence[str], extra: str = "train") -> None:
+    """Exit with status 1 and one line naming what ``command`` lacks and how to install it."""
+    absent = missing(modules)
+    if absent:
+        raise SystemExit(
+            f"{command}: needs {' and '.join(absent)} (not installed): "
+            f"pip install 'distopt[{extra}]'"
+        )
