@@ -4,7 +4,7 @@
 
 Runs every case of tests/test_parity.py at d = 1, 2, 3, 4 (one spawned gloo group per d) and
 prints, as markdown, the largest difference from single-process torch.optim over 20 steps and
-the bytes per parameter each rank holds beside DESIGN.md's formula.
+the bytes per parameter each rank holds beside the formula of docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`distopt memory` prints DESIGN.md's table for the sizes asked."""
+"""`distopt memory` prints the memory table of docs/design.md for the sizes asked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What training state costs per parameter: the theory (DESIGN.md's table) and a measurement.
+"""What training state costs per parameter: the theory (docs/design.md) and a measurement.
 
 The measurement walks the tensors a rank really holds and adds up the bytes of their storages,
 each storage once, so views (main params that alias the param buffer, main grads that alias
@@ -80,7 +80,7 @@ def bytes_per_param_breakdown(
     *,
     optimizer_state_bytes: int = 8,
 ) -> BytesPerParam:
-    """DESIGN.md's bytes-per-parameter table for one choice of dtypes, by component.
+    """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
 
     ``grad_dtype=None`` means grads in the param dtype. ``optimizer_state_bytes`` is 8 for
     Adam's two fp32 moments, 4 for SGD with momentum.

@@ -3,7 +3,7 @@
     distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype fp32
     distopt memory --model small --dp 4
 
-The figures are DESIGN.md's bytes-per-parameter table (``bytes_per_param_breakdown``), by
+The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included.
 """
 

@@ -287,7 +287,7 @@ _DISTOPT_OVERLAPS = {
 
 
 def theoretical_bytes_per_param(name: str, d: int) -> float:
-    """Persistent state per parameter for fp32 params and grads with Adam (DESIGN.md)."""
+    """Persistent state per parameter for fp32 params and grads with Adam (docs/design.md)."""
     fp32 = bytes_per_param_breakdown(torch.float32, torch.float32)
     if name in ("ddp", "basic"):
         return fp32.total(d, distributed=False)

@@ -6,6 +6,7 @@ It reads its rank and world from the environment torchrun (or distopt's launcher
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -141,7 +142,7 @@ class Trainer:
         micro_x, micro_y = x.chunk(config.grad_accum), y.chunk(config.grad_accum)
         for i, (mx, my) in enumerate(zip(micro_x, micro_y, strict=True)):
             last = i == config.grad_accum - 1
-            with self.ddp.no_sync() if not last else _nullcontext():
+            with self.ddp.no_sync() if not last else contextlib.nullcontext():
                 _, loss = self.ddp(mx, my)
                 self.opt.scale_loss(loss / config.grad_accum).backward()
             loss_sum += loss.detach().float()
@@ -229,14 +230,6 @@ class _MetricsLog:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _progress(config: TrainConfig, rank: int, initial: int):
