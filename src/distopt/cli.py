@@ -20,7 +20,7 @@ def register(name: str, module: str, function: str, help_line: str) -> None:
 register("train", "distopt.train.launch", "main", "train the demo GPT on several ranks")
 register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO and FSDP2")
 register("memory", "distopt.memory_cli", "main", "bytes per parameter and GiB per rank")
-register("export", "distopt.checkpoint", "export_main", "checkpoint -> plain PyTorch file")
+register("export", "distopt.export_cli", "main", "checkpoint -> plain PyTorch file")
 
 
 def _usage() -> str:
