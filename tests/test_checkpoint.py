@@ -142,7 +142,7 @@ def resume(name: str, root: Path, bucket_size: int | None) -> dict:
 
 
 def _state_diff(opt, saved: dict) -> float:
-    from distopt.checkpoint_state import owned_pieces, piece_of
+    from distopt.checkpoint.format import owned_pieces, piece_of
 
     worst = 0.0
     for owned in owned_pieces(opt):

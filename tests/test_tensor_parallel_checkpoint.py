@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import parallelize_module
 
 import distopt
-from distopt.checkpoint_dcp import read_metadata
-from distopt.tensor_parallel import piece_runs
+from distopt.checkpoint.dcp import read_metadata
+from distopt.checkpoint.format import piece_runs
 
 from dist_harness import case_result, run_cases
 from test_tensor_parallel import BATCH, Block, batch, tp_plan

@@ -30,7 +30,7 @@ register("train", "distopt.train.launch", "main", "train the demo GPT on several
 register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO and FSDP2",
          needs=BENCH_NEEDS)
 register("memory", "distopt.memory_cli", "main", "bytes per parameter and GiB per rank")
-register("export", "distopt.checkpoint", "export_main", "checkpoint -> plain PyTorch file")
+register("export", "distopt.export_cli", "main", "checkpoint -> plain PyTorch file")
 
 
 def _usage() -> str:

@@ -280,3 +280,25 @@ def all_reduce_small(
                 stats.record("all_reduce_small", tensor)
             dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+# ---------------------------------------------------------------------- small Python objects
+
+
+def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:
+    """The group's first rank's ``obj``, on every rank of ``group`` (pickled: for small
+    control values such as a verdict or a path)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
+    """Every rank's ``obj``, in group rank order (pickled: for small control values)."""
+    if group_size(group) == 1:
+        return [obj]
+    gathered: list[object] = [None] * group_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

@@ -24,11 +24,12 @@ all-reduced grads and no gather.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,33 @@ class StepResult:
     updated: bool
     grad_norm: float | None = None
     num_zeros: int | None = None
+
+
+class StateDictFormat(Protocol):
+    """What an optimizer's ``state_dict()`` and ``load_state_dict()`` do. distopt.checkpoint
+    registers its own; see [Note: one-way imports] in distopt/checkpoint/__init__.py."""
+
+    def state_dict(self, opt: Any) -> dict[str, Any]: ...
+
+    def load_state_dict(self, opt: Any, state_dict: dict[str, Any]) -> None: ...
+
+
+_state_dict_format: StateDictFormat | None = None
+
+
+def register_state_dict_format(state_format: StateDictFormat) -> None:
+    """Make ``state_format`` what every distopt optimizer's state-dict methods call."""
+    global _state_dict_format
+    _state_dict_format = state_format
+
+
+def _registered_state_dict_format() -> StateDictFormat:
+    if _state_dict_format is None:
+        raise RuntimeError(
+            "no optimizer state-dict format is registered; `import distopt` registers "
+            "distopt.checkpoint's"
+        )
+    return _state_dict_format
 
 
 class _OwnedMainParams:
@@ -331,16 +359,13 @@ class _BufferOptimizer(torch.optim.Optimizer):
                 model.start_param_sync(overlap=False)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state, keyed by parameter name; see distopt.checkpoint_state."""
-        from .checkpoint_state import optimizer_state_dict
-
-        return optimizer_state_dict(self)
+        """This rank's optimizer state, keyed by parameter name; see
+        [Note: DP-size independent state] in distopt/checkpoint/format.py."""
+        return _registered_state_dict_format().state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict of ``state_dict()``'s format, written at any DP size; collective."""
-        from .checkpoint_state import load_optimizer_state_dict
-
-        load_optimizer_state_dict(self, state_dict)
+        _registered_state_dict_format().load_state_dict(self, state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
@@ -357,6 +382,30 @@ class _BufferOptimizer(torch.optim.Optimizer):
         """The model param a piece belongs to, and where the piece lies in it."""
         owned, piece = self._piece_owner[main]
         return owned.model_param(piece), piece
+
+    # ------------------------------------------------------------------ what checkpoints read
+    # Besides main_params and piece_info above: models, model_param_groups,
+    # default_param_groups, optimizer, loss_scaler, parallel and sync_model_params().
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank owns a shard of the main params and the state (ZeRO), rather than
+        all of them."""
+        return self._sharded
+
+    def pieces(self) -> list[tuple[nn.Parameter, ShardPiece, nn.Parameter]]:
+        """``(model param, piece, fp32 main param)`` of every piece this rank owns, in
+        param-group order."""
+        return [(*self.piece_info(main), main) for main in self.main_params]
+
+    def param_group_of(self, main: nn.Parameter) -> dict[str, Any]:
+        """The param group (of ``param_groups``) that holds the main param ``main``."""
+        return self._group_by_main[main]
+
+    @functools.cached_property
+    def _group_by_main(self) -> dict[nn.Parameter, dict[str, Any]]:
+        # The groups are fixed at construction (add_param_group raises), so this never changes.
+        return {main: group for group in self.param_groups for main in group["params"]}
 
 
 class DistributedOptimizer(_BufferOptimizer):

@@ -1,4 +1,7 @@
-"""torch.distributed.checkpoint (DCP) for distopt's uneven shards.
+"""torch.distributed.checkpoint (DCP) for distopt's uneven shards: chunks, reader, writer.
+
+Importing this module imports DCP, which is slow to import; the package imports it only
+inside the functions that save, load or export (see [Note: one-way imports]).
 
 [Note: flat shards in DCP]
 DCP reshards by chunks: at save each rank declares which box of a global tensor it writes, at
@@ -6,9 +9,9 @@ load which box it wants, and each rank reads exactly the saved chunks that overl
 distopt piece is such a box of the flattened parameter (1-D, from the piece's start), but at
 offsets that no DTensor placement describes. ``_DcpFlat`` is a tensor subclass with the global
 1-D shape that implements DCP's checkpointable protocol (``__create_write_items__``,
-``__create_chunk_list__``, ``__get_tensor_shard__``) for one ``FlatShard``, or for the several
-runs a tensor-parallel piece covers (see [Note: TP checkpoints]); an empty chunk is not
-declared. Replicated values (model params, step counts, options) are plain tensors and
+``__create_chunk_list__``, ``__get_tensor_shard__``) for one piece (``piece_as_dcp``), or for
+the several runs a tensor-parallel piece covers (see [Note: TP checkpoints]); an empty chunk is
+not declared. Replicated values (model params, step counts, options) are plain tensors and
 objects, which DCP writes once however many ranks hold them.
 
 The state dicts given to DCP are flat (keys such as ``main/l1.weight``), so both planners run
@@ -52,7 +55,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .checkpoint_state import FlatShard
+from ..tensor_parallel import TensorParallelMesh
+from .format import OwnedPiece, piece_runs
 
 
 class _DcpFlat(torch.Tensor):
@@ -103,14 +107,17 @@ class _DcpFlat(torch.Tensor):
         return self._chunks[index.offset[0]]
 
 
-def as_dcp(shard: FlatShard) -> torch.Tensor:
-    return _DcpFlat([(shard.offset, shard.local)], shard.numel, shard.local)
-
-
-def as_dcp_chunks(chunks: list[tuple[int, torch.Tensor]], numel: int,
-                  like: torch.Tensor) -> torch.Tensor:
-    """Several chunks of one flattened tensor (a TP piece's runs); see [Note: TP checkpoints]."""
-    return _DcpFlat(chunks, numel, like)
+def piece_as_dcp(tp: TensorParallelMesh | None, owned: OwnedPiece, values: torch.Tensor,
+                 writing: bool) -> torch.Tensor:
+    """``values`` (1-D, laid out like ``owned``'s piece) as chunks of the flattened global
+    parameter, for DCP to write or to read into; see [Note: TP checkpoints]."""
+    numel = owned.param.numel()
+    if tp is None:
+        return _DcpFlat([(owned.start, values)], numel, values)
+    if writing and not tp.counts_once(owned.param):
+        return _DcpFlat([], numel, values)  # TP coordinate 0 writes it
+    runs = piece_runs(owned.param, owned.start, owned.end)
+    return _DcpFlat([(g, values[i : i + n]) for i, g, n in runs], numel, values)
 
 
 class _Writer(dcp.FileSystemWriter):

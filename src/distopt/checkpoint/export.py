@@ -1,9 +1,9 @@
-"""Leave distopt and come back: a checkpoint as one plain PyTorch file, and the reverse.
+"""Leave distopt: a checkpoint as one plain PyTorch file (plain.py is the way back).
 
 ``export_checkpoint`` writes ``{"model": module.state_dict(), "optimizer": torch_optimizer_state,
 "extra": ..., "loss_scaler": ...}`` such that ``torch.optim.<Class>(model.parameters(), ...)``
 (or the same param groups as the distopt run) loads the optimizer state and training goes on
-without distopt. ``load_plain_checkpoint`` starts a distopt run from such a file.
+without distopt.
 
 [Note: bounded export]
 A torch.save file is a zip archive: ``data.pkl`` pickles the object tree, in which each tensor
@@ -18,7 +18,6 @@ loads with ``torch.load(path, weights_only=True)``.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import pickle
@@ -28,20 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import checkpoint_files as files
-from .checkpoint_files import CheckpointError
-from .checkpoint_state import (
-    hyper_params,
-    model_prefixes,
-    new_state_value,
-    owned_pieces,
-    piece_of,
-)
+from . import files
+from .files import CheckpointError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
-
-    from .optimizer import _BufferOptimizer
 
 _STORAGE_TYPES = {
     torch.float32: "FloatStorage", torch.float64: "DoubleStorage",
@@ -125,7 +115,7 @@ def export_checkpoint(
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from . import checkpoint_dcp
+    from . import dcp  # see [Note: one-way imports]
 
     out = Path(out)
     if not out.parent.is_dir():
@@ -134,11 +124,11 @@ def export_checkpoint(
     manifest = files.read_manifest(ckpt_dir)
     if verify:
         files.verify_files(ckpt_dir, manifest["files"])
-    metadata = checkpoint_dcp.read_metadata(ckpt_dir)
+    metadata = dcp.read_metadata(ckpt_dir)
     index = metadata.state_dict_metadata
     objects: dict[str, Any] = {k: None for k, v in index.items()
                                if isinstance(v, BytesStorageMetadata)}
-    checkpoint_dcp.load(objects, ckpt_dir, None, metadata)
+    dcp.load(objects, ckpt_dir, None, metadata)
     tree = _export_tree(manifest, index, objects, master_weights)
 
     tmp = out.with_name(out.name + files.TMP_SUFFIX)
@@ -232,150 +222,10 @@ class _Buffer:
 
 def _read(record: _Record, ckpt_dir: Path, metadata: Metadata) -> torch.UntypedStorage:
     """One whole tensor from the checkpoint (DCP reads the chunks that cover it)."""
-    from . import checkpoint_dcp
+    from . import dcp  # see [Note: one-way imports]
 
     entry = metadata.state_dict_metadata[record.fqn]
     target = torch.empty(entry.size, dtype=entry.properties.dtype)
     state = {record.fqn: target}
-    checkpoint_dcp.load(state, ckpt_dir, None, metadata)
+    dcp.load(state, ckpt_dir, None, metadata)
     return target.untyped_storage()
-
-
-def export_main(argv: list[str]) -> int:
-    """``distopt export CKPT OUT.pt``."""
-    parser = argparse.ArgumentParser(
-        prog="distopt export",
-        description="Write a distopt checkpoint as one plain PyTorch file: the model's "
-        "state_dict and a torch.optim state dict (load it with torch.load(weights_only=True)).",
-    )
-    parser.add_argument("checkpoint", help="a checkpoint directory, or a run directory "
-                        "(its latest checkpoint is exported)")
-    parser.add_argument("out", help="the .pt file to write")
-    parser.add_argument("--master-weights", action="store_true",
-                        help="write trainable params as their fp32 main params")
-    parser.add_argument("--no-verify", action="store_true", help="skip the CRC32 checks")
-    args = parser.parse_args(argv)
-    try:
-        out = export_checkpoint(args.checkpoint, args.out, master_weights=args.master_weights,
-                                verify=not args.no_verify)
-    except (CheckpointError, OSError) as exc:
-        print(f"distopt export: error: {exc}", file=sys.stderr)
-        return 2
-    source = files.resolve(args.checkpoint)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {source}")
-    return 0
-
-
-# ---------------------------------------------------------------------- plain -> distopt
-
-
-def load_plain_checkpoint(source: str | os.PathLike | dict[str, Any], ddp: Any,
-                          opt: _BufferOptimizer) -> Any:
-    """Start a distopt run from ``{"model": state_dict, "optimizer": torch_optimizer_state}``.
-
-    ``source`` is such a dict or a file torch.save wrote (read with mmap: each rank touches only
-    the elements it owns). The optimizer state is that of ``torch.optim.<Class>`` over
-    ``model.parameters()`` (or over the same param groups as this optimizer's). Checks
-    everything before changing anything; needs no communication. Returns ``source["extra"]``.
-    """
-    from .checkpoint import check_pair
-
-    check_pair(ddp, opt)
-    if isinstance(source, dict):
-        ckpt = source
-    else:
-        try:
-            ckpt = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            raise CheckpointError(f"cannot read {source} with torch.load: {exc}") from None
-    plan = _plan_plain(ckpt, opt)
-    state_of, options = plan
-    with torch.no_grad():
-        sds = ckpt["model"] if isinstance(ckpt["model"], list) else [ckpt["model"]]
-        for model, sd in zip(opt.models, sds, strict=True):
-            model.finish_param_sync()
-            model.module.load_state_dict(sd)
-        group_of_main = {id(m): g for g in opt.param_groups for m in g["params"]}
-        for owned, (main, entries) in state_of.items():
-            owned.main.detach().copy_(main)  # fp32 values kept exactly, not via the model dtype
-            group = group_of_main[id(owned.main)]
-            live = opt.state.get(owned.main, {})
-            new = {k: new_state_value(v, owned, group, k, live) for k, v in entries.items()}
-            if new:
-                opt.optimizer.state[owned.main] = new
-            else:
-                opt.optimizer.state.pop(owned.main, None)
-    for group, saved in zip(opt.param_groups, options, strict=True):
-        group.update({k: v for k, v in saved.items()
-                      if k != "params" and not (k == "foreach" and v is None)})
-    scaler = ckpt.get("loss_scaler")
-    if opt.loss_scaler is not None and scaler is not None:
-        opt.loss_scaler.load_state_dict(scaler["state"])
-    return ckpt.get("extra")
-
-
-def _plan_plain(ckpt: Any, opt: _BufferOptimizer):
-    if not (isinstance(ckpt, dict) and "model" in ckpt and "optimizer" in ckpt):
-        raise CheckpointError(
-            "a plain checkpoint is a dict with 'model' (the module's state_dict) and "
-            "'optimizer' (the torch optimizer's state_dict)"
-        )
-    sds = ckpt["model"] if isinstance(ckpt["model"], list) else [ckpt["model"]]
-    if len(sds) != len(opt.models):
-        raise CheckpointError(f"the file has {len(sds)} model state dicts, the optimizer "
-                              f"{len(opt.models)} models")
-    all_names, trainable_names, values = [], [], {}
-    for prefix, model, sd in zip(model_prefixes(opt), opt.models, sds, strict=True):
-        here = model.module.state_dict()
-        missing = sorted(set(here) - set(sd))[:5]
-        unexpected = sorted(set(sd) - set(here))[:5]
-        reshaped = [k for k in here if k in sd and isinstance(here[k], torch.Tensor)
-                    and tuple(sd[k].shape) != tuple(here[k].shape)][:5]
-        if missing or unexpected or reshaped:
-            raise CheckpointError(
-                f"the plain checkpoint is of another model (missing: {missing}, not in this "
-                f"model: {unexpected}, other shapes: {reshaped}): load a checkpoint of this model"
-            )
-        for n, p in model.module.named_parameters():
-            all_names.append(prefix + n)
-            if p.requires_grad:
-                trainable_names.append(prefix + n)
-            values[prefix + n] = sd[n]
-
-    osd = ckpt["optimizer"]
-    plain_groups = osd.get("param_groups") if isinstance(osd, dict) else None
-    if not isinstance(plain_groups, list) or not isinstance(osd.get("state"), dict):
-        raise CheckpointError("'optimizer' must be a torch.optim state_dict (state, param_groups)")
-    if opt.default_param_groups and len(plain_groups) == 1:
-        size = len(plain_groups[0]["params"])
-        if size not in (len(all_names), len(trainable_names)):
-            raise CheckpointError(
-                f"the optimizer state has {size} params, the model {len(all_names)} "
-                f"({len(trainable_names)} trainable)"
-            )
-        orders = [all_names if size == len(all_names) else trainable_names]
-    else:
-        orders = [group["params"] for group in hyper_params(opt)]
-        sizes = [len(g["params"]) for g in plain_groups]
-        if sizes != [len(o) for o in orders]:
-            raise CheckpointError(
-                f"the optimizer state's param groups hold {sizes} params, this optimizer's "
-                f"{[len(o) for o in orders]}: build it with the same param groups"
-            )
-    name_of = {}
-    for group, names in zip(plain_groups, orders, strict=True):
-        name_of.update(zip(group["params"], names, strict=True))
-    plain_state = {name_of[pid]: entries for pid, entries in osd["state"].items()
-                   if pid in name_of}
-
-    state_of = {}
-    for owned in owned_pieces(opt):
-        main = piece_of(values[owned.name], owned, "model value").float()
-        entries = {}
-        for key, value in plain_state.get(owned.name, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                entries[key] = piece_of(value, owned, f"state '{key}'")
-            else:
-                entries[key] = value
-        state_of[owned] = (main, entries)
-    return state_of, plain_groups

@@ -1,0 +1,70 @@
+"""Checkpoints that reshard: save at one DP size, resume at any other, export to plain PyTorch.
+
+``save_checkpoint`` and ``load_checkpoint`` are collective over the data-parallel group. Each rank
+writes only what it owns, through torch.distributed.checkpoint (DCP), under these keys::
+
+    main/{name}          fp32 master values: 1-D [numel], one chunk per owning rank
+    state/{name}/{key}   per-element optimizer state (exp_avg, ...): 1-D [numel], same chunks;
+                         per-parameter scalars (step) once, as 0-d tensors
+    model/{key}          the module's state_dict() in its own dtype, each tensor written once
+    meta/param_groups    the param groups' options, each naming its parameters
+    extra                the caller's object (LR scheduler, data position, RNG), from rank 0
+
+next to ``distopt.json``, the manifest that describes the model and the optimizer and lists
+every file with its CRC32. Loading reads the manifest and DCP's index, checks them against the
+model and the optimizer, verifies the files' checksums (split over the ranks), and only then,
+when every rank agrees, reads each rank's elements into place. See [Note: atomic checkpoints],
+[Note: flat shards in DCP], [Note: DP-size independent state], [Note: which ranks agree] and,
+for tensor-parallel models, [Note: TP checkpoints].
+
+The modules, each importing only modules listed before it:
+
+    files.py       checkpoint directories on disk: atomic commits, ``latest``, manifest, CRC32s
+    format.py      the state as stored: FlatShard, names, owned pieces, TP runs
+    dcp.py         DCP for distopt's uneven shards: chunks, a bounded writer, a reader
+    checks.py      every check a load makes, and how the ranks agree on the verdict
+    install.py     loaded values into the optimizer, the same way for every loader
+    state_dict.py  ``opt.state_dict()`` and ``opt.load_state_dict()``
+    save.py        ``save_checkpoint``
+    load.py        ``load_checkpoint``
+    export.py      ``export_checkpoint``: one plain torch.save file
+    plain.py       ``load_plain_checkpoint``: a distopt run from a plain file
+
+[Note: one-way imports]
+This package builds on the optimizer (its pieces, param groups and parallel layout) and the
+optimizer never imports it, not even inside a function, so distopt's import graph has no cycle
+(tests/test_import_graph.py). ``opt.state_dict()`` and ``opt.load_state_dict()`` stay methods of
+the optimizer, as torch.optim's are, but their work is done here, with the same checks and the
+same install path as the other loaders: importing this package registers ``state_dict.py``
+with ``distopt.optimizer.register_state_dict_format``, and the two methods call whatever is
+registered. ``import distopt`` imports this package, so the methods always find it. Writing the
+format into the optimizer instead would pull FlatShard, the checks and the install path below
+it and split the checkpoint format across two layers.
+
+One import is deferred on purpose: ``dcp.py`` imports torch.distributed.checkpoint, which is
+slow to import, so the functions that save, load or export import it when they run and ``import
+distopt`` stays fast for processes that never checkpoint. Nothing in distopt imports ``dcp.py``
+back, so the deferral hides no cycle.
+"""
+
+from ..optimizer import register_state_dict_format
+from . import state_dict
+from .export import export_checkpoint
+from .files import CheckpointError, has_checkpoint
+from .format import FlatShard, merge_state_dicts
+from .load import load_checkpoint
+from .plain import load_plain_checkpoint
+from .save import save_checkpoint
+
+register_state_dict_format(state_dict)
+
+__all__ = [
+    "CheckpointError",
+    "FlatShard",
+    "export_checkpoint",
+    "has_checkpoint",
+    "load_checkpoint",
+    "load_plain_checkpoint",
+    "merge_state_dicts",
+    "save_checkpoint",
+]

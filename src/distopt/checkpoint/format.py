@@ -1,0 +1,268 @@
+"""The optimizer state as distopt stores it: keyed by parameter name, independent of the DP size.
+
+[Note: DP-size independent state]
+A rank owns at most one contiguous piece of each flattened parameter (see [Note: layout rule]),
+and where that piece lies depends on the DP size and the bucket size. So the state is keyed by
+parameter name, never by piece, and every per-element tensor is a ``FlatShard``: the elements
+``[offset, offset + local.numel())`` of the flattened parameter, which has ``numel`` elements.
+A loader slices what its own piece needs out of any shard (or full tensor) that covers it, so a
+dict written at one DP size loads at another. Per-parameter scalars (Adam's ``step``) are the
+same for every piece of a parameter and are kept once per parameter.
+
+``opt.state_dict()`` returns::
+
+    {"format": "distopt.optimizer/1",
+     "optimizer": "torch.optim.adamw.AdamW",           # class of the inner torch optimizer
+     "param_groups": [{"lr": 0.01, ..., "params": ["emb.weight", ...]}, ...],
+     "main_params": {name: FlatShard},                  # fp32 master values this rank owns
+     "state": {name: {"exp_avg": FlatShard, "exp_avg_sq": FlatShard, "step": tensor(10.)}},
+     "loss_scaler": {"type": "DynamicLossScaler", "state": {"scale": 65536.0, ...}} or None}
+
+Names are the DDP's parameter names, prefixed by ``chunk{i}.`` when the optimizer spans several
+model chunks. As with ``torch.optim``, the tensors are the live ones, not copies. A checkpoint
+holds the same entries under DCP keys (``main/{name}``, ``state/{name}/{key}``).
+
+[Note: TP checkpoints]
+A checkpoint stores each param's main values and per-element state as 1-D tensors of the
+param's global numel (see [Note: flat shards in DCP]), so that it reshards along TP as it does
+along DP. A ZeRO piece of a DTensor param is the range [a, b) of the flattened local shard, and
+the local shard is the box at global offset o of local shape l. With k the last dimension the
+box cuts, the box is prod(l[:k]) blocks of prod(l[k:]) elements, each contiguous in the
+flattened global tensor (the dims after k are whole); ``piece_runs`` intersects the piece with
+those blocks. Shard(0) gives one run; Shard(1) of a matrix one run per row segment. Each run is
+one DCP chunk at its global flat offset; a load asks for the runs of its own pieces and DCP
+reads the overlapping saved chunks. Replicated params (plain or Replicate) are the identity and
+are written only by the rank that counts them in grad statistics (TP coordinate 0), since every
+TP rank holds the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Number
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dtensor import is_dtensor
+from ..layout import ShardPiece
+from ..optimizer import BasicOptimizer, DistributedOptimizer
+from .files import CheckpointError
+
+STATE_DICT_FORMAT = "distopt.optimizer/1"
+
+Optimizer = DistributedOptimizer | BasicOptimizer
+"""Either distopt optimizer: what every checkpoint function takes."""
+
+
+@dataclass(slots=True)
+class FlatShard:
+    """Elements ``[offset, offset + local.numel())`` of a flattened tensor of ``numel`` elements."""
+
+    local: torch.Tensor  # 1-D
+    offset: int
+    numel: int
+
+    def __post_init__(self) -> None:
+        if self.local.dim() != 1:
+            raise ValueError(f"FlatShard.local must be 1-D, got shape {tuple(self.local.shape)}")
+        if not 0 <= self.offset <= self.offset + self.local.numel() <= self.numel:
+            raise ValueError(
+                f"FlatShard [{self.offset}, {self.offset + self.local.numel()}) lies outside "
+                f"[0, {self.numel})"
+            )
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.local.numel()
+
+
+@dataclass(frozen=True, slots=True)
+class OwnedPiece:
+    """One piece this rank updates: its parameter's name, the model param, the fp32 main param."""
+
+    name: str
+    param: nn.Parameter
+    main: nn.Parameter
+    piece: ShardPiece
+
+    @property
+    def start(self) -> int:
+        return self.piece.param_range.start
+
+    @property
+    def end(self) -> int:
+        return self.piece.param_range.end
+
+
+# ---------------------------------------------------------------------- names
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_prefixes(opt: Optimizer) -> list[str]:
+    """Name prefix of each model chunk: none for one model, ``chunk{i}.`` for several."""
+    return [""] if len(opt.models) == 1 else [f"chunk{i}." for i in range(len(opt.models))]
+
+
+def param_names(opt: Optimizer) -> dict[nn.Parameter, str]:
+    names = {}
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        for p in model.params:
+            names[p] = prefix + model.param_names[p]
+    return names
+
+
+def owned_pieces(opt: Optimizer) -> list[OwnedPiece]:
+    """This rank's pieces in param-group order (at most one per parameter; see the layout rule)."""
+    names = param_names(opt)
+    return [OwnedPiece(name=names[param], param=param, main=main, piece=piece)
+            for param, piece, main in opt.pieces()]
+
+
+def hyper_params(opt: Optimizer) -> list[dict[str, Any]]:
+    """Each param group's options, with the names of its parameters in the order given."""
+    names = param_names(opt)
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in mps]}
+        for group, mps in zip(opt.param_groups, opt.model_param_groups, strict=True)
+    ]
+
+
+def scaler_state(opt: Optimizer) -> dict[str, Any] | None:
+    scaler = opt.loss_scaler
+    if scaler is None:
+        return None
+    return {"type": type(scaler).__name__, "state": scaler.state_dict()}
+
+
+def describe(value: Any) -> list[Any]:
+    """A state_dict entry as the manifest lists it: ``[shape, dtype]``, or nulls for objects."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype).removeprefix("torch.")]
+    return [None, None]
+
+
+# ---------------------------------------------------------------------- values
+
+
+def state_entry(value: Any, owned: OwnedPiece, key: str) -> Any:
+    """One state value as stored: per-element tensors as FlatShards, scalars as they are."""
+    if isinstance(value, torch.Tensor):
+        if value.shape == owned.main.shape and value.dim() == 1:
+            return FlatShard(value.detach(), owned.start, owned.param.numel())
+        if value.dim() == 0:
+            return value
+    elif isinstance(value, Number):
+        return value
+    raise TypeError(
+        f"optimizer state '{key}' of parameter '{owned.name}' is a {type(value).__name__} of "
+        f"shape {tuple(getattr(value, 'shape', ()))}; distopt checkpoints hold per-element "
+        "tensors and scalars only (element-wise optimizers keep nothing else)"
+    )
+
+
+def piece_of(source: Any, owned: OwnedPiece, what: str) -> torch.Tensor:
+    """The elements of ``owned``'s piece out of a full tensor, a FlatShard or a list of them."""
+    numel = owned.param.numel()
+    if isinstance(source, torch.Tensor) and source.dim() >= 1:
+        if source.numel() != numel:
+            raise CheckpointError(
+                f"{what} of '{owned.name}' has shape {tuple(source.shape)}, the parameter "
+                f"{tuple(owned.param.shape)}"
+            )
+        return source.reshape(-1)[owned.start : owned.end]
+    shards = source if isinstance(source, list) else [source]
+    if not shards or not all(isinstance(s, FlatShard) for s in shards):
+        raise CheckpointError(
+            f"{what} of '{owned.name}' is a {type(source).__name__}; expected a tensor of the "
+            "parameter's elements, a distopt.checkpoint.FlatShard or a list of them"
+        )
+    parts, covered = [], owned.start
+    for shard in sorted(shards, key=lambda s: s.offset):
+        if shard.numel != numel:
+            raise CheckpointError(
+                f"{what} of '{owned.name}' has {shard.numel} elements, the parameter {numel}"
+            )
+        if shard.end <= covered or covered >= owned.end:
+            continue
+        if shard.offset > covered:
+            break  # a gap: reported below
+        stop = min(shard.end, owned.end)
+        parts.append(shard.local[covered - shard.offset : stop - shard.offset])
+        covered = stop
+    if covered < owned.end:
+        held = ", ".join(f"[{s.offset}, {s.end})" for s in shards)
+        raise CheckpointError(
+            f"{what} of '{owned.name}' holds elements {held} but this rank owns "
+            f"[{owned.start}, {owned.end}): pass entries that cover this rank's elements (full "
+            "tensors, or every rank's shards merged with distopt.checkpoint.merge_state_dicts)"
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def merge_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state dict holding every given rank's shards (lists of FlatShards per entry).
+
+    What a rank of any DP size loads from the ``state_dict()`` of every rank of another run.
+    """
+    if not state_dicts:
+        raise ValueError("merge_state_dicts needs at least one state dict")
+    merged = {k: v for k, v in state_dicts[0].items() if k not in ("main_params", "state")}
+    main_params: dict[str, list[FlatShard]] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for sd in state_dicts:
+        for name, shard in sd["main_params"].items():
+            main_params.setdefault(name, []).append(shard)
+        for name, entries in sd["state"].items():
+            into = state.setdefault(name, {})
+            for key, value in entries.items():
+                if isinstance(value, FlatShard):
+                    into.setdefault(key, []).append(value)
+                else:
+                    into.setdefault(key, value)  # a scalar, the same for every piece
+    merged["main_params"], merged["state"] = main_params, state
+    return merged
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+
+
+def piece_runs(param: nn.Parameter, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Where elements ``[start, end)`` of ``param``'s flattened local shard lie in the flattened
+    global tensor: ``(offset in the piece, global flat offset, length)`` per contiguous run.
+
+    See [Note: TP checkpoints]. A plain param (and a ``Replicate`` one) is the identity: one run.
+    """
+    if end <= start:
+        return []
+    if not is_dtensor(param):
+        return [(0, start, end - start)]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(param.shape)
+    local, offset = compute_local_shape_and_global_offset(shape, param.device_mesh,
+                                                          param.placements)
+    if len(shape) == 0:
+        return [(0, start, end - start)]
+    # The last dimension that is cut is `cut`; the dims after it are whole, so the local box is
+    # prod(local[:cut]) blocks of prod(local[cut:]) elements, each contiguous in the global tensor.
+    cut = max((d for d in range(len(shape)) if local[d] != shape[d]), default=0)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    block = 1
+    for n in local[cut:]:
+        block *= n
+    runs = []
+    for j in range(start // block, (end - 1) // block + 1):
+        lo, hi = max(start, j * block), min(end, (j + 1) * block)
+        where, index = offset[cut] * strides[cut], j
+        for d in range(cut - 1, -1, -1):  # unravel the block index over the leading dims
+            index, i = divmod(index, local[d])
+            where += (offset[d] + i) * strides[d]
+        runs.append((lo - start, where + lo - j * block, hi - lo))
+    return runs

@@ -1,0 +1,158 @@
+"""``load_checkpoint``: check everything on every rank, agree, then read each rank's elements."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives as comm
+from . import files
+from .checks import (
+    Models,
+    agree,
+    check_groups,
+    check_optimizer_class,
+    check_pair,
+    check_same_model,
+    check_scaler,
+)
+from .files import CheckpointError
+from .format import Optimizer, describe, model_prefixes, owned_pieces
+from .install import install, state_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+
+def load_checkpoint(
+    path: str | os.PathLike, ddp: Models, opt: Optimizer, *, verify: bool = True
+) -> Any:
+    """Load a checkpoint saved at any DP size; collective; returns the ``extra`` saved with it.
+
+    ``path`` is a run directory (its ``latest`` checkpoint is loaded) or a checkpoint directory.
+    Everything is checked first (the model's and optimizer's structure, and with ``verify`` every
+    file's size and CRC32, split over the ranks); on any problem every rank raises
+    CheckpointError and the model and the optimizer are left as they were.
+    """
+    from . import dcp  # see [Note: one-way imports]
+
+    check_pair(ddp, opt)
+    group = opt.parallel.checkpoint_group()
+    rank, size = comm.group_rank(group), comm.group_size(group)
+    error, checked = None, None
+    try:
+        ckpt_dir = files.resolve(path)
+        manifest = files.read_manifest(ckpt_dir)
+        listed = manifest["files"]
+        files.verify_files(ckpt_dir, {".metadata": listed[".metadata"]})
+        metadata = dcp.read_metadata(ckpt_dir)
+        state_keys = _check_checkpoint(opt, manifest, metadata, ckpt_dir)
+        if verify:
+            data_files = sorted(k for k in listed if k != ".metadata")
+            files.verify_files(ckpt_dir, {k: listed[k] for k in data_files[rank::size]})
+        checked = (ckpt_dir, manifest, metadata, state_keys)
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # an unreadable manifest or index: report it like the rest
+        error = f"cannot read the checkpoint at {path}: {type(exc).__name__}: {exc}"
+    agree(error, group)  # see [Note: which ranks agree]
+    assert checked is not None
+    return _read(opt, group, *checked)
+
+
+def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metadata,
+                      ckpt_dir: Path) -> dict[str, list[str]]:
+    """Compare the checkpoint with the model and optimizer; return each param's state keys."""
+    source = f"checkpoint {ckpt_dir}"
+    check_optimizer_class(opt, manifest["optimizer"], source,
+                          otherwise="export the checkpoint (distopt export) and convert the "
+                          "state yourself")
+    if len(manifest["models"]) != len(opt.models):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} has {len(manifest['models'])} model chunks, the optimizer "
+            f"{len(opt.models)}"
+        )
+    for saved, prefix, model in zip(manifest["models"], model_prefixes(opt), opt.models,
+                                    strict=True):
+        trainable = {n: s for n, s, requires_grad in saved["parameters"] if requires_grad}
+        current = {model.param_names[p]: list(p.shape) for p in model.params}
+        check_same_model(trainable, current,
+                         f"trainable parameters{' of ' + prefix if prefix else ''}", source)
+        check_same_model({e[0]: e[1] for e in saved["state_dict"]},
+                         {k: describe(v)[0] for k, v in model.module.state_dict().items()},
+                         "state_dict entries", source)
+    check_groups(opt, manifest["param_groups"], source)
+    scaler = manifest["loss_scaler"]
+    check_scaler(opt, None if scaler is None else scaler["type"], source)
+
+    index = metadata.state_dict_metadata
+    state_keys: dict[str, list[str]] = {}
+    for key in index:
+        if key.startswith("state/"):
+            name, _, state_key = key[len("state/"):].rpartition("/")
+            state_keys.setdefault(name, []).append(state_key)
+    for owned in owned_pieces(opt):
+        entry = index.get(f"main/{owned.name}")
+        if entry is None or getattr(entry, "size", None) != torch.Size([owned.param.numel()]):
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir} has no fp32 main params of {owned.param.numel()} elements "
+                f"for '{owned.name}' in its index: it is damaged or of another model"
+            )
+    return state_keys
+
+
+def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any],
+          metadata: Metadata, state_keys: dict[str, list[str]]) -> Any:
+    """Read every rank's elements into place (the checks have passed on every rank)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from . import dcp  # see [Note: one-way imports]
+
+    for model in opt.models:
+        model.finish_param_sync()
+    index = metadata.state_dict_metadata
+    state: dict[str, Any] = {"meta/param_groups": None, "extra": None}
+    targets = []
+    tp = opt.parallel.tp
+    for owned in owned_pieces(opt):
+        numel = owned.param.numel()
+        state[f"main/{owned.name}"] = dcp.piece_as_dcp(tp, owned, owned.main.detach(),
+                                                        writing=False)
+        slots: dict[str, Any] = {}
+        for key in state_keys.get(owned.name, []):
+            fqn = f"state/{owned.name}/{key}"
+            entry = index[fqn]
+            if isinstance(entry, BytesStorageMetadata):  # an object: DCP replaces the value
+                state[fqn] = None
+                slots[key] = fqn
+                continue
+            shape = owned.main.shape if entry.size == torch.Size([numel]) else entry.size
+            target = state_tensor(opt, owned, key, shape, entry.properties.dtype)
+            if len(shape) == 0:
+                state[fqn] = target
+            else:
+                state[fqn] = dcp.piece_as_dcp(tp, owned, target, writing=False)
+            slots[key] = target
+        targets.append((owned, slots))
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        trainable = {id(p) for p in model.params}
+        for key, value in model.module.state_dict(keep_vars=True).items():
+            # Trainable params come from the fp32 main params below; the rest as saved.
+            if isinstance(value, torch.Tensor) and id(value) not in trainable:
+                state[f"model/{prefix}{key}"] = value.detach()
+
+    with torch.no_grad():
+        dcp.load(state, ckpt_dir, group, metadata)
+    install(
+        opt,
+        [(owned, {k: state[v] if isinstance(v, str) else v for k, v in slots.items()})
+         for owned, slots in targets],
+        state["meta/param_groups"],
+        manifest["loss_scaler"],
+    )
+    opt.sync_model_params()
+    return state["extra"]

@@ -1,0 +1,119 @@
+"""Come back to distopt: start a run from a plain PyTorch checkpoint (what export.py writes, or
+``{"model": model.state_dict(), "optimizer": opt.state_dict()}`` of a plain torch run)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .checks import Models, check_pair, check_same_model
+from .files import CheckpointError
+from .format import (
+    Optimizer,
+    OwnedPiece,
+    describe,
+    hyper_params,
+    model_prefixes,
+    owned_pieces,
+    piece_of,
+)
+from .install import install_values
+
+
+def load_plain_checkpoint(source: str | os.PathLike | dict[str, Any], ddp: Models,
+                          opt: Optimizer) -> Any:
+    """Start a distopt run from ``{"model": state_dict, "optimizer": torch_optimizer_state}``.
+
+    ``source`` is such a dict or a file torch.save wrote (read with mmap: each rank touches only
+    the elements it owns). The optimizer state is that of ``torch.optim.<Class>`` over
+    ``model.parameters()`` (or over the same param groups as this optimizer's). Checks
+    everything before changing anything; needs no communication. Returns ``source["extra"]``.
+    """
+    check_pair(ddp, opt)
+    if isinstance(source, dict):
+        ckpt = source
+    else:
+        try:
+            ckpt = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {source} with torch.load: {exc}") from None
+    values, options = _plan(ckpt, opt)
+    with torch.no_grad():
+        for model, sd in zip(opt.models, _model_dicts(ckpt), strict=True):
+            model.finish_param_sync()
+            model.module.load_state_dict(sd)
+    # torch.optim's own state dicts hold foreach=None, which would turn off distopt's default.
+    options = [{k: v for k, v in group.items() if not (k == "foreach" and v is None)}
+               for group in options]
+    install_values(opt, values, options, ckpt.get("loss_scaler"))
+    return ckpt.get("extra")
+
+
+def _model_dicts(ckpt: dict[str, Any]) -> list[dict[str, Any]]:
+    return ckpt["model"] if isinstance(ckpt["model"], list) else [ckpt["model"]]
+
+
+def _plan(ckpt: Any, opt: Optimizer
+          ) -> tuple[list[tuple[OwnedPiece, torch.Tensor, dict[str, Any]]], list[dict[str, Any]]]:
+    """Check the file against the model and optimizer; return each owned piece's main values
+    and state entries, and the file's param-group options."""
+    if not (isinstance(ckpt, dict) and "model" in ckpt and "optimizer" in ckpt):
+        raise CheckpointError(
+            "a plain checkpoint is a dict with 'model' (the module's state_dict) and "
+            "'optimizer' (the torch optimizer's state_dict)"
+        )
+    sds = _model_dicts(ckpt)
+    if len(sds) != len(opt.models):
+        raise CheckpointError(f"the file has {len(sds)} model state dicts, the optimizer "
+                              f"{len(opt.models)} models")
+    all_names, trainable_names, model_values = [], [], {}
+    for prefix, model, sd in zip(model_prefixes(opt), opt.models, sds, strict=True):
+        check_same_model({k: describe(v)[0] for k, v in sd.items()},
+                         {k: describe(v)[0] for k, v in model.module.state_dict().items()},
+                         "state_dict entries", "the plain checkpoint")
+        for n, p in model.module.named_parameters():
+            all_names.append(prefix + n)
+            if p.requires_grad:
+                trainable_names.append(prefix + n)
+            model_values[prefix + n] = sd[n]
+
+    osd = ckpt["optimizer"]
+    plain_groups = osd.get("param_groups") if isinstance(osd, dict) else None
+    if not isinstance(plain_groups, list) or not isinstance(osd.get("state"), dict):
+        raise CheckpointError("'optimizer' must be a torch.optim state_dict (state, param_groups)")
+    # torch numbers params by their position in the param groups, in order.
+    if opt.default_param_groups and len(plain_groups) == 1:
+        size = len(plain_groups[0]["params"])
+        if size not in (len(all_names), len(trainable_names)):
+            raise CheckpointError(
+                f"the optimizer state has {size} params, the model {len(all_names)} "
+                f"({len(trainable_names)} trainable)"
+            )
+        orders = [all_names if size == len(all_names) else trainable_names]
+    else:
+        orders = [group["params"] for group in hyper_params(opt)]
+        sizes = [len(g["params"]) for g in plain_groups]
+        if sizes != [len(o) for o in orders]:
+            raise CheckpointError(
+                f"the optimizer state's param groups hold {sizes} params, this optimizer's "
+                f"{[len(o) for o in orders]}: build it with the same param groups"
+            )
+    name_of = {}
+    for group, names in zip(plain_groups, orders, strict=True):
+        name_of.update(zip(group["params"], names, strict=True))
+    plain_state = {name_of[pid]: entries for pid, entries in osd["state"].items()
+                   if pid in name_of}
+
+    values = []
+    for owned in owned_pieces(opt):
+        main = piece_of(model_values[owned.name], owned, "model value").float()
+        entries = {}
+        for key, value in plain_state.get(owned.name, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                entries[key] = piece_of(value, owned, f"state '{key}'")
+            else:
+                entries[key] = value
+        values.append((owned, main, entries))
+    return values, plain_groups

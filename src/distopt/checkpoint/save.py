@@ -1,0 +1,141 @@
+"""``save_checkpoint``: every rank writes what it owns, rank 0 commits the checkpoint."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import collectives as comm
+from . import files
+from .checks import Models, check_pair
+from .files import CheckpointError
+from .format import (
+    FlatShard,
+    Optimizer,
+    class_path,
+    describe,
+    hyper_params,
+    model_prefixes,
+    owned_pieces,
+    scaler_state,
+)
+from .state_dict import state_dict
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    ddp: Models,
+    opt: Optimizer,
+    extra: Any = None,
+    *,
+    keep: int | None = None,
+    name: str | None = None,
+) -> Path:
+    """Save a checkpoint into the run directory ``path``; collective; returns its directory.
+
+    Each call adds a checkpoint (``ckpt-000001``, ``ckpt-000002``, ... or ``name``) and points
+    ``path/latest`` at it once it is complete; ``keep`` keeps only the newest ``keep``. ``extra``
+    is any object ``torch.save`` accepts, taken from rank 0 and returned by load_checkpoint.
+    """
+    check_pair(ddp, opt)
+    group = opt.parallel.checkpoint_group()
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive number of checkpoints or None, got {keep!r}")
+    if name is not None and (
+        not isinstance(name, str) or not name or "/" in name or name.startswith(".")
+        or name == files.LATEST
+    ):
+        raise ValueError(
+            f"name must be a plain directory name (no '/', not hidden, not 'latest'), got {name!r}"
+        )
+    rank = comm.group_rank(group)
+    for model in opt.models:
+        model.finish_param_sync()  # an overlapped gather may still be writing the model params
+
+    setup: Any = None
+    if rank == 0:
+        try:
+            torch.save(extra, io.BytesIO())  # fail here, on every rank, not inside DCP
+            setup = files.begin_save(Path(path), name)
+        except Exception as exc:  # anything torch.save or the file system raises
+            setup = f"cannot save a checkpoint in {path}: {exc}"
+    setup = comm.broadcast_object(setup, group)
+    if isinstance(setup, str):
+        raise CheckpointError(setup)
+    final, tmp, sequence = setup
+
+    from . import dcp  # see [Note: one-way imports]
+
+    dcp.save(_dcp_state(opt, extra, rank), tmp, group)
+    written = comm.all_gather_object(files.checksum_files(tmp, f"__{rank}_"), group)
+
+    failure = None
+    if rank == 0:
+        try:
+            listed = {k: v for per_rank in written for k, v in per_rank.items()}
+            listed[".metadata"] = files.checksum(tmp / ".metadata")
+            files.commit(tmp, final, _manifest(opt, sequence, final.name, listed), keep)
+        except OSError as exc:
+            failure = f"cannot commit checkpoint {final}: {exc}"
+    failure = comm.broadcast_object(failure, group)
+    if failure:
+        raise CheckpointError(failure)
+    return final
+
+
+def _dcp_state(opt: Optimizer, extra: Any, rank: int) -> dict[str, Any]:
+    """What this rank gives DCP to write, under the keys of the package docstring."""
+    from .dcp import piece_as_dcp
+
+    sd = state_dict(opt)
+    tp = opt.parallel.tp
+    owned = {o.name: o for o in owned_pieces(opt)}
+    state: dict[str, Any] = {}
+    for name, shard in sd["main_params"].items():
+        state[f"main/{name}"] = piece_as_dcp(tp, owned[name], shard.local, writing=True)
+    for name, entries in sd["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, FlatShard):
+                value = piece_as_dcp(tp, owned[name], value.local, writing=True)
+            state[f"state/{name}/{key}"] = value
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        for key, value in model.module.state_dict().items():
+            state[f"model/{prefix}{key}"] = value
+    state["meta/param_groups"] = sd["param_groups"]
+    if rank == 0:
+        state["extra"] = extra
+    return state
+
+
+def _manifest(opt: Optimizer, sequence: int, name: str,
+              listed: dict[str, dict[str, int]]) -> dict[str, Any]:
+    models = []
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        module = model.module
+        models.append({
+            "prefix": prefix,
+            "parameters": [[n, list(p.shape), p.requires_grad]
+                           for n, p in module.named_parameters()],
+            "state_dict": [[k, *describe(v)] for k, v in module.state_dict().items()],
+        })
+    return {
+        "format": files.FORMAT,
+        "version": files.VERSION,
+        "sequence": sequence,
+        "name": name,
+        "saved_at": time.time(),
+        "dp_size": opt.parallel.dp_size,
+        "tp_size": opt.parallel.tp_size,
+        "torch": torch.__version__,
+        "optimizer": class_path(type(opt.optimizer)),
+        "param_groups": [group["params"] for group in hyper_params(opt)],
+        "default_param_groups": opt.default_param_groups,
+        "loss_scaler": scaler_state(opt),
+        "models": models,
+        "files": listed,
+    }

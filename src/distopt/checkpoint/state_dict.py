@@ -1,0 +1,90 @@
+"""``opt.state_dict()`` and ``opt.load_state_dict()``: the optimizer state in memory.
+
+The format is [Note: DP-size independent state] (format.py). The optimizer's two methods call
+these functions through the hook the package registers; see [Note: one-way imports].
+"""
+
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any
+
+import torch
+
+from .checks import agree, check_groups, check_optimizer_class, check_scaler
+from .files import CheckpointError
+from .format import (
+    STATE_DICT_FORMAT,
+    FlatShard,
+    Optimizer,
+    OwnedPiece,
+    class_path,
+    hyper_params,
+    owned_pieces,
+    piece_of,
+    scaler_state,
+    state_entry,
+)
+from .install import install_values
+
+
+def state_dict(opt: Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state, keyed by parameter name."""
+    main_params: dict[str, FlatShard] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for owned in owned_pieces(opt):
+        main_params[owned.name] = FlatShard(owned.main.detach(), owned.start, owned.param.numel())
+        entries = {k: state_entry(v, owned, k) for k, v in opt.state.get(owned.main, {}).items()}
+        if entries:
+            state[owned.name] = entries
+    return {
+        "format": STATE_DICT_FORMAT,
+        "optimizer": class_path(type(opt.optimizer)),
+        "param_groups": hyper_params(opt),
+        "main_params": main_params,
+        "state": state,
+        "loss_scaler": scaler_state(opt),
+    }
+
+
+def load_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Validate ``state_dict`` against this rank's pieces, agree across ranks, then load it."""
+    error, values = None, None
+    try:
+        values = _pieces_of(opt, state_dict)
+    except (CheckpointError, TypeError, KeyError) as exc:
+        error = f"cannot load the optimizer state dict: {exc}"
+    # The ranks that gather the params afterwards; see [Note: which ranks agree].
+    agree(error, opt.parallel.dp_group if opt.sharded else None)
+    assert values is not None
+    install_values(opt, values, state_dict["param_groups"], state_dict["loss_scaler"])
+    opt.sync_model_params()
+
+
+def _pieces_of(opt: Optimizer, sd: dict[str, Any]
+               ) -> list[tuple[OwnedPiece, torch.Tensor, dict[str, Any]]]:
+    """Check ``sd``; return each owned piece's main values and state entries out of it."""
+    found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+    if found != STATE_DICT_FORMAT:
+        raise CheckpointError(
+            f"not a distopt optimizer state dict (format {found!r}, expected "
+            f"{STATE_DICT_FORMAT!r}); torch.optim state dicts load with "
+            "distopt.load_plain_checkpoint"
+        )
+    check_optimizer_class(opt, sd["optimizer"], "the state dict")
+    check_groups(opt, [g["params"] for g in sd["param_groups"]], "the state dict")
+    scaler = sd["loss_scaler"]
+    check_scaler(opt, None if scaler is None else scaler["type"], "the state dict")
+    values = []
+    for owned in owned_pieces(opt):
+        if owned.name not in sd["main_params"]:
+            raise CheckpointError(f"no main params for '{owned.name}' in the state dict")
+        main = piece_of(sd["main_params"][owned.name], owned, "main params")
+        entries = {}
+        for key, value in sd["state"].get(owned.name, {}).items():
+            scalar = isinstance(value, Number) or (
+                isinstance(value, torch.Tensor) and value.dim() == 0
+            )
+            entries[key] = value if scalar else piece_of(value, owned, f"state '{key}'")
+        values.append((owned, main, entries))
+    return values
