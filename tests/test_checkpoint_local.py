@@ -284,3 +284,32 @@ def test_save_load_export_memory_is_bounded(tmp_path):
     for op in ("save", "load", "export"):
         assert result[f"{op}_peak_MiB"] <= bound, result
     assert result["checkpoint_MiB"] > 3 * result["optimizer_state_MiB"] / 2  # it all got written
+
+
+def test_pickled_state_dicts_load_across_versions():
+    """opt.state_dict() saved with torch.save loads back: under FlatShard's public module, and
+    under the module that held it in earlier versions (distopt.checkpoint_state)."""
+    import io
+    import pickle
+
+    model, ddp, opt = build()
+    train(ddp, opt, range(2))
+    name = next(n for n, p in model.named_parameters() if p.requires_grad)
+    sd = opt.state_dict()
+    fresh = io.BytesIO()
+    torch.save(sd, fresh)
+    assert b"distopt.checkpoint\nFlatShard" in fresh.getvalue()
+    FlatShard.__module__ = "distopt.checkpoint_state"
+    try:
+        old = io.BytesIO()
+        torch.save(sd, old)
+    finally:
+        FlatShard.__module__ = "distopt.checkpoint"
+    assert b"distopt.checkpoint_state\nFlatShard" in old.getvalue()
+    for data in (fresh, old):
+        data.seek(0)
+        loaded = torch.load(data, weights_only=False)
+        shard = loaded["main_params"][name]
+        assert isinstance(shard, FlatShard)
+        assert torch.equal(shard.local, sd["main_params"][name].local)
+    assert pickle.loads(pickle.dumps(FlatShard(torch.ones(2), 1, 3))).offset == 1

@@ -47,8 +47,10 @@ distopt`` stays fast for processes that never checkpoint. Nothing in distopt imp
 back, so the deferral hides no cycle.
 """
 
+import sys
+
 from ..optimizer import register_state_dict_format
-from . import state_dict
+from . import format, state_dict
 from .export import export_checkpoint
 from .files import CheckpointError, has_checkpoint
 from .format import FlatShard, merge_state_dicts
@@ -57,6 +59,12 @@ from .plain import load_plain_checkpoint
 from .save import save_checkpoint
 
 register_state_dict_format(state_dict)
+
+# Pickles name a class by its module. FlatShard is pickled under its public name, so that a
+# state dict saved with torch.save survives moves inside this package, and the module that held
+# it before the package existed still resolves, so that state dicts saved then load now.
+FlatShard.__module__ = __name__
+sys.modules.setdefault(f"{__package__.rpartition('.')[0]}.checkpoint_state", format)
 
 __all__ = [
     "CheckpointError",
