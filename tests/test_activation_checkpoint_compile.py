@@ -32,13 +32,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_overlap import StrictCollectives
 from torch.utils.checkpoint import checkpoint
 
 import distopt
 
 from dist_harness import case_result, run_cases
 from models import TinyTransformer, markov_batch, rank_slice
+from test_overlap import StrictCollectives
 
 WORLD = 2
 
