@@ -56,10 +56,13 @@ class Range:
 class ParamSlot:
     """Where one parameter lives: its bucket, and its range in the bucket and in the buffer."""
 
-    index: int  # position in the sequence given to build_layout
+    index: int  # position in the sequence given to the layout function
     bucket: int
     bucket_range: Range
     buffer_range: Range
+    # The rank that owns the parameter whole (whole_layout.py); None where shards ignore
+    # parameter boundaries ([Note: layout rule]).
+    owner: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +81,13 @@ class BucketLayout:
     """One bucket: a padded, contiguous range of the buffer holding whole parameters."""
 
     index: int
-    buffer_range: Range  # includes the padding at the end
+    buffer_range: Range  # includes the padding (at the end, or per shard when whole_tensor)
     num_param_elements: int  # elements that belong to parameters (the rest is padding)
-    param_indices: tuple[int, ...]
+    param_indices: tuple[int, ...]  # in the order given to the layout function
     dp_size: int
+    # Every parameter lies inside one rank's shard, with padding at the end of each shard;
+    # see [Note: whole-tensor layout] in whole_layout.py.
+    whole_tensor: bool = False
 
     @property
     def shard_size(self) -> int:
@@ -99,7 +105,7 @@ class BufferLayout:
     dp_size: int
     numel: int  # total, padding included
     buckets: tuple[BucketLayout, ...]
-    params: tuple[ParamSlot, ...]  # in the order given to build_layout
+    params: tuple[ParamSlot, ...]  # in the order given to the layout function
 
     def shard_pieces(self, rank: int) -> list[ShardPiece]:
         """Every (param, rank) overlap for ``rank``, ordered by bucket then by position."""

@@ -1,0 +1,422 @@
+"""Layouts in which chosen parameters are each owned whole by one data-parallel rank. Pure
+arithmetic like layout.py: no torch.distributed, no tensors.
+
+[Note: whole-tensor layout]
+Some optimizers need each matrix whole: Muon orthogonalises every 2-D update with Newton-Schulz
+iterations, Adafactor keeps row and column statistics. For them the caller gives a cost per
+chosen parameter (``newton_schulz_cost`` for Muon) and every other parameter ``None``.
+
+* Element-wise parameters (``None``) form buckets exactly as ``build_layout`` would form them
+  from that subsequence alone ([Note: layout rule]): same groups, same ranges in each bucket.
+* Whole-tensor parameters form their own buckets. Inside such a bucket each rank owns a set of
+  whole parameters, placed back to back in the given order at the start of its shard; every
+  shard is padded at its end to the bucket's common shard size, the largest rank's elements
+  rounded up to ``shard_align``. So the reduce-scatter and the all-gather of the bucket stay
+  the ordinary equal-chunk collectives, and a rank's shard pieces are exactly its parameters,
+  whole. A bucket's shard is at least its largest parameter, so the bucket carries at least
+  ``dp_size`` times that. Its capacity is therefore ``whole_bucket_size`` (default
+  ``bucket_size``) or ``dp_size`` times its largest parameter, whichever is more: params up to
+  that size fill padding the bucket would carry anyway, at the price of a later launch of its
+  reduction, as it waits for more grads. Params are grouped in the given order, in two passes:
+  ``build_layout``'s closing rule with that capacity gives the number of buckets ``k``; the
+  second pass closes a bucket once it holds ``1/k`` of the elements (or before it would
+  overflow its capacity). The first pass alone leaves full buckets and a small last one, and a
+  full bucket leaves no room to move work between owners (stage 3 below): at 64 ranks and 96
+  matrices of a 24-layer model it gives the busiest rank 1.78 times the mean, the even split
+  1.33, with the same padding.
+* Buckets of both kinds are ordered by the position of their last parameter: that grad
+  completes the bucket, so this is the order in which backward makes buckets ready.
+
+Who owns what: all buckets' optimizer work runs in one step, so the step waits for the rank
+with the largest TOTAL cost over the model; a single bucket's balance matters only through the
+padding it costs (the shard size is set by the bucket's largest rank). Three stages:
+
+1. Each bucket is cut into ``dp_size`` parts, largest cost first onto the part with the least
+   cost so far (ties: fewest elements). This balances the bucket's cost and, since cost grows
+   with size, its elements, which fixes the bucket's shard size and so its padding.
+2. Which rank takes which part is free: it changes no shard size. Bucket by bucket, the part
+   with the most cost goes to the rank with the least cost over the buckets before, the next
+   part to the next rank, so one bucket's excess is paid back in the following ones.
+3. A local search then lowers the busiest rank's total: it moves one parameter, or swaps two,
+   or swaps two ranks' whole parts, between the busiest rank and another inside one bucket,
+   whenever that narrows their gap and neither rank outgrows the bucket's shard size. Padding
+   never grows, and the sum of squared totals falls at every move, so the search ends (and
+   ``MAX_SEARCH_MOVES_PER_PARAM`` bounds its time).
+
+Balancing each bucket alone (stage 1 without 2 and 3) lets every bucket's rounding fall on the
+same ranks; balancing the model alone, ignoring buckets, piles a bucket's parameters on a few
+ranks and pads every other shard to match. The search keeps stage 1's padding: when the
+buckets leave no room (every rank's part of a bucket already at the shard size, as when a
+model has few matrices per rank), a better balance would cost padding, and it is not bought.
+``balance_report`` prints what the result costs: the cost per rank against the bound no
+assignment can beat (the mean, or the costliest matrix), and the padding per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .layout import (
+    SHARD_ALIGN,
+    BucketLayout,
+    BufferLayout,
+    ParamSlot,
+    Range,
+    build_layout,
+    pad_to,
+)
+
+MAX_SEARCH_MOVES_PER_PARAM = 8
+"""The local search (stage 3) stops after this many moves per whole-tensor parameter at most."""
+
+
+def newton_schulz_cost(rows: int, cols: int) -> int:
+    """Cost of Newton-Schulz on a ``rows x cols`` matrix, up to a constant: its matrix products
+    take ``max * min**2`` multiply-adds."""
+    small, large = sorted((rows, cols))
+    return large * small * small
+
+
+def build_mixed_layout(
+    numels: Sequence[int],
+    whole_costs: Sequence[float | None],
+    *,
+    bucket_size: int,
+    dp_size: int,
+    shard_align: int = SHARD_ALIGN,
+    whole_bucket_size: int | None = None,
+) -> BufferLayout:
+    """Lay out element-wise and whole-tensor parameters; see [Note: whole-tensor layout].
+
+    ``whole_costs[i]`` is the optimizer's cost for parameter ``i`` if it is owned whole, or
+    ``None`` if its elements are sharded like ``build_layout``'s. Every ``ParamSlot`` of a
+    whole-tensor parameter names its ``owner``; its buckets have ``whole_tensor=True``.
+    """
+    whole_bucket_size = bucket_size if whole_bucket_size is None else whole_bucket_size
+    _check(numels, whole_costs, bucket_size, whole_bucket_size, dp_size, shard_align)
+
+    elementwise = [i for i, cost in enumerate(whole_costs) if cost is None]
+    whole = [i for i, cost in enumerate(whole_costs) if cost is not None]
+    # Kept as (last param, position) so that sorting orders buckets by completion.
+    plans: list[tuple[int, int, BucketLayout | list[list[int]]]] = []
+    if elementwise:
+        flat = build_layout(
+            [numels[i] for i in elementwise],
+            bucket_size=bucket_size,
+            dp_size=dp_size,
+            shard_align=shard_align,
+        )
+        for bucket in flat.buckets:
+            plans.append((elementwise[bucket.param_indices[-1]], len(plans), bucket))
+    else:
+        flat = None
+    if whole:
+        groups = _whole_groups(whole, numels, whole_bucket_size, dp_size)
+        costs = {i: float(whole_costs[i]) for i in whole}  # type: ignore[arg-type]
+        for group, owned in zip(groups, _assign(groups, numels, costs, dp_size), strict=True):
+            plans.append((group[-1], len(plans), owned))
+    plans.sort(key=lambda plan: plan[:2])
+
+    buckets: list[BucketLayout] = []
+    slots: list[ParamSlot | None] = [None] * len(numels)
+    offset = 0
+    for bucket_index, (_, _, plan) in enumerate(plans):
+        if isinstance(plan, BucketLayout):
+            assert flat is not None
+            indices = tuple(elementwise[j] for j in plan.param_indices)
+            for j, index in zip(plan.param_indices, indices, strict=True):
+                inner = flat.params[j].bucket_range
+                slots[index] = ParamSlot(
+                    index=index,
+                    bucket=bucket_index,
+                    bucket_range=inner,
+                    buffer_range=inner.shifted(offset),
+                )
+            size, used = plan.buffer_range.size, plan.num_param_elements
+        else:
+            shard_size = pad_to(max(sum(numels[i] for i in part) for part in plan), shard_align)
+            for rank, part in enumerate(plan):
+                start = rank * shard_size
+                for index in sorted(part):
+                    inner = Range(start, start + numels[index])
+                    slots[index] = ParamSlot(
+                        index=index,
+                        bucket=bucket_index,
+                        bucket_range=inner,
+                        buffer_range=inner.shifted(offset),
+                        owner=rank,
+                    )
+                    start = inner.end
+            indices = tuple(sorted(index for part in plan for index in part))
+            size, used = dp_size * shard_size, sum(numels[i] for i in indices)
+        buckets.append(
+            BucketLayout(
+                index=bucket_index,
+                buffer_range=Range(offset, offset + size),
+                num_param_elements=used,
+                param_indices=indices,
+                dp_size=dp_size,
+                whole_tensor=not isinstance(plan, BucketLayout),
+            )
+        )
+        offset += size
+    assert all(slot is not None for slot in slots)
+    return BufferLayout(
+        dp_size=dp_size,
+        numel=offset,
+        buckets=tuple(buckets),
+        params=tuple(slot for slot in slots if slot is not None),
+    )
+
+
+def _whole_groups(
+    whole: list[int], numels: Sequence[int], whole_bucket_size: int, dp_size: int
+) -> list[list[int]]:
+    """The whole-tensor params of each bucket, in order; see [Note: whole-tensor layout]."""
+    fill = _fill(whole, numels, whole_bucket_size, dp_size, target=None)
+    if len(fill) < 2:
+        return fill
+    # As many buckets, of about equal size: full buckets leave the owners no room.
+    total = sum(numels[i] for i in whole)
+    return _fill(whole, numels, whole_bucket_size, dp_size, target=-(-total // len(fill)))
+
+
+def _fill(
+    whole: list[int],
+    numels: Sequence[int],
+    whole_bucket_size: int,
+    dp_size: int,
+    target: int | None,
+) -> list[list[int]]:
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = largest = 0
+    for index in whole:
+        numel = numels[index]
+        capacity = max(whole_bucket_size, dp_size * max(largest, numel))
+        if current and (used + numel > capacity or (target is not None and used >= target)):
+            groups.append(current)
+            current, used, largest = [], 0, 0
+        current.append(index)
+        used += numel
+        largest = max(largest, numel)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _check(
+    numels: Sequence[int],
+    whole_costs: Sequence[float | None],
+    bucket_size: int,
+    whole_bucket_size: int,
+    dp_size: int,
+    shard_align: int,
+) -> None:
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
+    if whole_bucket_size < 1:
+        raise ValueError(f"whole_bucket_size must be >= 1 element, got {whole_bucket_size}")
+    if shard_align < 1:
+        raise ValueError(f"shard_align must be >= 1, got {shard_align}")
+    if len(whole_costs) != len(numels):
+        raise ValueError(
+            f"whole_costs has {len(whole_costs)} entries for {len(numels)} parameters"
+        )
+    for index, (numel, cost) in enumerate(zip(numels, whole_costs, strict=True)):
+        if cost is not None and numel < 1:
+            raise ValueError(f"parameter {index} has a whole-tensor cost but no elements")
+        if numel < 1:
+            raise ValueError("every parameter must have at least one element")
+        if cost is not None and not (math.isfinite(cost) and cost >= 0):
+            raise ValueError(f"parameter {index} has cost {cost}; costs must be finite and >= 0")
+
+
+def _assign(
+    groups: list[list[int]], numels: Sequence[int], costs: dict[int, float], dp_size: int
+) -> list[list[list[int]]]:
+    """For each bucket, the whole-tensor params each rank owns; see [Note: whole-tensor layout]."""
+    # Stage 1: cut each bucket into dp_size parts of about equal cost.
+    cut: list[list[list[int]]] = []
+    for group in groups:
+        parts: list[list[int]] = [[] for _ in range(dp_size)]
+        part_cost, part_numel = [0.0] * dp_size, [0] * dp_size
+        for index in sorted(group, key=lambda i: (-costs[i], -numels[i], i)):
+            k = min(range(dp_size), key=lambda k: (part_cost[k], part_numel[k], k))
+            parts[k].append(index)
+            part_cost[k] += costs[index]
+            part_numel[k] += numels[index]
+        cut.append(parts)
+
+    # Stage 2: the bucket's costliest part to the rank with the least cost so far.
+    load = [0.0] * dp_size
+    owned: list[list[list[int]]] = []
+    for parts in cut:
+        by_cost = sorted(parts, key=lambda p: (-_sum(p, costs), -_sum(p, numels), p))
+        by_load = sorted(range(dp_size), key=lambda r: (load[r], r))
+        bucket: list[list[int]] = [[] for _ in range(dp_size)]
+        for part, rank in zip(by_cost, by_load, strict=True):
+            bucket[rank] = part
+            load[rank] += _sum(part, costs)
+        owned.append(bucket)
+
+    _search(owned, numels, costs, load)
+    return owned
+
+
+def _search(
+    owned: list[list[list[int]]],
+    numels: Sequence[int],
+    costs: dict[int, float],
+    load: list[float],
+) -> None:
+    """Stage 3: narrow the busiest rank's gap to the others inside the buckets' shard sizes,
+    changing ``owned`` and ``load`` in place."""
+    dp_size = len(load)
+    part_cost = [[_sum(part, costs) for part in bucket] for bucket in owned]
+    part_numel = [[int(_sum(part, numels)) for part in bucket] for bucket in owned]
+    shard = [max(sizes) for sizes in part_numel]
+    # Gaps below this are rounding: the search must not chase them.
+    tolerance = 1e-9 * max(load) if max(load) > 0 else 0.0
+    for _ in range(MAX_SEARCH_MOVES_PER_PARAM * len(costs)):
+        busiest = max(range(dp_size), key=lambda r: (load[r], -r))
+        # (gain, bucket, rank, given, taken); a move of cost delta across a gap lowers the sum
+        # of squared loads by 2 * delta * (gap - delta), which we call the gain (halved).
+        best: tuple[float, int, int, list[int], list[int]] | None = None
+        for rank in sorted(range(dp_size), key=lambda r: (load[r], r)):
+            gap = load[busiest] - load[rank]
+            # Lighter ranks come first, and no move across a gap gains more than gap**2 / 4.
+            if gap <= tolerance or (best is not None and best[0] >= gap * gap / 4):
+                break
+            low, high = tolerance, gap - tolerance  # the deltas that narrow the gap
+            best_gain = -1.0 if best is None else best[0]
+            for b, bucket in enumerate(owned):
+                mine, theirs = bucket[busiest], bucket[rank]
+                # How many elements may cross to them (positive) or to us (negative).
+                most = shard[b] - part_numel[b][rank]
+                least = part_numel[b][busiest] - shard[b]
+                delta = part_cost[b][busiest] - part_cost[b][rank]  # the two parts swapped
+                if low < delta < high and delta * (gap - delta) > best_gain:
+                    best_gain = delta * (gap - delta)
+                    best = (best_gain, b, rank, mine, theirs)
+                for give in mine:
+                    cost, numel = costs[give], numels[give]
+                    if cost <= low:
+                        continue  # nothing this param takes part in narrows the gap
+                    if cost < high and numel <= most and cost * (gap - cost) > best_gain:
+                        best_gain = cost * (gap - cost)
+                        best = (best_gain, b, rank, [give], [])
+                    for take in theirs:
+                        delta = cost - costs[take]
+                        if low < delta < high and least <= numel - numels[take] <= most:
+                            gain = delta * (gap - delta)
+                            if gain > best_gain:
+                                best_gain = gain
+                                best = (gain, b, rank, [give], [take])
+        if best is None:
+            return
+        _, b, rank, given, taken = best
+        delta = _sum(given, costs) - _sum(taken, costs)
+        moved = int(_sum(given, numels) - _sum(taken, numels))
+        bucket = owned[b]
+        bucket[busiest] = sorted(set(bucket[busiest]) - set(given) | set(taken))
+        bucket[rank] = sorted(set(bucket[rank]) - set(taken) | set(given))
+        for r, sign in ((busiest, -1), (rank, 1)):
+            load[r] += sign * delta
+            part_cost[b][r] += sign * delta
+            part_numel[b][r] += sign * moved
+
+
+def _sum(indices: list[int], values: Sequence[float] | Sequence[int] | dict[int, float]) -> float:
+    return sum(values[i] for i in indices)
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceReport:
+    """What whole-tensor ownership costs in one layout: the optimizer cost each rank owns, and
+    the padding each rank's shards hold."""
+
+    dp_size: int
+    cost: tuple[float, ...]  # per rank: the whole-tensor cost it owns
+    whole_elements: tuple[int, ...]  # per rank: elements of the whole-tensor params it owns
+    padding: tuple[int, ...]  # per rank: elements of its shards, all buckets, in no param
+    whole_padding: int  # all ranks: padding of the whole-tensor buckets
+    param_elements: int  # every parameter's elements
+    bound: float  # no assignment gives the busiest rank less: the mean or the largest cost
+
+    @property
+    def max_cost(self) -> float:
+        return max(self.cost)
+
+    @property
+    def mean_cost(self) -> float:
+        return sum(self.cost) / self.dp_size
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank's cost over the mean: how much longer the step's whole-tensor work runs
+        than with a perfect split (1.0 is perfect)."""
+        return self.max_cost / self.mean_cost if self.mean_cost > 0 else 1.0
+
+    @property
+    def best_imbalance(self) -> float:
+        """The imbalance no assignment can beat (a matrix whose cost exceeds the mean)."""
+        return self.bound / self.mean_cost if self.mean_cost > 0 else 1.0
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padding over all elements of the buffer."""
+        total_padding = sum(self.padding)
+        return total_padding / (self.param_elements + total_padding)
+
+    def format(self) -> str:
+        lines = [f"{'rank':>4} {'cost':>14} {'whole elements':>15} {'padding':>10}"]
+        for rank in range(self.dp_size):
+            lines.append(
+                f"{rank:>4} {self.cost[rank]:>14.4g} {self.whole_elements[rank]:>15,d}"
+                f" {self.padding[rank]:>10,d}"
+            )
+        lines.append(
+            f"imbalance max/mean {self.imbalance:.4f} (best possible {self.best_imbalance:.4f}),"
+            f" padding {sum(self.padding):,d} elements = {self.padding_fraction:.2%} of the"
+            f" buffer, {self.whole_padding:,d} in whole-tensor buckets"
+        )
+        return "\n".join(lines)
+
+
+def balance_report(layout: BufferLayout, whole_costs: Sequence[float | None]) -> BalanceReport:
+    """The cost and padding per rank of ``layout`` for the costs it was built with."""
+    if len(whole_costs) != len(layout.params):
+        raise ValueError(
+            f"whole_costs has {len(whole_costs)} entries for {len(layout.params)} parameters"
+        )
+    dp_size = layout.dp_size
+    cost, elements = [0.0] * dp_size, [0] * dp_size
+    for slot, param_cost in zip(layout.params, whole_costs, strict=True):
+        if param_cost is None:
+            continue
+        if slot.owner is None:
+            raise ValueError(f"parameter {slot.index} has a cost but no owner in this layout")
+        cost[slot.owner] += param_cost
+        elements[slot.owner] += slot.bucket_range.size
+    padding = []
+    for rank in range(dp_size):
+        owned = sum(piece.world_range.size for piece in layout.shard_pieces(rank))
+        padding.append(sum(b.shard_size for b in layout.buckets) - owned)
+    whole_padding = sum(
+        b.buffer_range.size - b.num_param_elements for b in layout.buckets if b.whole_tensor
+    )
+    known = [c for c in whole_costs if c is not None]
+    return BalanceReport(
+        dp_size=dp_size,
+        cost=tuple(cost),
+        whole_elements=tuple(elements),
+        padding=tuple(padding),
+        whole_padding=whole_padding,
+        param_elements=sum(slot.bucket_range.size for slot in layout.params),
+        bound=max(sum(known) / dp_size, max(known, default=0.0)),
+    )
