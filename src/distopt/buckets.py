@@ -69,10 +69,6 @@ class Bucket:
         self.reduction_started = False
         self._gather: Any = None  # handle of the gather in flight
 
-    @property
-    def index(self) -> int:
-        return self.layout.index
-
     # ------------------------------------------------------------------ grads
 
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
