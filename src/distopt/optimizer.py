@@ -237,9 +237,8 @@ class _BufferOptimizer(torch.optim.Optimizer):
             inner = {k: v for k, v in group.items() if k != "params"}
             inner["params"] = [m for p in group["params"] for m in pieces_of.get(p, [])]
             inner_groups.append(inner)
-        kwargs = dict(optimizer_kwargs)
-        if "foreach" in inspect.signature(optimizer_cls.__init__).parameters:
-            kwargs.setdefault("foreach", True)
+        kwargs = {**optimizer_kwargs,
+                  **default_kernel_kwargs(optimizer_cls, self._device, optimizer_kwargs)}
         self.optimizer = optimizer_cls(inner_groups, **kwargs)
         mains = [m for g in self.optimizer.param_groups for m in g["params"]]
         self._grads = [m.grad for m in mains]
@@ -508,6 +507,28 @@ class BasicOptimizer(_BufferOptimizer):
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,
         )
+
+
+def default_kernel_kwargs(
+    optimizer_cls: type[torch.optim.Optimizer], device: torch.device, user_kwargs: dict[str, Any]
+) -> dict[str, bool]:
+    """The ``foreach``/``fused`` keyword distopt adds to the inner optimizer's arguments.
+
+    The pieces of a buffer are many small fp32 tensors, so the per-tensor loop torch falls back
+    to would cost a kernel launch per piece and per operation: on CUDA the fused kernel (one
+    launch per step) where the class has one, else the foreach kernels. A choice the user made
+    is left alone (``foreach=`` given, or ``fused=True``); ``fused=False`` or ``None`` alone
+    still gets ``foreach``. Decides from the device's type only: nothing here touches the
+    device.
+    """
+    accepted = inspect.signature(optimizer_cls.__init__).parameters
+    if "foreach" in user_kwargs or user_kwargs.get("fused"):
+        return {}
+    if device.type == "cuda" and "fused" in accepted and "fused" not in user_kwargs:
+        return {"fused": True}
+    if "foreach" in accepted:
+        return {"foreach": True}
+    return {}
 
 
 def _as_model_list(model: Any, who: str) -> list[DistributedDataParallel]:

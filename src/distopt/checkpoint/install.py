@@ -15,6 +15,13 @@ import torch
 
 from .format import Optimizer, OwnedPiece
 
+KERNEL_OPTIONS = frozenset({"foreach", "fused", "capturable"})
+"""Param-group options that say how torch.optim runs a step, not what it computes. They suit
+the device the optimizer runs on (fused on CUDA, foreach on CPU by default; see
+distopt.optimizer.default_kernel_kwargs), so a load keeps the loading optimizer's own: a
+checkpoint saved on CUDA resumes on the CPU with the CPU's kernels, and the reverse. Where
+``state_tensor`` places the step counts follows the same, loading, options."""
+
 
 def state_tensor(opt: Optimizer, owned: OwnedPiece, key: str, shape: Sequence[int],
                  dtype: torch.dtype) -> torch.Tensor:
@@ -33,7 +40,8 @@ def state_tensor(opt: Optimizer, owned: OwnedPiece, key: str, shape: Sequence[in
 def install(opt: Optimizer, states: Iterable[tuple[OwnedPiece, dict[str, Any]]],
             options: list[dict[str, Any]], scaler: dict[str, Any] | None) -> None:
     """Make ``states`` each piece's optimizer state, set the param groups' options (all but
-    their params) and the loss scaler's state (when both sides have a scaler).
+    their params and ``KERNEL_OPTIONS``) and the loss scaler's state (when both sides have a
+    scaler).
 
     The model params are left as they are: a loader that loaded the main params rebuilds them
     with ``opt.sync_model_params()``.
@@ -44,7 +52,8 @@ def install(opt: Optimizer, states: Iterable[tuple[OwnedPiece, dict[str, Any]]],
         else:
             opt.optimizer.state.pop(owned.main, None)
     for group, saved in zip(opt.param_groups, options, strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+        group.update({k: v for k, v in saved.items()
+                      if k != "params" and k not in KERNEL_OPTIONS})
     if opt.loss_scaler is not None and scaler is not None:
         opt.loss_scaler.load_state_dict(scaler["state"])
 

@@ -44,9 +44,6 @@ def load_plain_checkpoint(source: str | os.PathLike | dict[str, Any], ddp: Model
         for model, sd in zip(opt.models, _model_dicts(ckpt), strict=True):
             model.finish_param_sync()
             model.module.load_state_dict(sd)
-    # torch.optim's own state dicts hold foreach=None, which would turn off distopt's default.
-    options = [{k: v for k, v in group.items() if not (k == "foreach" and v is None)}
-               for group in options]
     install_values(opt, values, options, ckpt.get("loss_scaler"))
     return ckpt.get("extra")
 

@@ -5,6 +5,7 @@ import sys
 
 from ..extras import TRAIN_NEEDS, require
 from .config import parse_args
+from .launch import check_device
 from .worker import run_worker
 
 # Every rank checks before the group forms: were rank 0 alone to fail later, for want of the
@@ -13,6 +14,7 @@ require("distopt train", TRAIN_NEEDS)
 
 try:
     config = parse_args(sys.argv[1:])
+    check_device(config)
 except ValueError as error:
     sys.exit(f"distopt train: error: {error}")
 run_worker(config)

@@ -27,12 +27,18 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 }
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything a training run depends on; saved next to its checkpoints."""
 
     nproc: int | None = None
     """Ranks on this machine; None: one per GPU, or 2 on CPU."""
+    device: str = "auto"
+    """Where the ranks train: cuda (one GPU per rank, NCCL), cpu (gloo), or auto: cuda when
+    a GPU is visible, else cpu."""
     model: str = "tiny"
     """Demo GPT preset (see distopt.train.model.MODEL_PRESETS)."""
     data: str | None = None
@@ -91,6 +97,8 @@ class TrainConfig:
         problems = []
         if self.nproc is not None and self.nproc < 1:
             problems.append(f"--nproc must be >= 1, got {self.nproc}")
+        if self.device not in DEVICES:
+            problems.append(f"--device must be one of {', '.join(DEVICES)}, got {self.device}")
         if self.model not in MODEL_PRESETS:
             problems.append(f"--model must be one of {', '.join(MODEL_PRESETS)}, got {self.model}")
         for names, least in (
@@ -127,6 +135,12 @@ class TrainConfig:
                 f"{world_size * self.grad_accum}"
             )
 
+    def device_type(self) -> str:
+        """``cuda`` or ``cpu``: what ``auto`` means on this machine."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -139,6 +153,8 @@ def parser() -> argparse.ArgumentParser:
     )
     defaults = TrainConfig()
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2 on CPU)")
+    p.add_argument("--device", default=defaults.device,
+                   help="cuda, cpu, or auto (cuda when a GPU is visible)")
     p.add_argument("--model", default=defaults.model, help=", ".join(MODEL_PRESETS))
     p.add_argument("--data", default=None, help="folder of text files (default: stdlib sources)")
     p.add_argument("--max-bytes", type=lambda s: None if s == "all" else int(float(s)),

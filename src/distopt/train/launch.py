@@ -24,6 +24,20 @@ def _fail(message: str) -> int:
     return 2
 
 
+def check_device(config: TrainConfig) -> int:
+    """The number of ranks to start, checked against the device; raises ValueError."""
+    if config.device_type() == "cpu":
+        return config.nproc or 2
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device (a CPU build of torch, "
+                         "or no GPU visible); use --device cpu")
+    gpus = torch.cuda.device_count()
+    if config.nproc is not None and config.nproc > gpus:
+        raise ValueError(f"--nproc {config.nproc} on --device cuda needs one GPU per rank, but "
+                         f"{gpus} are visible; use --nproc {gpus} or fewer")
+    return config.nproc or gpus
+
+
 def validate(config: TrainConfig, nproc: int) -> None:
     """Every check that needs no process group; raises ValueError with the fix."""
     from .data import load_corpus
@@ -43,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(argv)
     except ValueError as error:
         return _fail(str(error))
-    nproc = config.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     try:
+        nproc = check_device(config)
         validate(config, nproc)
     except ValueError as error:
         return _fail(str(error))

@@ -51,7 +51,7 @@ class Trainer:
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         config.check_world_size(self.world)
-        self.device = _device()
+        self.device = _device(config.device_type())
         self.out = Path(config.out)
         self.ckpt_dir = self.out / "checkpoints"
 
@@ -247,8 +247,9 @@ def _failure_injection() -> tuple[int, int]:
     return int(os.environ.get(FAIL_AT_STEP_ENV, "-1")), int(os.environ.get(FAIL_RANK_ENV, "0"))
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
+def _device(device_type: str) -> torch.device:
+    """This rank's device: its local GPU on cuda, else the CPU."""
+    if device_type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -273,10 +274,11 @@ def _attempt_store(rank: int, world: int) -> dist.Store:
 
 def run_worker(config: TrainConfig) -> dict[str, Any]:
     """Entry point of every rank; the process group comes from torchrun's environment."""
-    if not torch.cuda.is_available():
+    on_cuda = config.device_type() == "cuda"
+    if not on_cuda:
         # Ranks share the machine's cores; one thread each avoids oversubscription.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if on_cuda else "gloo"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank,
                             world_size=world)
