@@ -45,6 +45,7 @@ class Bucket:
         group: dist.ProcessGroup | None,
         reduce_scatter: bool,
         stats: comm.CommStats | None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.layout = layout
         self.params = params
@@ -55,6 +56,7 @@ class Bucket:
         self.param_shard = param_data[shard.start : shard.end]  # [bucket numel / d]
         self.grad_shard = grad_data[shard.start : shard.end]  # [bucket numel / d]
         self.group = group
+        self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
         self.reduce_scatter = reduce_scatter
         self.stats = stats
         # The grads this rank holds reduced once the reduction is waited for, in bucket
@@ -65,7 +67,9 @@ class Bucket:
 
         self._written: set[nn.Parameter] = set()  # see [Note: grads written, not zeroed]
         self._pending: set[nn.Parameter] = set(params)  # grads still to come before a launch
-        self._reduction: Any = None  # handle of the reduction in flight
+        self._reduction: Any = None  # handle of the reduction in flight (in the shard group)
+        self._replica_reduction: Any = None  # handle of its second stage (replicate group)
+        self._replica_launched = False
         self.reduction_started = False
         self._gather: Any = None  # handle of the gather in flight
 
@@ -97,6 +101,7 @@ class Bucket:
         """Expect every grad again before the next launch (after a finished sync)."""
         self._pending = set(self.params)
         self.reduction_started = False
+        self._replica_launched = False
 
     # ------------------------------------------------------------------ collectives
 
@@ -116,10 +121,35 @@ class Bucket:
         self._reduction = handle
         self.reduction_started = True
 
+    def advance_reduction(self, *, block: bool) -> bool:
+        """Start the second stage of a hierarchical reduction once the first has finished:
+        the average of this rank's reduced grads over the replicate group; see
+        [Note: hierarchical data parallelism]. Without ``block`` it starts it only if the first
+        stage is already done. True once nothing is left to start (always, when flat)."""
+        if self.replicate_group is None or self._replica_launched:
+            return True
+        first = self._reduction
+        if first is not None and not block and not first.is_completed():
+            return False
+        self._reduction = None
+        if first is not None:
+            first.wait()
+        self._replica_reduction = comm.all_reduce_avg(
+            self.owned_grad, self.replicate_group, async_op=True, stats=self.stats,
+            op="replicate_all_reduce",
+        )
+        self._replica_launched = True
+        return True
+
     def wait_reduction(self) -> None:
-        handle, self._reduction = self._reduction, None
-        if handle is not None:
-            handle.wait()
+        """Wait for the bucket's whole reduction (both stages when hierarchical)."""
+        if self.reduction_started:
+            self.advance_reduction(block=True)
+        for name in ("_reduction", "_replica_reduction"):
+            handle = getattr(self, name)
+            setattr(self, name, None)
+            if handle is not None:
+                handle.wait()
 
     def start_gather(self, *, async_op: bool) -> None:
         """All-gather ``param_data`` from every rank's ``param_shard``."""
@@ -167,6 +197,7 @@ class ParamAndGradBuffer:
         group: dist.ProcessGroup | None,
         reduce_scatter: bool,
         stats: comm.CommStats | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not params:
             raise ValueError("a buffer needs at least one parameter")
@@ -208,5 +239,6 @@ class ParamAndGradBuffer:
                     group=group,
                     reduce_scatter=reduce_scatter,
                     stats=stats,
+                    replicate_group=replicate_group,
                 )
             )

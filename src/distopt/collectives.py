@@ -169,14 +169,15 @@ def all_reduce_avg(
     *,
     async_op: bool,
     stats: CommStats | None = None,
+    op: str = "all_reduce",
 ):
-    """Average ``full`` in place over the group."""
+    """Average ``full`` in place over the group; ``op`` names it in ``stats``."""
     if group_size(group) == 1:
         return DONE
     if stats is not None:
-        stats.record("all_reduce", full)
+        stats.record(op, full)
     call = lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
-    return _timed(stats, "all_reduce", async_op, call)
+    return _timed(stats, op, async_op, call)
 
 
 def all_gather(

@@ -53,7 +53,7 @@ from .buckets import Bucket, ParamAndGradBuffer
 from .dtensor import is_dtensor, local_grad, local_tensor
 from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
 from .options import GradSyncOptions
-from .parallel import ParallelLayout, resolve_dp_group
+from .parallel import ParallelLayout, resolve_dp_groups
 from .tensor_parallel import TensorParallelMesh, check_params, stat_groups
 
 if TYPE_CHECKING:
@@ -122,11 +122,14 @@ class DistributedDataParallel(nn.Module):
         )
 
         self.module = module
-        dp_group = _resolve_group(resolve_dp_group(process_group, device_mesh))
+        dp_group, replicate_group = resolve_dp_groups(process_group, device_mesh)
+        dp_group = _resolve_group(dp_group)
         # The TP mesh is None without DTensor params; check_params raises (on every rank, before
         # any collective) on a DTensor layout distopt cannot compose with. See
         # [Note: DTensor params].
-        self.parallel = ParallelLayout.of(dp_group, check_params(named, dp_group))
+        self.parallel = ParallelLayout.of(
+            dp_group, check_params(named, dp_group), replicate_group
+        )
         # Over the TP groups too, so that every rank of the mesh raises, or none does.
         self._nan_check_groups = [self.process_group, *stat_groups(self.tp_mesh)]
         self.comm_stats = comm.CommStats()
@@ -154,6 +157,7 @@ class DistributedDataParallel(nn.Module):
                 dp_size=self.dp_size,
                 dp_rank=self.dp_rank,
                 group=self.process_group,
+                replicate_group=self.parallel.replicate_group,
                 reduce_scatter=self.options.use_distributed_optimizer,
                 stats=self.comm_stats,
             )
@@ -178,6 +182,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
         self._grad_sync_done = False
         self._next_launch = 0  # the first bucket of the launch order not launched yet
+        self._next_replica = 0  # the first bucket whose second stage is not started yet
         self._used = bytearray(len(self.params))  # with find_unused_parameters
         self.unused_params: frozenset[nn.Parameter] = frozenset()
         self._gathers_in_flight = False
@@ -277,6 +282,11 @@ class DistributedDataParallel(nn.Module):
         # Strictly in launch order; see [Note: bucket launch order].
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
             self._launch_next()
+        # Second stages too, in the same order, as far as first stages have finished.
+        while self._next_replica < self._next_launch and self.buckets[
+            self._next_replica
+        ].advance_reduction(block=False):
+            self._next_replica += 1
 
     def _launch_next(self) -> None:
         self.buckets[self._next_launch].launch_reduction()
@@ -286,6 +296,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.reset_reduction()
         self._next_launch = 0
+        self._next_replica = 0  # the first bucket whose second stage is not started yet
         if self.options.find_unused_parameters:
             self._used = bytearray(len(self.params))
         self.unused_params = frozenset()
@@ -308,7 +319,10 @@ class DistributedDataParallel(nn.Module):
         unused: frozenset[nn.Parameter] = frozenset()
         if self.options.find_unused_parameters:
             used = torch.tensor(list(self._used), dtype=torch.int32, device=self._device)
-            comm.all_reduce_small(used, dist.ReduceOp.MAX, [self.process_group], self.comm_stats)
+            # Over every data-parallel rank: replicas train on other data than their peers.
+            comm.all_reduce_small(
+                used, dist.ReduceOp.MAX, self.parallel.data_parallel_groups, self.comm_stats
+            )
             unused = frozenset(p for p, u in zip(self.params, used.tolist(), strict=True) if not u)
         self._reset_reductions()
         self.unused_params = unused
@@ -395,12 +409,16 @@ class DistributedDataParallel(nn.Module):
         return wait_for_params
 
     def _broadcast_from_first_rank(self, module: nn.Module) -> None:
-        if self.dp_size == 1:
-            return
-        src = dist.get_global_rank(self.process_group, 0)
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(local_tensor(tensor.data), src=src, group=self.process_group)
+        # Replicate group first, then shard group: every rank ends with the values of the rank
+        # at coordinate 0 of both.
+        tensors = list(module.parameters()) + list(module.buffers())
+        for group in reversed(self.parallel.data_parallel_groups):
+            if comm.group_size(group) == 1:
+                continue
+            src = dist.get_global_rank(group, 0)
+            with torch.no_grad():
+                for tensor in tensors:
+                    dist.broadcast(local_tensor(tensor.data), src=src, group=group)
 
 
 def _trainable_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

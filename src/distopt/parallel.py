@@ -3,6 +3,21 @@
 ``DistributedDataParallel`` resolves both once, into a ``ParallelLayout``, and everything that
 communicates (the optimizer, checkpoints) takes its groups from that layout instead of
 recomputing them from the params.
+
+[Note: hierarchical data parallelism]
+On several nodes, a flat layout sends every reduce-scatter and all-gather byte over the slow
+inter-node network and shards the optimizer state far finer than memory needs. A mesh with
+dimensions ("dp_replicate", "dp_shard") shards within a group (e.g. the ranks of one node)
+and replicates across such groups. Buckets are laid out for d = the shard size and
+reduce-scattered in the shard group during backward; as soon as a bucket's reduce-scatter has
+finished, this rank's reduced chunk is all-averaged over the replicate group (the ranks that
+own the same chunk in the other replicas), still during backward, in launch order
+(``Bucket.advance_reduction``); the optimizer steps the chunk, and the all-gather runs in the
+shard group. Replicas then hold identical chunks, so grad statistics (norm, zero count, inf
+flag, nan check) reduce over the shard group only and count every element once; only
+``find_unused_parameters`` and the start-up broadcast span both groups. Memory per rank is the
+table at d = the shard size; the replicate group carries 2 (N/s)(r - 1)/r elements per rank
+and step, 1/s of a flat all-reduce.
 """
 
 from __future__ import annotations
@@ -20,10 +35,18 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def resolve_dp_group(process_group: Any, device_mesh: DeviceMesh | None) -> Any:
-    """The DP group named by ``process_group`` or by ``device_mesh`` (at most one of the two)."""
+MESH_DIMS = ("dp", "dp_replicate", "dp_shard", "tp")
+"""The mesh dimension names distopt reads: a flat data-parallel dimension ("dp"), or a
+hierarchical one ("dp_replicate" x "dp_shard", see [Note: hierarchical data parallelism]),
+beside the tensor-parallel one ("tp") that DTensor params live on."""
+
+
+def resolve_dp_groups(process_group: Any, device_mesh: DeviceMesh | None) -> tuple[Any, Any]:
+    """The groups named by ``process_group`` or by ``device_mesh`` (at most one of the two):
+    the group buckets are sharded over, and the group the shards are replicated over (None
+    unless the mesh has a "dp_replicate" dimension)."""
     if device_mesh is None:
-        return process_group
+        return process_group, None
     from torch.distributed.device_mesh import DeviceMesh
 
     if process_group is not None:
@@ -36,15 +59,31 @@ def resolve_dp_group(process_group: Any, device_mesh: DeviceMesh | None) -> Any:
             f"{type(device_mesh).__name__}"
         )
     if device_mesh.ndim == 1:
-        return device_mesh.get_group()
-    names = device_mesh.mesh_dim_names or ()
-    if "dp" not in names:
+        return device_mesh.get_group(), None
+    names = tuple(device_mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in MESH_DIMS]
+    if unknown or not names:
         raise ValueError(
             f"device_mesh has {device_mesh.ndim} dimensions named {names or 'nothing'}; distopt "
-            "needs the data-parallel one: name it 'dp' (mesh_dim_names=('dp', 'tp')) or pass "
-            "the 1-D submesh, device_mesh=mesh['dp']"
+            "needs the data-parallel one: name it 'dp' (mesh_dim_names=('dp', 'tp')), or shard "
+            "within a node and replicate across nodes with ('dp_replicate', 'dp_shard'), or "
+            "pass the 1-D submesh, device_mesh=mesh['dp'] (distopt reads the dimensions "
+            f"{', '.join(MESH_DIMS)})"
         )
-    return device_mesh["dp"].get_group()
+    if "dp_shard" in names:
+        if "dp" in names:
+            raise ValueError(
+                f"device_mesh names both 'dp' and 'dp_shard' ({names}); name the data-parallel "
+                "dimensions either 'dp' (flat) or 'dp_replicate' and 'dp_shard' (hierarchical)"
+            )
+        replicate = device_mesh["dp_replicate"].get_group() if "dp_replicate" in names else None
+        return device_mesh["dp_shard"].get_group(), replicate
+    if "dp" not in names:
+        raise ValueError(
+            f"device_mesh has dimensions {names} but no data-parallel one to shard over; add "
+            "'dp' (flat) or 'dp_shard' (with 'dp_replicate', hierarchical)"
+        )
+    return device_mesh["dp"].get_group(), None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +98,20 @@ class ParallelLayout:
     dp_size: int
     dp_rank: int
     tp: TensorParallelMesh | None
+    replicate_group: dist.ProcessGroup | None = None
+    replicate_size: int = 1
 
     @classmethod
-    def of(cls, dp_group: dist.ProcessGroup | None,
-           tp: TensorParallelMesh | None) -> ParallelLayout:
+    def of(cls, dp_group: dist.ProcessGroup | None, tp: TensorParallelMesh | None,
+           replicate_group: dist.ProcessGroup | None = None) -> ParallelLayout:
         return cls(dp_group=dp_group, dp_size=comm.group_size(dp_group),
-                   dp_rank=comm.group_rank(dp_group), tp=tp)
+                   dp_rank=comm.group_rank(dp_group), tp=tp, replicate_group=replicate_group,
+                   replicate_size=comm.group_size(replicate_group))
+
+    @property
+    def data_parallel_groups(self) -> list[dist.ProcessGroup | None]:
+        """Every group of data-parallel ranks: the shard group, then the replicate group."""
+        return [self.dp_group, self.replicate_group]
 
     @property
     def tp_size(self) -> int:
@@ -74,15 +121,21 @@ class ParallelLayout:
         """The ranks a checkpoint of the model is collective over: the DP group, or with TP
         every rank (the default group, checked here to be the DP group times the TP mesh, so
         that every rank raises the same error before communicating)."""
-        if self.tp is None:
+        if self.tp is None and self.replicate_group is None:
             return self.dp_group
         world = dist.get_world_size()
-        if self.dp_size * self.tp_size != world:
+        if self.tp is not None and self.dp_size * self.replicate_size * self.tp_size != world:
             raise ValueError(
                 f"checkpoints of tensor-parallel models are collective over every rank, but the "
-                f"data-parallel group ({self.dp_size} ranks) times the tensor-parallel mesh "
-                f"({self.tp_size} ranks) is not the world ({world} ranks): run the model on a "
-                "(dp, tp) mesh that spans the default process group"
+                f"data-parallel group ({self.dp_size * self.replicate_size} ranks) times the "
+                f"tensor-parallel mesh ({self.tp_size} ranks) is not the world ({world} ranks): "
+                "run the model on a (dp, tp) mesh that spans the default process group"
+            )
+        if self.tp is None and self.dp_size * self.replicate_size != world:
+            raise ValueError(
+                f"checkpoints of a model sharded over {self.dp_size} ranks and replicated over "
+                f"{self.replicate_size} are collective over every rank, but that is not the world "
+                f"({world} ranks): build the ('dp_replicate', 'dp_shard') mesh over every rank"
             )
         return dist.group.WORLD
 
@@ -90,6 +143,6 @@ class ParallelLayout:
 def common_layout(layouts: Sequence[ParallelLayout]) -> ParallelLayout:
     """The one layout of several model chunks: one DP group, and one TP mesh, which chunks
     without DTensor params adopt."""
-    if len({id(layout.dp_group) for layout in layouts}) > 1:
+    if len({(id(layout.dp_group), id(layout.replicate_group)) for layout in layouts}) > 1:
         raise ValueError("all model chunks must use the same data-parallel process group")
     return replace(layouts[0], tp=common_mesh([layout.tp for layout in layouts]))

@@ -1,0 +1,209 @@
+"""Hierarchical data parallelism: shard over "dp_shard", replicate over "dp_replicate".
+
+Four gloo ranks run every case in one spawned group. Each case builds a 2-D mesh
+(replicate, shard) and trains the parity model on its slice of the global batch, against
+single-process torch.optim on the whole batch; it also counts what each group carried and
+measures what each rank holds. See [Note: hierarchical data parallelism] in distopt/parallel.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.optim.lr_scheduler import CosineAnnealingLR
+
+import distopt
+
+from dist_harness import case_result, run_cases
+from models import AwkwardLM, batches, rank_slice
+from test_parity import BF16_TOL, CLIP, FP32_TOL, NORM_RTOL, _groups, _lm_loss, _max_diff
+
+WORLD = 4
+LAYOUTS = [(2, 2), (1, 4), (4, 1)]
+STEPS = 20
+
+
+def _mesh(replicate: int, shard: int):
+    return init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def parity(replicate: int, shard: int, dtype: torch.dtype) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = AwkwardLM().to(dtype)
+    ref = copy.deepcopy(model)
+    ddp = distopt.DistributedDataParallel(
+        model, bucket_size=40, find_unused_parameters=True, device_mesh=_mesh(replicate, shard)
+    )
+    opt = distopt.DistributedOptimizer(
+        ddp, torch.optim.AdamW, params=_groups(model, "adamw"), clip_grad=CLIP,
+        overlap_param_gather=True, lr=1e-2,
+    )
+    sched = CosineAnnealingLR(opt, T_max=STEPS)
+    # The reference keeps fp32 master weights and casts them into the model after each step.
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    masters = [torch.nn.Parameter(p.detach().float()) for p in trainable]
+    index = {p: i for i, p in enumerate(trainable)}
+    ref_groups = [{**g, "params": [masters[index[p]] for p in g["params"]]}
+                  for g in _groups(ref, "adamw")]
+    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-2)
+    ref_sched = CosineAnnealingLR(ref_opt, T_max=STEPS)
+
+    worst, worst_norm, per_step = 0.0, 0.0, None
+    for step in range(STEPS):
+        tokens, targets = batches(step)
+        ddp.comm_stats.reset()
+        opt.zero_grad()
+        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                 step).backward()
+        result = opt.step()
+        sched.step()
+        per_step = (dict(ddp.comm_stats.calls), dict(ddp.comm_stats.bytes))
+
+        for p in trainable:
+            p.grad = None
+        _lm_loss(ref, tokens, targets, step).backward()
+        for master, p in zip(masters, trainable, strict=True):
+            master.grad = None if p.grad is None else p.grad.float()
+        ref_norm = torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
+        ref_opt.step()
+        ref_sched.step()
+        with torch.no_grad():
+            for master, p in zip(masters, trainable, strict=True):
+                p.copy_(master)
+
+        ddp.finish_param_sync()
+        worst = max(worst, _max_diff(model, ref))
+        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
+    report = distopt.measure_state_bytes(opt)
+    padded = sum(buf.layout.numel for buf in ddp.flat_buffers)
+    owned_padded = sum(b.owned_grad.numel() for b in ddp.buckets)
+    return {
+        "max_diff": worst, "norm_diff": worst_norm, "calls": per_step[0], "bytes": per_step[1],
+        "buckets": len(ddp.buckets), "padded": padded, "owned_padded": owned_padded,
+        "dp_size": ddp.dp_size, "report": report, "moved": _max_diff(model, AwkwardLM()),
+        "owned": sum(m.numel() for m in opt.main_params),
+        "num_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+def resume_flat(replicate: int, shard: int, path: str) -> dict:
+    """A checkpoint saved at (replicate, shard) resumes at flat d = 4 like the run that went on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build(mesh):
+        torch.manual_seed(0)
+        model = AwkwardLM()
+        ddp = distopt.DistributedDataParallel(model, bucket_size=40, device_mesh=mesh)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2)
+        return model, ddp, opt
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            tokens, targets = batches(step)
+            opt.zero_grad()
+            _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                     step).backward()
+            opt.step()
+
+    model, ddp, opt = build(_mesh(replicate, shard))
+    train(ddp, opt, range(3))
+    distopt.save_checkpoint(path, ddp, opt)
+    train(ddp, opt, range(3, 6))
+    flat_model, flat_ddp, flat_opt = build(None)
+    distopt.load_checkpoint(path, flat_ddp, flat_opt)
+    train(flat_ddp, flat_opt, range(3, 6))
+    return {"max_diff": _max_diff(model, flat_model), "moved": _max_diff(model, AwkwardLM())}
+
+
+def bad_meshes() -> dict:
+    out = {}
+    meshes = {
+        "unknown-name": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("nodes", "gpus")),
+        "dp-and-dp-shard": lambda: init_device_mesh(
+            "cpu", (1, 2, 2), mesh_dim_names=("dp", "dp_replicate", "dp_shard")),
+    }
+    for name, make in meshes.items():
+        try:
+            distopt.DistributedDataParallel(AwkwardLM(), device_mesh=make())
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def _cases(tmp: str) -> list:
+    cases = []
+    for r, s in LAYOUTS:
+        cases.append((f"fp32-{r}x{s}", parity, (r, s, torch.float32)))
+    cases.append(("bf16-2x2", parity, (2, 2, torch.bfloat16)))
+    cases.append(("resume-2x2-flat", resume_flat, (2, 2, f"{tmp}/ckpt-2x2")))
+    cases.append(("bad-meshes", bad_meshes, ()))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_cases(WORLD, _cases(str(tmp_path_factory.mktemp("hier"))))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
+def test_trains_like_single_process_torch(results, layout):
+    r, s = layout
+    for v in case_result(results, f"fp32-{r}x{s}"):
+        assert v["dp_size"] == s
+        assert v["max_diff"] < FP32_TOL, v["max_diff"]
+        assert v["norm_diff"] < NORM_RTOL, v["norm_diff"]
+        assert v["moved"] > 0.05
+
+
+def test_bf16_params_with_fp32_masters(results):
+    for v in case_result(results, "bf16-2x2"):
+        assert v["max_diff"] < BF16_TOL, v["max_diff"]
+        assert v["moved"] > 0.05
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
+def test_each_group_carries_what_it_should(results, layout):
+    r, s = layout
+    for v in case_result(results, f"fp32-{r}x{s}"):
+        calls, nbytes, n = v["calls"], v["bytes"], v["buckets"]
+        # The shard group: one reduce-scatter and one all-gather per bucket (none when s = 1).
+        assert calls.get("reduce_scatter", 0) == (n if s > 1 else 0)
+        assert calls.get("all_gather", 0) == (n if s > 1 else 0)
+        # The replicate group: this rank's reduced chunk of every bucket, N/s elements, once.
+        assert calls.get("replicate_all_reduce", 0) == (n if r > 1 else 0)
+        assert nbytes.get("replicate_all_reduce", 0) == (4 * v["padded"] // s if r > 1 else 0)
+        assert v["owned_padded"] * s == v["padded"]
+        assert "all_reduce" not in calls
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
+def test_memory_is_the_table_at_the_shard_size(results, layout):
+    r, s = layout
+    values = case_result(results, f"fp32-{r}x{s}")
+    for v in values:
+        report, padded = v["report"], v["padded"]
+        assert report.params == report.grads == 4 * padded
+        assert report.main_params == report.main_grads == 0  # views, fp32 params and grads
+        assert report.optimizer_state == 8 * v["owned"]
+    # The ranks of one replica (global ranks 0..s-1) own every element once: state is 8/s.
+    assert sum(v["owned"] for v in values[:s]) == values[0]["num_params"]
+    assert all(v["owned"] == values[i % s]["owned"] for i, v in enumerate(values))
+
+
+def test_checkpoint_saved_hierarchical_resumes_flat(results):
+    for v in case_result(results, "resume-2x2-flat"):
+        # Another summation order of the same average (two stages against one): round-off.
+        assert v["max_diff"] < 1e-6, v["max_diff"]
+        assert v["moved"] > 0.05
+
+
+def test_bad_meshes_name_the_fix(results):
+    for v in case_result(results, "bad-meshes"):
+        assert "name it 'dp'" in v["unknown-name"] and "dp_replicate" in v["unknown-name"]
+        assert "either 'dp'" in v["dp-and-dp-shard"]
