@@ -98,6 +98,20 @@ def test_two_launchers_as_two_nodes_match_one_launcher(baseline, tmp_path):
     assert _final_heldout(tmp_path) == _final_heldout(baseline)
 
 
+def test_shard_size_shards_within_groups_and_replicates_across(baseline, tmp_path):
+    """Two ranks each shard alone and replicate each other: memory is the table at d = 1, and
+    the run learns what the flat run learns (the same average, summed in another order)."""
+    proc = _train(tmp_path, "--shard-size", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    flat = json.loads((baseline / "summary.json").read_text())
+    assert summary["theory_bytes_per_param"]["distopt"] == 16.0
+    for report in summary["memory_per_rank"]:
+        assert report["optimizer_state"] == 8 * report["num_params"]
+    assert "sharded over 1 ranks, 2 replicas" in proc.stdout
+    assert abs(summary["heldout_loss_end"] - flat["heldout_loss_end"]) < 1e-4
+
+
 @pytest.mark.parametrize(
     "args,message",
     [(["--nproc", "0"], "--nproc must be >= 1"),
@@ -105,7 +119,8 @@ def test_two_launchers_as_two_nodes_match_one_launcher(baseline, tmp_path):
      (["--data", "/nonexistent/distopt"], "does not exist"),
      (["--data", "EMPTY"], "no text files"),
      (["--batch-size", "7"], "multiple of ranks"),
-     (["--optimizer", "lbfgs"], "--optimizer must be one of")],
+     (["--optimizer", "lbfgs"], "--optimizer must be one of"),
+     (["--shard-size", "3"], "--shard-size 3 does not divide the 2 ranks")],
 )
 def test_bad_options_give_one_line(tmp_path, args, message):
     args = [str(tmp_path) if a == "EMPTY" else a for a in args]

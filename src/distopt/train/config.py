@@ -65,6 +65,9 @@ class TrainConfig:
     """Dtype of the grad buffer and of the reduction."""
     no_shard: bool = False
     """Replicated optimizer state (distopt.BasicOptimizer), for comparison."""
+    shard_size: int | None = None
+    """Ranks each bucket is sharded over; the groups of that many ranks replicate each other
+    (a ("dp_replicate", "dp_shard") mesh, e.g. the GPUs of one node). None: every rank."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -121,13 +124,21 @@ class TrainConfig:
             if getattr(self, name) not in DTYPES:
                 problems.append(f"--{name.replace('_', '-')} must be one of fp32, bf16, fp16, "
                                 f"got {getattr(self, name)}")
+        if self.shard_size is not None and self.shard_size < 1:
+            problems.append(f"--shard-size must be >= 1, got {self.shard_size}")
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
         if problems:
             raise ValueError("; ".join(problems))
 
     def check_world_size(self, world_size: int) -> None:
-        """The global batch must split evenly over ranks and micro-batches."""
+        """The global batch must split evenly over ranks and micro-batches, and the ranks into
+        shard groups."""
+        if self.shard_size is not None and world_size % self.shard_size:
+            raise ValueError(
+                f"--shard-size {self.shard_size} does not divide the {world_size} ranks; pick a "
+                "divisor of the rank count, such as the ranks of one node"
+            )
         if self.batch_size % (world_size * self.grad_accum):
             raise ValueError(
                 f"--batch-size {self.batch_size} must be a multiple of ranks x --grad-accum "
@@ -167,6 +178,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=defaults.dtype, help="fp32, bf16 or fp16")
     p.add_argument("--grad-dtype", default=defaults.grad_dtype, help="fp32, bf16 or fp16")
     p.add_argument("--no-shard", action="store_true", help="replicated optimizer (BasicOptimizer)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="ranks each bucket is sharded over, replicated across the groups of that "
+                   "many ranks (e.g. the GPUs of one node); default: every rank")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")

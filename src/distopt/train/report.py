@@ -22,13 +22,15 @@ def write_summary(
     history: list[dict[str, Any]],
     *,
     num_files: tuple[int, int],
+    shard_size: int | None = None,
 ) -> dict[str, Any]:
     breakdown = bytes_per_param_breakdown(
         DTYPES[config.dtype], DTYPES[config.grad_dtype],
         optimizer_state_bytes=_STATE_BYTES.get(config.optimizer, 8),
     )
+    # Optimizer state is sharded over the shard group only (replicated across groups).
     theory = {
-        "distopt": breakdown.total(world),
+        "distopt": breakdown.total(shard_size or world),
         "replicated": breakdown.total(world, distributed=False),
     }
     evals = [h for h in history if "heldout_loss" in h]
@@ -51,6 +53,8 @@ def write_summary(
     mib = 2**20
     n = summary["num_params"]
     kind = "replicated (BasicOptimizer)" if config.no_shard else "distopt (sharded)"
+    if shard_size and shard_size != world and not config.no_shard:
+        kind = f"distopt (sharded over {shard_size} ranks, {world // shard_size} replicas)"
     lines = [
         "",
         f"distopt train: {config.model} GPT, {n:,} params, {world} ranks, "

@@ -78,6 +78,7 @@ class Trainer:
             bucket_size=config.bucket_size,
             overlap_grad_reduce=config.overlap_grad_reduce,
             use_distributed_optimizer=not config.no_shard,
+            device_mesh=self._data_parallel_mesh(),
         )
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
@@ -91,6 +92,17 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(config))
         self.step = 0
         self.history: list[dict[str, Any]] = []
+
+    def _data_parallel_mesh(self) -> Any:
+        """A ("dp_replicate", "dp_shard") mesh for --shard-size, else None (every rank shards;
+        see [Note: hierarchical data parallelism])."""
+        shard = self.config.shard_size
+        if shard is None or shard == self.world:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.world // shard, shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -214,6 +226,7 @@ class Trainer:
         summary = None
         if self.rank == 0:
             summary = write_summary(self.out, self.config, self.world, reports, self.history,
+                                    shard_size=self.ddp.dp_size,
                                     num_files=(self.corpus.num_files_train,
                                                self.corpus.num_files_heldout))
             write_loss_plot(self.out / "loss.png", self.history)
