@@ -98,6 +98,15 @@ def test_two_launchers_as_two_nodes_match_one_launcher(baseline, tmp_path):
     assert _final_heldout(tmp_path) == _final_heldout(baseline)
 
 
+def test_bf16_run_with_fp32_accumulated_reduce_scatter(tmp_path):
+    proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
+                  "--reduce-scatter-fp32-accumulation")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["reduce_scatter_fp32_accumulation"] is True
+    assert 0 < summary["heldout_loss_end"] < summary["heldout_loss_start"]
+
+
 @pytest.mark.parametrize(
     "args,message",
     [(["--nproc", "0"], "--nproc must be >= 1"),
@@ -105,7 +114,11 @@ def test_two_launchers_as_two_nodes_match_one_launcher(baseline, tmp_path):
      (["--data", "/nonexistent/distopt"], "does not exist"),
      (["--data", "EMPTY"], "no text files"),
      (["--batch-size", "7"], "multiple of ranks"),
-     (["--optimizer", "lbfgs"], "--optimizer must be one of")],
+     (["--optimizer", "lbfgs"], "--optimizer must be one of"),
+     (["--reduce-scatter-fp32-accumulation"],
+      "--reduce-scatter-fp32-accumulation needs --grad-dtype bf16 or fp16, got fp32"),
+     (["--reduce-scatter-fp32-accumulation", "--grad-dtype", "bf16", "--no-shard"],
+      "--reduce-scatter-fp32-accumulation needs the sharded optimizer; drop --no-shard")],
 )
 def test_bad_options_give_one_line(tmp_path, args, message):
     args = [str(tmp_path) if a == "EMPTY" else a for a in args]

@@ -45,6 +45,7 @@ class Bucket:
         group: dist.ProcessGroup | None,
         reduce_scatter: bool,
         stats: comm.CommStats | None,
+        fp32_accumulation: bool = False,
     ) -> None:
         self.layout = layout
         self.params = params
@@ -56,6 +57,7 @@ class Bucket:
         self.grad_shard = grad_data[shard.start : shard.end]  # [bucket numel / d]
         self.group = group
         self.reduce_scatter = reduce_scatter
+        self.fp32_accumulation = fp32_accumulation
         self.stats = stats
         # The grads this rank holds reduced once the reduction is waited for, in bucket
         # coordinates and as a view.
@@ -110,7 +112,13 @@ class Bucket:
             if param not in self._written:
                 param.main_grad.zero_()  # see [Note: grads written, not zeroed]
         if self.reduce_scatter:
-            handle = comm.reduce_scatter_avg(
+            # Looked up at call time, so that wrappers installed later (tests, benchmarks)
+            # see the call.
+            reduce_scatter = (
+                comm.reduce_scatter_avg_fp32_accum if self.fp32_accumulation
+                else comm.reduce_scatter_avg
+            )
+            handle = reduce_scatter(
                 self.grad_shard, self.grad_data, self.group, async_op=True, stats=self.stats
             )
         else:
@@ -171,6 +179,7 @@ class ParamAndGradBuffer:
         group: dist.ProcessGroup | None,
         reduce_scatter: bool,
         stats: comm.CommStats | None = None,
+        fp32_accumulation: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a buffer needs at least one parameter")
@@ -212,5 +221,6 @@ class ParamAndGradBuffer:
                     group=group,
                     reduce_scatter=reduce_scatter,
                     stats=stats,
+                    fp32_accumulation=fp32_accumulation,
                 )
             )
