@@ -90,9 +90,22 @@ class StepOptions:
     """Count the zero elements of the clipped grads in every step's result."""
     overlap_param_gather: bool = False
     """All-gather updated params in the background; the next forward waits per bucket."""
+    store_param_remainders: bool = False
+    """Keep int16 remainders instead of fp32 main params (bf16 params only); see
+    [Note: param remainders] in optimizer.py."""
 
     def __post_init__(self) -> None:
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ValueError(
                 f"clip_grad must be a positive max norm or None, got {self.clip_grad}"
+            )
+
+    def check_param_dtypes(self, param_dtypes: set[torch.dtype]) -> None:
+        """The check that needs the model: remainders complete bf16 params only."""
+        others = sorted(str(d) for d in param_dtypes - {torch.bfloat16})
+        if self.store_param_remainders and others:
+            raise ValueError(
+                "store_param_remainders=True needs bf16 params (the bf16 param is the high half "
+                f"of its fp32 master, the remainder the low half), but the model has {others} "
+                "params; train in bf16 (model.to(torch.bfloat16)) or drop the option"
             )
