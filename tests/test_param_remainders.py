@@ -4,12 +4,16 @@ Two optimizers step side by side on identical grads: one keeps fp32 main params,
 remainders. The grads come from a loss linear in the params, so they do not depend on the
 params' values (which differ at rounding ties, see [Note: param remainders]), and both runs see
 the same grads at every step. The fp32 masters and the optimizer state must stay equal bit for
-bit; the model params must be the documented split of the masters.
+bit; the model params must be the documented split of the masters. Checkpoints hold the fp32
+masters either way: a run with remainders resumes bit for bit, and loads into and from the
+fp32-master path.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -149,10 +153,95 @@ def memory() -> dict:
                                                            world)}
 
 
+def _masters(opt) -> list[torch.Tensor]:
+    return [m.view(torch.int32).clone() for m in opt.main_param_values()]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _states(opt) -> list[dict]:
+    return [{k: v.clone() for k, v in opt.state[m].items()} for m in opt.main_params]
+
+
+def _same_states(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b, strict=True))
+
+
+def checkpoints() -> dict:
+    """Checkpoints hold fp32 masters with or without the option: a run with remainders saved
+    and resumed continues bit for bit, and loads into and from the fp32-master path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = comm_path()
+    base = _adversarial_init_copy()
+    opt_cls, kwargs = OPTIMIZERS["adamw"]
+
+    def build(remainders: bool):
+        model = copy.deepcopy(base)
+        ddp = distopt.DistributedDataParallel(model, grad_dtype=torch.float32, bucket_size=600)
+        return ddp, distopt.DistributedOptimizer(ddp, opt_cls, **kwargs, **{OPTION: remainders})
+
+    def train(ddp, opt, steps) -> None:
+        for step in steps:
+            opt.zero_grad()
+            _linear_loss(ddp.module, "random", step, rank, world).backward()
+            opt.step()
+        ddp.finish_param_sync()
+
+    ddp, opt = build(True)
+    train(ddp, opt, range(3))
+    distopt.save_checkpoint(path, ddp, opt)
+    saved_masters, saved_states = _masters(opt), _states(opt)
+    in_memory = opt.state_dict()
+    train(ddp, opt, range(3, 5))
+    out = {"placeholders_kept": all(m.stride() == (0,) for m in opt.main_params)}
+
+    resumed_ddp, resumed = build(True)
+    distopt.load_checkpoint(path, resumed_ddp, resumed)
+    out["loaded_masters"] = _equal(_masters(resumed), saved_masters)
+    out["loaded_states"] = _same_states(_states(resumed), saved_states)
+    train(resumed_ddp, resumed, range(3, 5))
+    out["resumed_masters"] = _equal(_masters(resumed), _masters(opt))
+    out["resumed_params"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b
+                                in zip(resumed_ddp.module.parameters(), ddp.module.parameters(),
+                                       strict=True))
+
+    fp32_ddp, fp32_opt = build(False)  # the same checkpoint, into the fp32-master path
+    distopt.load_checkpoint(path, fp32_ddp, fp32_opt)
+    out["into_fp32_masters"] = _equal(_masters(fp32_opt), saved_masters)
+    back_ddp, back = build(True)  # and the fp32-master path's state dict back into remainders
+    back.load_state_dict(fp32_opt.state_dict())
+    out["from_fp32_masters"] = _equal(_masters(back), saved_masters)
+    out["from_fp32_states"] = _same_states(_states(back), saved_states)
+    memory_ddp, from_memory = build(True)
+    from_memory.load_state_dict(in_memory)
+    out["in_memory_masters"] = _equal(_masters(from_memory), saved_masters)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path)
+    return out
+
+
+def comm_path() -> str:
+    """A fresh directory, the same on every rank."""
+    box = [tempfile.mkdtemp(prefix="distopt-remainders-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _adversarial_init_copy() -> nn.Module:
+    model = _model()
+    _adversarial_init(model)
+    return model
+
+
 def _cases() -> list:
     cases = [(f"{o}-{k}", remainders_vs_fp32_master, (o, k))
              for o in OPTIMIZERS for k in ("random", "adversarial")]
-    return cases + [("memory", memory, ())]
+    return cases + [("memory", memory, ()), ("checkpoints", checkpoints, ())]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
@@ -224,14 +313,13 @@ def test_a_step_with_remainders_touches_only_the_step_modules():
     assert "optimizer.py" in touched and touched <= STEP_FILES, sorted(touched)
 
 
-def test_checkpoints_are_refused(tmp_path):
+def test_plain_checkpoint_loads_are_refused():
     ddp = distopt.DistributedDataParallel(mlp([4, 3], dtype=torch.bfloat16),
                                           grad_dtype=torch.float32)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **{OPTION: True})
-    with pytest.raises(NotImplementedError, match=OPTION):
-        opt.state_dict()
-    with pytest.raises(NotImplementedError, match=OPTION):
-        distopt.save_checkpoint(str(tmp_path / "ckpt"), ddp, opt)
+    plain = {"model": ddp.module.state_dict(), "optimizer": {"state": {}, "param_groups": []}}
+    with pytest.raises(distopt.CheckpointError, match=OPTION):
+        distopt.load_plain_checkpoint(plain, ddp, opt)
 
 
 # ---------------------------------------------------------------- distributed tests
@@ -255,6 +343,12 @@ def test_masters_and_state_equal_the_fp32_master_path(world, opt_name, kind):
         firsts = [v["differ"][0] for v in case_result(results, f"{opt_name}-{kind}")]
         ties = [v["ties"][0] for v in case_result(results, f"{opt_name}-{kind}")]
         assert sum(ties) > 100 and sum(firsts) > 0, (ties, firsts)
+
+
+def test_checkpoints_hold_fp32_masters_and_resume_bit_for_bit(world):
+    _, results = world
+    for value in case_result(results, "checkpoints"):
+        assert value == {k: True for k in value}, value
 
 
 def test_memory_follows_the_formula(world):

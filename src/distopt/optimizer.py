@@ -121,8 +121,9 @@ def _registered_state_dict_format() -> StateDictFormat:
 # except at exact ties whose high half is even, where it is one ulp further from zero; the
 # fp32 master, and so every later step, is the same. Between steps the main params are
 # placeholders (a zero-stride view of one scalar): read the masters with
-# ``opt.main_param_values()``. Checkpoints, which read and write the main params, refuse the
-# option.
+# ``opt.main_param_values()``; checkpoints read and write them inside
+# ``opt.main_params_materialized()``, so a checkpoint holds fp32 masters either way and loads
+# into an optimizer with or without the option.
 
 
 def split_fp32(master: torch.Tensor, high: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -496,7 +497,8 @@ class _BufferOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ what checkpoints read
     # Besides main_params and piece_info above: models, model_param_groups,
-    # default_param_groups, optimizer, loss_scaler, parallel and sync_model_params().
+    # default_param_groups, optimizer, loss_scaler, parallel, options, sync_model_params() and
+    # main_params_materialized().
 
     @property
     def sharded(self) -> bool:
@@ -506,14 +508,24 @@ class _BufferOptimizer(torch.optim.Optimizer):
 
     def pieces(self) -> list[tuple[nn.Parameter, ShardPiece, nn.Parameter]]:
         """``(model param, piece, fp32 main param)`` of every piece this rank owns, in
-        param-group order."""
-        if self.options.store_param_remainders:
-            raise NotImplementedError(
-                "checkpoints read and write fp32 main params, which store_param_remainders=True "
-                "does not keep; build the optimizer without store_param_remainders to save or "
-                "load checkpoints"
-            )
+        param-group order (with ``store_param_remainders`` the main params hold their values
+        only inside ``main_params_materialized()``)."""
         return [(*self.piece_info(main), main) for main in self.main_params]
+
+    @contextlib.contextmanager
+    def main_params_materialized(self) -> Iterator[None]:
+        """Inside the block every main param holds its fp32 master values, to be read or
+        written (checkpoints do both). With ``store_param_remainders`` they are rebuilt for
+        the block (a transient of this rank's whole shard) and split back into this rank's
+        shard of the params and the remainders after it; see [Note: param remainders]."""
+        if not self.options.store_param_remainders:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for owned in self._owned:
+                for bucket in range(owned.num_buckets):
+                    stack.enter_context(owned.bucket_masters(bucket))
+            yield
 
     def main_param_values(self) -> list[torch.Tensor]:
         """The fp32 master values of every main param, in ``main_params`` order: the main
