@@ -110,6 +110,13 @@ def test_shard_size_shards_within_groups_and_replicates_across(baseline, tmp_pat
         assert report["optimizer_state"] == 8 * report["num_params"]
     assert "sharded over 1 ranks, 2 replicas" in proc.stdout
     assert abs(summary["heldout_loss_end"] - flat["heldout_loss_end"]) < 1e-4
+def test_bf16_run_with_fp32_accumulated_reduce_scatter(tmp_path):
+    proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
+                  "--reduce-scatter-fp32-accumulation")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["reduce_scatter_fp32_accumulation"] is True
+    assert 0 < summary["heldout_loss_end"] < summary["heldout_loss_start"]
 
 
 @pytest.mark.parametrize(
@@ -120,7 +127,11 @@ def test_shard_size_shards_within_groups_and_replicates_across(baseline, tmp_pat
      (["--data", "EMPTY"], "no text files"),
      (["--batch-size", "7"], "multiple of ranks"),
      (["--optimizer", "lbfgs"], "--optimizer must be one of"),
-     (["--shard-size", "3"], "--shard-size 3 does not divide the 2 ranks")],
+     (["--shard-size", "3"], "--shard-size 3 does not divide the 2 ranks"),
+     (["--reduce-scatter-fp32-accumulation"],
+      "--reduce-scatter-fp32-accumulation needs --grad-dtype bf16 or fp16, got fp32"),
+     (["--reduce-scatter-fp32-accumulation", "--grad-dtype", "bf16", "--no-shard"],
+      "--reduce-scatter-fp32-accumulation needs the sharded optimizer; drop --no-shard")],
 )
 def test_bad_options_give_one_line(tmp_path, args, message):
     args = [str(tmp_path) if a == "EMPTY" else a for a in args]

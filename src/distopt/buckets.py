@@ -46,6 +46,7 @@ class Bucket:
         reduce_scatter: bool,
         stats: comm.CommStats | None,
         replicate_group: dist.ProcessGroup | None = None,
+        fp32_accumulation: bool = False,
     ) -> None:
         self.layout = layout
         self.params = params
@@ -58,6 +59,7 @@ class Bucket:
         self.group = group
         self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
         self.reduce_scatter = reduce_scatter
+        self.fp32_accumulation = fp32_accumulation
         self.stats = stats
         # The grads this rank holds reduced once the reduction is waited for, in bucket
         # coordinates and as a view.
@@ -111,7 +113,13 @@ class Bucket:
             if param not in self._written:
                 param.main_grad.zero_()  # see [Note: grads written, not zeroed]
         if self.reduce_scatter:
-            handle = comm.reduce_scatter_avg(
+            # Looked up at call time, so that wrappers installed later (tests, benchmarks)
+            # see the call.
+            reduce_scatter = (
+                comm.reduce_scatter_avg_fp32_accum if self.fp32_accumulation
+                else comm.reduce_scatter_avg
+            )
+            handle = reduce_scatter(
                 self.grad_shard, self.grad_data, self.group, async_op=True, stats=self.stats
             )
         else:
@@ -198,6 +206,7 @@ class ParamAndGradBuffer:
         reduce_scatter: bool,
         stats: comm.CommStats | None = None,
         replicate_group: dist.ProcessGroup | None = None,
+        fp32_accumulation: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a buffer needs at least one parameter")
@@ -240,5 +249,6 @@ class ParamAndGradBuffer:
                     reduce_scatter=reduce_scatter,
                     stats=stats,
                     replicate_group=replicate_group,
+                    fp32_accumulation=fp32_accumulation,
                 )
             )

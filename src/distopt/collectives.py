@@ -18,6 +18,27 @@ of the bucket in each, so the two together move exactly one all-reduce's worth o
 NCCL. Only the owned chunk of a reduced bucket is meaningful afterwards. On a 2-core machine
 each takes about half the time of gloo's own reduce-scatter or all-gather
 (``distopt bench --collectives``; see benchmarks/README.md).
+
+[Note: fp32-accumulated reduce-scatter]
+A reduce-scatter of bf16 or fp16 grads sums in their dtype: a ring (NCCL) rounds the partial
+sum at each of its d - 1 hops, and the point-to-point version on gloo after each chunk it adds.
+The error of the average therefore grows with d, and most where the ranks' grads cancel: a
+partial sum can be far larger than the final one, and its roundings then swamp the result.
+With ``reduce_scatter_with_fp32_accumulation`` the grads still travel in their own dtype (the
+same bytes as the plain reduce-scatter), but the summation moves to the receiver: each rank
+receives the d copies of its own chunk (one ``all_to_all_single``; on gloo the point-to-point
+messages above), adds them in fp32 in rank order 0, 1, ..., d - 1, divides the fp32 sum by d,
+and rounds once into its shard. The division happens in fp32, before that one rounding:
+dividing each chunk by d before sending would round every term (unless d is a power of two),
+and dividing the rounded sum would round twice. So the shard is exactly
+``(sum_r float(chunk_r) / d).to(grad dtype)``, the correctly rounded fp32 average: within half
+an ulp of the grads' dtype of the exact average, plus the fp32 sum's own error (d - 1 fp32
+roundings, 2**16 times finer than bf16's). Summing in rank order makes the result the same on
+every backend and whichever rank owns the chunk, so it can be recomputed exactly. With fp16
+grads the sum no longer overflows where the average fits. The price is a transient per bucket
+in flight, freed when its reduction is waited for: the received chunks in the grads' dtype
+(the whole bucket with ``all_to_all_single``, (d - 1)/d of it on gloo) and an fp32 accumulator
+of one shard.
 """
 
 from __future__ import annotations
@@ -163,6 +184,30 @@ def reduce_scatter_avg(
     return _timed(stats, "reduce_scatter", async_op, call)
 
 
+def reduce_scatter_avg_fp32_accum(
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool,
+    stats: CommStats | None = None,
+):
+    """``reduce_scatter_avg`` of bf16 or fp16 ``full`` with the d chunks of this rank's
+    ``shard`` summed in fp32 and the average rounded once; see
+    [Note: fp32-accumulated reduce-scatter]. Counted as a reduce-scatter of ``full``."""
+    if group_size(group) == 1:
+        if shard.data_ptr() != full.data_ptr():
+            shard.copy_(full)
+        return DONE
+    if stats is not None:
+        stats.record("reduce_scatter", full)
+    if is_gloo(group):
+        call = lambda: _gloo_reduce_scatter_fp32(shard, full, group, async_op=async_op)
+    else:
+        call = lambda: _all_to_all_reduce_scatter_fp32(shard, full, group, async_op=async_op)
+    return _timed(stats, "reduce_scatter", async_op, call)
+
+
 def all_reduce_avg(
     full: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -251,6 +296,42 @@ def _gloo_reduce_scatter_avg(shard, full, group, *, async_op: bool):
         shard.div_(size)
 
     return _Composite(works, average).finish(async_op)
+
+
+def _average_in_fp32(shard: torch.Tensor, chunks: list[torch.Tensor]) -> None:
+    # See [Note: fp32-accumulated reduce-scatter]: sum in rank order, divide, round once.
+    total = chunks[0].to(torch.float32, copy=True)
+    for chunk in chunks[1:]:
+        total.add_(chunk)
+    shard.copy_(total.div_(len(chunks)))
+
+
+def _all_to_all_reduce_scatter_fp32(shard, full, group, *, async_op: bool):
+    # Row r of ``received`` is rank r's copy of this rank's chunk. The bucket's numel is a
+    # multiple of d (layout.py).
+    size = group_size(group)
+    received = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
+    work = dist.all_to_all_single(received, full, group=group, async_op=True)
+    rows = list(received.view(size, -1))
+    return _Composite([work], lambda: _average_in_fp32(shard, rows)).finish(async_op)
+
+
+def _gloo_reduce_scatter_fp32(shard, full, group, *, async_op: bool):
+    # The messages of _gloo_reduce_scatter_avg; only the summation differs.
+    size, rank = group_size(group), group_rank(group)
+    chunks = full.chunk(size)
+    received = torch.empty((size - 1, chunks[rank].numel()), dtype=full.dtype,
+                           device=full.device)
+    works, rows = [], []
+    for peer in range(size):
+        if peer == rank:
+            rows.append(chunks[rank])
+            continue
+        row = received[peer if peer < rank else peer - 1]
+        works.append(dist.isend(chunks[peer], group_dst=peer, group=group, tag=_REDUCE_TAG))
+        works.append(dist.irecv(row, group_src=peer, group=group, tag=_REDUCE_TAG))
+        rows.append(row)
+    return _Composite(works, lambda: _average_in_fp32(shard, rows)).finish(async_op)
 
 
 def _gloo_all_gather(full, shard, group, *, async_op: bool):

@@ -91,6 +91,12 @@ class DistributedDataParallel(nn.Module):
             False an unused parameter's grad is zero and the optimizer still steps it.
         check_for_nan_in_grad: after the reduction, raise on every rank, naming the first
             parameter (in registration order) whose grad holds a nan or inf.
+        reduce_scatter_with_fp32_accumulation: with bf16 or fp16 grads, send them in their own
+            dtype but have each rank add the d copies of its shard in fp32 and round the
+            average once, so its error does not grow with d (same bytes; a transient receive
+            buffer and fp32 accumulator per bucket in flight). Needs the distributed optimizer
+            and low-precision grads; buffers whose grads are fp32 reduce as before. See
+            [Note: fp32-accumulated reduce-scatter] in collectives.py.
         device_mesh: the data-parallel group as a mesh instead of ``process_group`` (give at
             most one): a 1-D mesh, or a mesh with a dimension named "dp". Params may be DTensors
             on the tensor-parallel submesh (``parallelize_module(module, mesh["tp"], plan)``);
@@ -108,6 +114,7 @@ class DistributedDataParallel(nn.Module):
         *,
         find_unused_parameters: bool = False,
         check_for_nan_in_grad: bool = False,
+        reduce_scatter_with_fp32_accumulation: bool = False,
         device_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
@@ -119,7 +126,9 @@ class DistributedDataParallel(nn.Module):
             use_distributed_optimizer=use_distributed_optimizer,
             find_unused_parameters=find_unused_parameters,
             check_for_nan_in_grad=check_for_nan_in_grad,
+            reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
         )
+        self.options.check_param_dtypes({p.dtype for _, p in named})
 
         self.module = module
         dp_group, replicate_group = resolve_dp_groups(process_group, device_mesh)
@@ -150,17 +159,7 @@ class DistributedDataParallel(nn.Module):
         for p in reversed(self.params):  # reverse registration ~ the order backward runs
             by_dtype.setdefault(p.dtype, []).append(p)
         self.flat_buffers: list[ParamAndGradBuffer] = [
-            ParamAndGradBuffer(
-                plist,
-                grad_dtype=self.options.grad_dtype or dtype,
-                bucket_size=self.bucket_size,
-                dp_size=self.dp_size,
-                dp_rank=self.dp_rank,
-                group=self.process_group,
-                replicate_group=self.parallel.replicate_group,
-                reduce_scatter=self.options.use_distributed_optimizer,
-                stats=self.comm_stats,
-            )
+            self._make_buffer(plist, self.options.grad_dtype or dtype)
             for dtype, plist in by_dtype.items()
         ]
         self.buffer_of: dict[nn.Parameter, ParamAndGradBuffer] = {
@@ -190,6 +189,22 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
         ]
         self._param_wait_hooks = self._register_param_wait_hooks(module)
+
+    def _make_buffer(
+        self, params: list[nn.Parameter], grad_dtype: torch.dtype
+    ) -> ParamAndGradBuffer:
+        return ParamAndGradBuffer(
+            params,
+            grad_dtype=grad_dtype,
+            bucket_size=self.bucket_size,
+            dp_size=self.dp_size,
+            dp_rank=self.dp_rank,
+            group=self.process_group,
+            replicate_group=self.parallel.replicate_group,
+            reduce_scatter=self.options.use_distributed_optimizer,
+            stats=self.comm_stats,
+            fp32_accumulation=self.options.reduces_with_fp32_accumulation(grad_dtype),
+        )
 
     # The options as read-only attributes; ``self.options`` holds them.
     overlap_grad_reduce = property(lambda self: self.options.overlap_grad_reduce)

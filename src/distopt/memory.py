@@ -42,7 +42,8 @@ class BytesPerParam:
     grads: int
     """The grad buffer, in the grad dtype."""
     main_params: int
-    """fp32 master copies of bf16/fp16 params (fp32 params are their own master copies)."""
+    """fp32 master copies of bf16/fp16 params (fp32 params are their own master copies), or
+    the int16 remainders that complete bf16 params into fp32 masters."""
     main_grads: int
     """fp32 copies of the reduced grads, when the grad buffer is bf16/fp16."""
     optimizer_state: int
@@ -79,18 +80,27 @@ def bytes_per_param_breakdown(
     grad_dtype: torch.dtype | None = None,
     *,
     optimizer_state_bytes: int = 8,
+    store_param_remainders: bool = False,
 ) -> BytesPerParam:
     """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
 
     ``grad_dtype=None`` means grads in the param dtype. ``optimizer_state_bytes`` is 8 for
-    Adam's two fp32 moments, 4 for SGD with momentum.
+    Adam's two fp32 moments, 4 for SGD with momentum. ``store_param_remainders`` (bf16 params
+    only) keeps 2-byte remainders instead of 4-byte fp32 main params.
     """
     grad_dtype = grad_dtype or param_dtype
+    if store_param_remainders and param_dtype != torch.bfloat16:
+        raise ValueError(
+            f"store_param_remainders=True needs bf16 params, got {param_dtype}; pass "
+            "param_dtype=torch.bfloat16 or drop the option"
+        )
+    # The optimizer steps in fp32: low-precision params and grads get fp32 copies (or, for
+    # bf16 params with remainders, the low half of one).
+    main_params = 4 if param_dtype != torch.float32 else 0
     return BytesPerParam(
         params=_element_size(param_dtype),
         grads=_element_size(grad_dtype),
-        # The optimizer steps in fp32: low-precision params and grads get fp32 copies.
-        main_params=4 if param_dtype != torch.float32 else 0,
+        main_params=2 if store_param_remainders else main_params,
         main_grads=4 if grad_dtype != torch.float32 else 0,
         optimizer_state=optimizer_state_bytes,
     )
@@ -103,16 +113,19 @@ def theoretical_bytes_per_param(
     *,
     distributed: bool = True,
     optimizer_state_bytes: int = 8,
+    store_param_remainders: bool = False,
 ) -> float:
     """Bytes per parameter of params, grads, fp32 main params/grads and optimizer state.
 
     ``optimizer_state_bytes`` is 8 for Adam's two fp32 moments, 4 for SGD with momentum.
     ``distributed=False`` gives the replicated (DDP + torch optimizer) figure.
+    ``store_param_remainders``: int16 remainders instead of fp32 main params (bf16 params).
     ``bytes_per_param_breakdown`` gives the same figure component by component.
     """
     _check_dp_size(dp_size)
     breakdown = bytes_per_param_breakdown(
-        param_dtype, grad_dtype, optimizer_state_bytes=optimizer_state_bytes
+        param_dtype, grad_dtype, optimizer_state_bytes=optimizer_state_bytes,
+        store_param_remainders=store_param_remainders,
     )
     return breakdown.total(dp_size, distributed=distributed)
 
@@ -166,7 +179,7 @@ def measure_state_bytes(optimizer) -> MemoryReport:
     buffers = [buf for model in optimizer.models for buf in model.flat_buffers]
     params = counted(buf.param_data for buf in buffers)
     grads = counted(buf.grad_data for buf in buffers)
-    main_params = counted(optimizer.main_params)
+    main_params = counted(optimizer.main_param_storage())
     main_grads = counted(m.grad for m in optimizer.main_params)
     # Step counters are one scalar per tensor, not per element: bookkeeping, not state.
     state = counted(

@@ -18,16 +18,18 @@ map of who calls whom)::
 The inner optimizer is an ordinary ``torch.optim`` optimizer whose params are the pieces, so
 its state (Adam's moments) exists only for the 1/d of the elements this rank owns. Every memory
 cost beyond model params and grads is therefore 1/d of the model, padding aside; nothing is
-allocated per step. BasicOptimizer is the same pipeline with every rank owning whole buckets,
-all-reduced grads and no gather.
+allocated per step, except with ``store_param_remainders``, whose fp32 masters exist only
+during the step, one bucket's shard at a time (see [Note: param remainders]). BasicOptimizer
+is the same pipeline with every rank owning whole buckets, all-reduced grads and no gather.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -104,10 +106,48 @@ def _registered_state_dict_format() -> StateDictFormat:
     return _state_dict_format
 
 
+# [Note: param remainders]
+# With ``store_param_remainders`` (bf16 params only) a rank keeps no fp32 main params: the bf16
+# model param holds the high 16 bits of each fp32 master and an int16 remainder the low 16, so
+# the two together are the fp32 master, bit for bit, at 2 bytes per owned element instead of 4.
+# The step rebuilds the fp32 masters of one bucket's shard at a time (a transient of one
+# bucket), steps that bucket's pieces, and splits the result back before the next bucket.
+# Splitting cannot use the fp32-master path's cast (round to nearest, ties to even): at an
+# exact tie (low half 0x8000) rounding down would leave a remainder of +0x8000, one past what
+# an int16 holds. The split rounds to nearest with ties away from zero instead: a low half of
+# 0x8000 or more adds one to the high half (bf16 is sign and magnitude, so one more is one ulp
+# further from zero) and leaves the remainder low - 0x10000 in [-0x8000, -1]; a lower
+# one is kept as is, in [0, 0x7fff]. So the model param equals the fp32-master path's cast
+# except at exact ties whose high half is even, where it is one ulp further from zero; the
+# fp32 master, and so every later step, is the same. Between steps the main params are
+# placeholders (a zero-stride view of one scalar): read the masters with
+# ``opt.main_param_values()``; checkpoints read and write them inside
+# ``opt.main_params_materialized()``, so a checkpoint holds fp32 masters either way and loads
+# into an optimizer with or without the option.
+
+
+def split_fp32(master: torch.Tensor, high: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write fp32 ``master`` as bf16 ``high`` and int16 ``remainder``; see
+    [Note: param remainders]."""
+    bits = master.view(torch.int32)
+    low = bits & 0xFFFF
+    round_up = (low >= 0x8000).to(torch.int32)
+    high.view(torch.int16).copy_((bits >> 16) + round_up)
+    remainder.copy_(low - (round_up << 16))
+
+
+def join_fp32(high: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master that bf16 ``high`` and int16 ``remainder`` split; a new tensor."""
+    bits = (high.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
+    return bits.view(torch.float32)
+
+
 class _OwnedMainParams:
     """The fp32 main params of the part of one buffer that this rank owns, as pieces."""
 
-    def __init__(self, buffer: ParamAndGradBuffer, *, sharded: bool) -> None:
+    def __init__(
+        self, buffer: ParamAndGradBuffer, *, sharded: bool, store_remainders: bool = False
+    ) -> None:
         self.buffer = buffer
         layout = buffer.layout
         pieces = layout.shard_pieces(buffer.dp_rank) if sharded else layout.whole_pieces()
@@ -123,22 +163,36 @@ class _OwnedMainParams:
         device = buffer.param_data.device
         # Separate fp32 copies only where the model's dtype is not fp32 (docs/design.md, Memory).
         self.shard_fp32 = None
-        if buffer.param_dtype != fp32:
+        self.remainders = None  # with store_remainders; see [Note: param remainders]
+        if store_remainders:
+            self.remainders = torch.zeros(total, dtype=torch.int16, device=device)
+        elif buffer.param_dtype != fp32:
             self.shard_fp32 = torch.empty(total, dtype=fp32, device=device)
         self.grad_fp32 = None
         if buffer.grad_dtype != fp32:
             self.grad_fp32 = torch.empty(total, dtype=fp32, device=device)
         self._main_segments = self._segments(self.shard_fp32, offsets, self.param_regions)
         self._grad_segments = self._segments(self.grad_fp32, offsets, self.grad_regions)
+        self._remainder_segments = (
+            self._segments(self.remainders, offsets, self.param_regions)
+            if self.remainders is not None else []
+        )
         self.copy_params_in()
 
         self.pieces: list[ShardPiece] = pieces
         self.main_params: list[nn.Parameter] = []
+        # What a main param holds between steps with remainders: one scalar, seen as its shape.
+        self._placeholder = (
+            torch.zeros(1, dtype=fp32, device=device) if self.remainders is not None else None
+        )
         for piece in pieces:
-            main = self._main_segments[piece.bucket]
             grad = self._grad_segments[piece.bucket]
             lo, hi = piece.local_range.start, piece.local_range.end
-            param = nn.Parameter(main[lo:hi], requires_grad=True)  # aliases main's storage
+            if self.remainders is None:
+                main = self._main_segments[piece.bucket][lo:hi]  # aliases the fp32 copy
+            else:
+                main = self._placeholder.expand(hi - lo)
+            param = nn.Parameter(main, requires_grad=True)
             param.grad = grad[lo:hi]
             self.main_params.append(param)
 
@@ -164,9 +218,43 @@ class _OwnedMainParams:
             torch._foreach_copy_(self._grad_segments, self.grad_regions)
 
     def copy_params_out(self) -> None:
-        """Updated fp32 main params -> this rank's region of the model's param buffer."""
+        """Updated fp32 main params -> this rank's region of the model's param buffer (with
+        remainders the step has written it already)."""
         if self.shard_fp32 is not None:
             torch._foreach_copy_(self.param_regions, self._main_segments)
+
+    # ------------------------------------------------------------------ remainders
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.param_regions)
+
+    def bucket_mains(self, bucket: int) -> list[tuple[nn.Parameter, ShardPiece]]:
+        return [(m, p) for m, p in zip(self.main_params, self.pieces, strict=True)
+                if p.bucket == bucket]
+
+    @contextlib.contextmanager
+    def bucket_masters(self, bucket: int) -> Iterator[list[nn.Parameter]]:
+        """With remainders: the bucket's main params hold its fp32 masters (one transient
+        bucket shard) inside the block, and are split back after it."""
+        mains = self.bucket_mains(bucket)
+        master = join_fp32(self.param_regions[bucket], self._remainder_segments[bucket])
+        for main, piece in mains:
+            main.data = master[piece.local_range.start : piece.local_range.end]
+        try:
+            yield [main for main, _ in mains]
+        finally:
+            split_fp32(master, self.param_regions[bucket], self._remainder_segments[bucket])
+            for main, _ in mains:
+                main.data = self._placeholder.expand(main.numel())
+
+    def main_value(self, main: nn.Parameter, piece: ShardPiece) -> torch.Tensor:
+        """The fp32 master values of a piece: the main param, or rebuilt from remainders."""
+        if self.remainders is None:
+            return main.detach()
+        lo, hi = piece.local_range.start, piece.local_range.end
+        return join_fp32(self.param_regions[piece.bucket][lo:hi],
+                         self._remainder_segments[piece.bucket][lo:hi])
 
 
 class _BufferOptimizer(torch.optim.Optimizer):
@@ -219,8 +307,10 @@ class _BufferOptimizer(torch.optim.Optimizer):
         # the inner groups hold only this rank's pieces.
         self.model_param_groups: list[list[nn.Parameter]] = [g["params"] for g in param_groups]
         self.default_param_groups = params is None
+        options.check_param_dtypes({buf.param_dtype for m in models for buf in m.flat_buffers})
         self._owned = [
-            _OwnedMainParams(buf, sharded=self._sharded)
+            _OwnedMainParams(buf, sharded=self._sharded,
+                             store_remainders=options.store_param_remainders)
             for model in self.models
             for buf in model.flat_buffers
         ]
@@ -322,7 +412,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
             num_zeros = clip.count_zeros(self._counted_grads, groups, device, stats)
 
         skipped = self._detach_grads_of_unused_params()
-        self.optimizer.step()
+        self._inner_step()
         for main, grad in skipped:
             main.grad = grad
 
@@ -330,6 +420,28 @@ class _BufferOptimizer(torch.optim.Optimizer):
             owned.copy_params_out()
         self._gather_params()
         return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _inner_step(self) -> None:
+        if not self.options.store_param_remainders:
+            self.optimizer.step()
+            return
+        # One bucket's fp32 masters at a time; see [Note: param remainders].
+        for owned in self._owned:
+            for bucket in range(owned.num_buckets):
+                with owned.bucket_masters(bucket) as mains:
+                    self._step_only(set(mains))
+
+    def _step_only(self, mains: set[nn.Parameter]) -> None:
+        """The inner step over ``mains`` alone (element-wise: the same as in a full step)."""
+        groups = self.optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        try:
+            for group in groups:
+                group["params"] = [p for p in group["params"] if p in mains]
+            self.optimizer.step()
+        finally:
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = params
 
     def _gather_params(self) -> None:
         """Bring every rank's model params up to date (nothing to do when replicated)."""
@@ -384,7 +496,8 @@ class _BufferOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ what checkpoints read
     # Besides main_params and piece_info above: models, model_param_groups,
-    # default_param_groups, optimizer, loss_scaler, parallel and sync_model_params().
+    # default_param_groups, optimizer, loss_scaler, parallel, options, sync_model_params() and
+    # main_params_materialized().
 
     @property
     def sharded(self) -> bool:
@@ -394,8 +507,41 @@ class _BufferOptimizer(torch.optim.Optimizer):
 
     def pieces(self) -> list[tuple[nn.Parameter, ShardPiece, nn.Parameter]]:
         """``(model param, piece, fp32 main param)`` of every piece this rank owns, in
-        param-group order."""
+        param-group order (with ``store_param_remainders`` the main params hold their values
+        only inside ``main_params_materialized()``)."""
         return [(*self.piece_info(main), main) for main in self.main_params]
+
+    @contextlib.contextmanager
+    def main_params_materialized(self) -> Iterator[None]:
+        """Inside the block every main param holds its fp32 master values, to be read or
+        written (checkpoints do both). With ``store_param_remainders`` they are rebuilt for
+        the block (a transient of this rank's whole shard) and split back into this rank's
+        shard of the params and the remainders after it; see [Note: param remainders]."""
+        if not self.options.store_param_remainders:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for owned in self._owned:
+                for bucket in range(owned.num_buckets):
+                    stack.enter_context(owned.bucket_masters(bucket))
+            yield
+
+    def main_param_values(self) -> list[torch.Tensor]:
+        """The fp32 master values of every main param, in ``main_params`` order: the main
+        params themselves, or, with ``store_param_remainders``, rebuilt from the bf16 params
+        and the remainders (new tensors)."""
+        values = []
+        for main in self.main_params:
+            owned, piece = self._piece_owner[main]
+            values.append(owned.main_value(main, piece))
+        return values
+
+    def main_param_storage(self) -> list[torch.Tensor]:
+        """The tensors that keep the main params between steps (what memory counts): the
+        main params, or the int16 remainders."""
+        if self.options.store_param_remainders:
+            return [owned.remainders for owned in self._owned]
+        return self.main_params
 
     def param_group_of(self, main: nn.Parameter) -> dict[str, Any]:
         """The param group (of ``param_groups``) that holds the main param ``main``."""
@@ -443,6 +589,7 @@ class DistributedOptimizer(_BufferOptimizer):
         *,
         log_num_zeros: bool = False,
         model_parallel_group: dist.ProcessGroup | None = None,
+        store_param_remainders: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         models = _as_model_list(model, "DistributedOptimizer")
@@ -454,7 +601,8 @@ class DistributedOptimizer(_BufferOptimizer):
                     "all-reduces them: rebuild it, or use distopt.BasicOptimizer"
                 )
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
-                              overlap_param_gather=overlap_param_gather)
+                              overlap_param_gather=overlap_param_gather,
+                              store_param_remainders=store_param_remainders)
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,

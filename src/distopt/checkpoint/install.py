@@ -64,7 +64,7 @@ def install_values(opt: Optimizer, values: Iterable[tuple[OwnedPiece, torch.Tens
     """Load values held in memory: per piece its main values and its state entries (tensors
     laid out like the piece, or scalars), then ``install``."""
     states = []
-    with torch.no_grad():
+    with torch.no_grad(), opt.main_params_materialized():
         for owned, main, entries in values:
             owned.main.detach().copy_(main)  # fp32 values kept exactly
             states.append((owned, {k: _placed(opt, owned, k, v) for k, v in entries.items()}))

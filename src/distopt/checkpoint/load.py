@@ -114,45 +114,48 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
 
     for model in opt.models:
         model.finish_param_sync()
-    index = metadata.state_dict_metadata
-    state: dict[str, Any] = {"meta/param_groups": None, "extra": None}
-    targets = []
-    tp = opt.parallel.tp
-    for owned in owned_pieces(opt):
-        numel = owned.param.numel()
-        state[f"main/{owned.name}"] = dcp.piece_as_dcp(tp, owned, owned.main.detach(),
-                                                        writing=False)
-        slots: dict[str, Any] = {}
-        for key in state_keys.get(owned.name, []):
-            fqn = f"state/{owned.name}/{key}"
-            entry = index[fqn]
-            if isinstance(entry, BytesStorageMetadata):  # an object: DCP replaces the value
-                state[fqn] = None
-                slots[key] = fqn
-                continue
-            shape = owned.main.shape if entry.size == torch.Size([numel]) else entry.size
-            target = state_tensor(opt, owned, key, shape, entry.properties.dtype)
-            if len(shape) == 0:
-                state[fqn] = target
-            else:
-                state[fqn] = dcp.piece_as_dcp(tp, owned, target, writing=False)
-            slots[key] = target
-        targets.append((owned, slots))
-    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
-        trainable = {id(p) for p in model.params}
-        for key, value in model.module.state_dict(keep_vars=True).items():
-            # Trainable params come from the fp32 main params below; the rest as saved.
-            if isinstance(value, torch.Tensor) and id(value) not in trainable:
-                state[f"model/{prefix}{key}"] = value.detach()
+    # With store_param_remainders the masters are rebuilt for the block, read into, and
+    # split back into the params and remainders when it ends.
+    with opt.main_params_materialized():
+        index = metadata.state_dict_metadata
+        state: dict[str, Any] = {"meta/param_groups": None, "extra": None}
+        targets = []
+        tp = opt.parallel.tp
+        for owned in owned_pieces(opt):
+            numel = owned.param.numel()
+            state[f"main/{owned.name}"] = dcp.piece_as_dcp(tp, owned, owned.main.detach(),
+                                                            writing=False)
+            slots: dict[str, Any] = {}
+            for key in state_keys.get(owned.name, []):
+                fqn = f"state/{owned.name}/{key}"
+                entry = index[fqn]
+                if isinstance(entry, BytesStorageMetadata):  # an object: DCP replaces the value
+                    state[fqn] = None
+                    slots[key] = fqn
+                    continue
+                shape = owned.main.shape if entry.size == torch.Size([numel]) else entry.size
+                target = state_tensor(opt, owned, key, shape, entry.properties.dtype)
+                if len(shape) == 0:
+                    state[fqn] = target
+                else:
+                    state[fqn] = dcp.piece_as_dcp(tp, owned, target, writing=False)
+                slots[key] = target
+            targets.append((owned, slots))
+        for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+            trainable = {id(p) for p in model.params}
+            for key, value in model.module.state_dict(keep_vars=True).items():
+                # Trainable params come from the fp32 main params below; the rest as saved.
+                if isinstance(value, torch.Tensor) and id(value) not in trainable:
+                    state[f"model/{prefix}{key}"] = value.detach()
 
-    with torch.no_grad():
-        dcp.load(state, ckpt_dir, group, metadata)
-    install(
-        opt,
-        [(owned, {k: state[v] if isinstance(v, str) else v for k, v in slots.items()})
-         for owned, slots in targets],
-        state["meta/param_groups"],
-        manifest["loss_scaler"],
-    )
+        with torch.no_grad():
+            dcp.load(state, ckpt_dir, group, metadata)
+        install(
+            opt,
+            [(owned, {k: state[v] if isinstance(v, str) else v for k, v in slots.items()})
+             for owned, slots in targets],
+            state["meta/param_groups"],
+            manifest["loss_scaler"],
+        )
     opt.sync_model_params()
     return state["extra"]

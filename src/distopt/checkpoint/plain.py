@@ -32,6 +32,14 @@ def load_plain_checkpoint(source: str | os.PathLike | dict[str, Any], ddp: Model
     everything before changing anything; needs no communication. Returns ``source["extra"]``.
     """
     check_pair(ddp, opt)
+    if opt.options.store_param_remainders:
+        # Loading needs no communication, but a rank splits only its own shard of the params;
+        # the other ranks' copies would keep the file's cast until the next gather.
+        raise CheckpointError(
+            "load_plain_checkpoint does not load into an optimizer built with "
+            "store_param_remainders=True; load it without the option, save_checkpoint, and "
+            "load_checkpoint that into the run with the option"
+        )
     if isinstance(source, dict):
         ckpt = source
     else:

@@ -32,11 +32,15 @@ def state_dict(opt: Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, keyed by parameter name."""
     main_params: dict[str, FlatShard] = {}
     state: dict[str, dict[str, Any]] = {}
-    for owned in owned_pieces(opt):
-        main_params[owned.name] = FlatShard(owned.main.detach(), owned.start, owned.param.numel())
-        entries = {k: state_entry(v, owned, k) for k, v in opt.state.get(owned.main, {}).items()}
-        if entries:
-            state[owned.name] = entries
+    # With store_param_remainders the masters are rebuilt for the block; the shards keep them.
+    with opt.main_params_materialized():
+        for owned in owned_pieces(opt):
+            main = owned.main.detach()
+            main_params[owned.name] = FlatShard(main, owned.start, owned.param.numel())
+            entries = {k: state_entry(v, owned, k)
+                       for k, v in opt.state.get(owned.main, {}).items()}
+            if entries:
+                state[owned.name] = entries
     return {
         "format": STATE_DICT_FORMAT,
         "optimizer": class_path(type(opt.optimizer)),

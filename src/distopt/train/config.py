@@ -68,6 +68,8 @@ class TrainConfig:
     shard_size: int | None = None
     """Ranks each bucket is sharded over; the groups of that many ranks replicate each other
     (a ("dp_replicate", "dp_shard") mesh, e.g. the GPUs of one node). None: every rank."""
+    reduce_scatter_fp32_accumulation: bool = False
+    """Send bf16/fp16 grads as they are but sum each shard in fp32 and round it once."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -126,10 +128,22 @@ class TrainConfig:
                                 f"got {getattr(self, name)}")
         if self.shard_size is not None and self.shard_size < 1:
             problems.append(f"--shard-size must be >= 1, got {self.shard_size}")
+        if self.reduce_scatter_fp32_accumulation:
+            problems += self._fp32_accumulation_problems()
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _fp32_accumulation_problems(self) -> list[str]:
+        # The library raises the same; here it is one line before any rank starts.
+        flag = "--reduce-scatter-fp32-accumulation"
+        problems = []
+        if self.grad_dtype not in ("bf16", "fp16"):
+            problems.append(f"{flag} needs --grad-dtype bf16 or fp16, got {self.grad_dtype}")
+        if self.no_shard:
+            problems.append(f"{flag} needs the sharded optimizer; drop --no-shard")
+        return problems
 
     def check_world_size(self, world_size: int) -> None:
         """The global batch must split evenly over ranks and micro-batches, and the ranks into
@@ -181,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=None,
                    help="ranks each bucket is sharded over, replicated across the groups of that "
                    "many ranks (e.g. the GPUs of one node); default: every rank")
+    p.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
+                   help="sum bf16/fp16 grads in fp32 on the receiving rank (one rounding)")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")

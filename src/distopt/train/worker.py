@@ -79,6 +79,7 @@ class Trainer:
             overlap_grad_reduce=config.overlap_grad_reduce,
             use_distributed_optimizer=not config.no_shard,
             device_mesh=self._data_parallel_mesh(),
+            reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
         )
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
