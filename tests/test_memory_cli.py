@@ -53,3 +53,19 @@ def test_breakdown_is_the_theory_by_component():
             assert breakdown.total(dp, distributed=distributed) == total
             per_rank = breakdown.per_rank(dp, distributed=distributed)
             assert sum(per_rank.values()) == pytest.approx(total)
+
+
+@pytest.mark.parametrize("grad,dp,sharded", [("fp32", 4, 6 + 10 / 4), ("bf16", 8, 4 + 14 / 8)])
+def test_param_remainders_rows(capsys, grad, dp, sharded):
+    argv = ["--params", "7e9", "--dp", str(dp), "--dtype", "bf16", "--grad-dtype", grad]
+    assert main([*argv, "--store-param-remainders"]) == 0
+    out = capsys.readouterr().out
+    total = re.search(r"^total\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    assert float(total.group(2)) == pytest.approx(sharded, abs=1e-3)
+    remainders = re.search(r"^remainders\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    assert float(remainders.group(1)) == 4.0  # replicated keeps fp32 masters
+    assert float(remainders.group(2)) == pytest.approx(2 / dp, abs=1e-3)
+    assert sharded == pytest.approx(distopt.theoretical_bytes_per_param(
+        torch.bfloat16, DTYPES[grad], dp, store_param_remainders=True))
+    assert main(["--params", "7e9", "--dtype", "fp32", "--store-param-remainders"]) == 2
+    assert "needs bf16 params" in capsys.readouterr().err

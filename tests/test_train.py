@@ -110,13 +110,18 @@ def test_shard_size_shards_within_groups_and_replicates_across(baseline, tmp_pat
         assert report["optimizer_state"] == 8 * report["num_params"]
     assert "sharded over 1 ranks, 2 replicas" in proc.stdout
     assert abs(summary["heldout_loss_end"] - flat["heldout_loss_end"]) < 1e-4
-def test_bf16_run_with_fp32_accumulated_reduce_scatter(tmp_path):
+def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
     proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
-                  "--reduce-scatter-fp32-accumulation")
+                  "--reduce-scatter-fp32-accumulation", "--store-param-remainders")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["reduce_scatter_fp32_accumulation"] is True
     assert 0 < summary["heldout_loss_end"] < summary["heldout_loss_start"]
+    # bf16 params and grads with remainders at d = 2: 4 + 14/2, against 20 replicated.
+    assert summary["theory_bytes_per_param"] == {"distopt": 11.0, "replicated": 20.0}
+    for report in summary["memory_per_rank"]:
+        # 2 bytes of remainder and 8 of AdamW state per element this rank owns.
+        assert 4 * report["main_params"] == report["optimizer_state"] > 0
 
 
 @pytest.mark.parametrize(
@@ -128,6 +133,7 @@ def test_bf16_run_with_fp32_accumulated_reduce_scatter(tmp_path):
      (["--batch-size", "7"], "multiple of ranks"),
      (["--optimizer", "lbfgs"], "--optimizer must be one of"),
      (["--shard-size", "3"], "--shard-size 3 does not divide the 2 ranks"),
+     (["--store-param-remainders"], "--store-param-remainders needs --dtype bf16"),
      (["--reduce-scatter-fp32-accumulation"],
       "--reduce-scatter-fp32-accumulation needs --grad-dtype bf16 or fp16, got fp32"),
      (["--reduce-scatter-fp32-accumulation", "--grad-dtype", "bf16", "--no-shard"],

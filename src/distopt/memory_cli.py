@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="param dtype")
     parser.add_argument("--grad-dtype", choices=DTYPES, default=None,
                         help="grad dtype (default: fp32 for bf16/fp16 params)")
+    parser.add_argument("--store-param-remainders", action="store_true",
+                        help="distopt keeps bf16 params + 2-byte remainders as fp32 masters")
     parser.add_argument("--optimizer-state-bytes", type=int, default=8,
                         help="fp32 optimizer state per param: 8 for Adam, 4 for SGD momentum")
     return parser
@@ -76,10 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     theory = bytes_per_param_breakdown(
         param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes
     )
-    replicated, distributed = theory.per_rank(args.dp, distributed=False), theory.per_rank(args.dp)
-    rows = [(LABELS[name], replicated[name], distributed[name]) for name in COMPONENTS]
+    try:
+        # The replicated column is plain DDP + torch optimizer, which has no remainders.
+        ours = bytes_per_param_breakdown(
+            param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes,
+            store_param_remainders=args.store_param_remainders,
+        )
+    except ValueError as error:
+        print(f"distopt memory: --store-param-remainders: {error}", file=sys.stderr)
+        return 2
+    replicated, distributed = theory.per_rank(args.dp, distributed=False), ours.per_rank(args.dp)
+    labels = dict(LABELS)
+    if args.store_param_remainders:
+        labels["main_params"] = "remainders"
+    rows = [(labels[name], replicated[name], distributed[name]) for name in COMPONENTS]
     rep_total = theory.total(args.dp, distributed=False)
-    dist_total = theory.total(args.dp)
+    dist_total = ours.total(args.dp)
     print(f"{label}, {args.dtype} params, {dtype_name(grad_dtype)} grads, "
           f"data-parallel size {args.dp}\n")
     print(f"{'component':<18}{'replicated':>14}{'distopt':>14}{'distopt GiB/rank':>18}")

@@ -70,6 +70,8 @@ class TrainConfig:
     (a ("dp_replicate", "dp_shard") mesh, e.g. the GPUs of one node). None: every rank."""
     reduce_scatter_fp32_accumulation: bool = False
     """Send bf16/fp16 grads as they are but sum each shard in fp32 and round it once."""
+    store_param_remainders: bool = False
+    """Keep the fp32 masters of bf16 params as the params plus 16-bit remainders."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -130,6 +132,11 @@ class TrainConfig:
             problems.append(f"--shard-size must be >= 1, got {self.shard_size}")
         if self.reduce_scatter_fp32_accumulation:
             problems += self._fp32_accumulation_problems()
+        if self.store_param_remainders and (self.dtype != "bf16" or self.no_shard):
+            problems.append(
+                "--store-param-remainders needs --dtype bf16 and the sharded optimizer (no "
+                f"--no-shard), got --dtype {self.dtype}{' --no-shard' if self.no_shard else ''}"
+            )
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
         if problems:
@@ -197,6 +204,8 @@ def parser() -> argparse.ArgumentParser:
                    "many ranks (e.g. the GPUs of one node); default: every rank")
     p.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
                    help="sum bf16/fp16 grads in fp32 on the receiving rank (one rounding)")
+    p.add_argument("--store-param-remainders", action="store_true",
+                   help="bf16 params + 16-bit remainders as the fp32 masters (2 bytes, exact)")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")

@@ -24,14 +24,18 @@ def write_summary(
     num_files: tuple[int, int],
     shard_size: int | None = None,
 ) -> dict[str, Any]:
-    breakdown = bytes_per_param_breakdown(
-        DTYPES[config.dtype], DTYPES[config.grad_dtype],
-        optimizer_state_bytes=_STATE_BYTES.get(config.optimizer, 8),
-    )
-    # Optimizer state is sharded over the shard group only (replicated across groups).
+    def breakdown(remainders: bool):
+        return bytes_per_param_breakdown(
+            DTYPES[config.dtype], DTYPES[config.grad_dtype],
+            optimizer_state_bytes=_STATE_BYTES.get(config.optimizer, 8),
+            store_param_remainders=remainders,
+        )
+
+    # Optimizer state is sharded over the shard group only (replicated across groups); the
+    # replicated figure is plain DDP's, which keeps fp32 masters.
     theory = {
-        "distopt": breakdown.total(shard_size or world),
-        "replicated": breakdown.total(world, distributed=False),
+        "distopt": breakdown(config.store_param_remainders).total(shard_size or world),
+        "replicated": breakdown(False).total(world, distributed=False),
     }
     evals = [h for h in history if "heldout_loss" in h]
     first, last = evals[0]["heldout_loss"], evals[-1]["heldout_loss"]

@@ -88,7 +88,8 @@ class Trainer:
             self.opt = distopt.BasicOptimizer(self.ddp, opt_cls, **common)
         else:
             self.opt = distopt.DistributedOptimizer(
-                self.ddp, opt_cls, overlap_param_gather=config.overlap_param_gather, **common
+                self.ddp, opt_cls, overlap_param_gather=config.overlap_param_gather,
+                store_param_remainders=config.store_param_remainders, **common
             )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(config))
         self.step = 0
