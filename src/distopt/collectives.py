@@ -169,19 +169,8 @@ def reduce_scatter_avg(
     stats: CommStats | None = None,
 ):
     """Average ``full`` over the group into this rank's chunk ``shard`` (may alias ``full``)."""
-    if group_size(group) == 1:
-        if shard.data_ptr() != full.data_ptr():
-            shard.copy_(full)
-        return DONE
-    if stats is not None:
-        stats.record("reduce_scatter", full)
-    if is_gloo(group):
-        call = lambda: _gloo_reduce_scatter_avg(shard, full, group, async_op=async_op)
-    else:
-        call = lambda: getattr(dist, _REDUCE_SCATTER)(
-            shard, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
-        )
-    return _timed(stats, "reduce_scatter", async_op, call)
+    return _reduce_scatter(shard, full, group, async_op, stats,
+                           gloo=_gloo_reduce_scatter_avg, other=_backend_reduce_scatter_avg)
 
 
 def reduce_scatter_avg_fp32_accum(
@@ -195,17 +184,27 @@ def reduce_scatter_avg_fp32_accum(
     """``reduce_scatter_avg`` of bf16 or fp16 ``full`` with the d chunks of this rank's
     ``shard`` summed in fp32 and the average rounded once; see
     [Note: fp32-accumulated reduce-scatter]. Counted as a reduce-scatter of ``full``."""
+    return _reduce_scatter(shard, full, group, async_op, stats,
+                           gloo=_gloo_reduce_scatter_fp32, other=_all_to_all_reduce_scatter_fp32)
+
+
+def _reduce_scatter(shard, full, group, async_op: bool, stats: CommStats | None, *, gloo, other):
+    # What every reduce-scatter shares: nothing to send on one rank, counting, timing.
     if group_size(group) == 1:
         if shard.data_ptr() != full.data_ptr():
             shard.copy_(full)
         return DONE
     if stats is not None:
         stats.record("reduce_scatter", full)
-    if is_gloo(group):
-        call = lambda: _gloo_reduce_scatter_fp32(shard, full, group, async_op=async_op)
-    else:
-        call = lambda: _all_to_all_reduce_scatter_fp32(shard, full, group, async_op=async_op)
+    implementation = gloo if is_gloo(group) else other
+    call = lambda: implementation(shard, full, group, async_op=async_op)
     return _timed(stats, "reduce_scatter", async_op, call)
+
+
+def _backend_reduce_scatter_avg(shard, full, group, *, async_op: bool):
+    return getattr(dist, _REDUCE_SCATTER)(
+        shard, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
+    )
 
 
 def all_reduce_avg(
