@@ -28,7 +28,17 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 import distopt
 
 from models import AwkwardLM, batches, mlp
-from test_parity import BF16_TOL, CLIP, FP32_TOL, NORM_RTOL, OPTIMIZERS, STEPS, _groups, _lm_loss
+from test_parity import (
+    BF16_TOL,
+    CLIP,
+    FP32_TOL,
+    NORM_RTOL,
+    OPTIMIZERS,
+    STEPS,
+    _groups,
+    _lm_loss,
+    fp32_master_step,
+)
 
 KERNEL_KEYS = ("foreach", "fused")
 CPU_KERNEL = {"foreach": True, "fused": None}
@@ -130,16 +140,8 @@ def parity_bf16(device: torch.device) -> dict:
         _lm_loss(ddp, tokens, targets, step).backward()
         opt.step()
 
-        for p in ref_trainable:
-            p.grad = None
-        _lm_loss(ref, tokens, targets, step).backward()
-        for master, p in zip(masters, ref_trainable, strict=True):
-            master.grad = None if p.grad is None else p.grad.float()
-        torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
-        ref_opt.step()
-        with torch.no_grad():
-            for master, p in zip(masters, ref_trainable, strict=True):
-                p.copy_(master)
+        fp32_master_step(ref_trainable, masters, ref_opt,
+                         _lm_loss(ref, tokens, targets, step))
         ddp.finish_param_sync()
         worst = max(worst, _max_diff(model, ref))
     return {"max_diff": worst, "dtypes": {p.dtype for p in model.parameters()}}

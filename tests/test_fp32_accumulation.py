@@ -27,12 +27,11 @@ from distopt.options import GradSyncOptions
 
 from dist_harness import case_result, run_cases
 from models import AwkwardLM, TinyTransformer, batches, markov_batch, mlp, rank_slice
+from test_parity import BF16_TOL, CLIP, _lm_loss, _max_diff, fp32_master_step
 
 WORLDS = [2, 3, 4]
 CHUNK = 4096  # elements of each rank's shard in the collective cases
 PARITY_STEPS = 10
-CLIP = 0.5
-BF16_TOL = 2 * 2**-6  # as in test_parity.py: two bf16 ulps of weights below 4
 FP32_EPS = 2.0**-24  # unit roundoff of fp32
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}  # implicit bit included
 OPTION = "reduce_scatter_with_fp32_accumulation"
@@ -205,30 +204,12 @@ def training_parity(fp32_accumulation: bool = True) -> dict:
         _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
                  step).backward()
         opt.step()
-        for p in ref_trainable:
-            p.grad = None
-        _lm_loss(ref, tokens, targets, step).backward()
-        for master, p in zip(masters, ref_trainable, strict=True):
-            master.grad = None if p.grad is None else p.grad.float()
-        torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
-        ref_opt.step()
-        with torch.no_grad():
-            for master, p in zip(masters, ref_trainable, strict=True):
-                p.copy_(master)
+        fp32_master_step(ref_trainable, masters, ref_opt,
+                         _lm_loss(ref, tokens, targets, step))
         worst = max(worst, _max_diff(model, ref))
     return {"max_diff": worst, "moved": _max_diff(model, initial),
             "fp32_buckets": sum(b.fp32_accumulation for b in ddp.buckets),
             "buckets": len(ddp.buckets)}
-
-
-def _lm_loss(forward, tokens, targets, step) -> torch.Tensor:
-    logits = forward(tokens, use_sometimes=step % 2 == 0)
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((pa.detach().float() - pb.detach().float()).abs().max().item()
-               for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
 @contextmanager

@@ -20,7 +20,16 @@ import distopt
 
 from dist_harness import case_result, run_cases
 from models import AwkwardLM, batches, rank_slice
-from test_parity import BF16_TOL, CLIP, FP32_TOL, NORM_RTOL, _groups, _lm_loss, _max_diff
+from test_parity import (
+    BF16_TOL,
+    CLIP,
+    FP32_TOL,
+    NORM_RTOL,
+    _groups,
+    _lm_loss,
+    _max_diff,
+    fp32_master_step,
+)
 
 WORLD = 4
 LAYOUTS = [(2, 2), (1, 4), (4, 1)]
@@ -64,17 +73,9 @@ def parity(replicate: int, shard: int, dtype: torch.dtype) -> dict:
         sched.step()
         per_step = (dict(ddp.comm_stats.calls), dict(ddp.comm_stats.bytes))
 
-        for p in trainable:
-            p.grad = None
-        _lm_loss(ref, tokens, targets, step).backward()
-        for master, p in zip(masters, trainable, strict=True):
-            master.grad = None if p.grad is None else p.grad.float()
-        ref_norm = torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
-        ref_opt.step()
+        ref_norm = fp32_master_step(trainable, masters, ref_opt,
+                                    _lm_loss(ref, tokens, targets, step))
         ref_sched.step()
-        with torch.no_grad():
-            for master, p in zip(masters, trainable, strict=True):
-                p.copy_(master)
 
         ddp.finish_param_sync()
         worst = max(worst, _max_diff(model, ref))

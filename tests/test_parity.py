@@ -54,6 +54,24 @@ def _lm_loss(forward, tokens, targets, step):
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def fp32_master_step(trainable: list[torch.nn.Parameter], masters: list[torch.nn.Parameter],
+                     ref_opt: torch.optim.Optimizer, loss: torch.Tensor) -> torch.Tensor:
+    """One step of the reference for low-precision params: the grads of ``loss`` go to
+    the fp32 ``masters`` (one per trainable param), are clipped to ``CLIP`` and stepped, and
+    the masters are cast back into the params. Returns the grad norm before clipping."""
+    for p in trainable:
+        p.grad = None
+    loss.backward()
+    for master, p in zip(masters, trainable, strict=True):
+        master.grad = None if p.grad is None else p.grad.float()
+    norm = torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
+    ref_opt.step()
+    with torch.no_grad():
+        for master, p in zip(masters, trainable, strict=True):
+            p.copy_(master)
+    return norm
+
+
 def parity_fp32(opt_name: str, find_unused: bool, overlap: bool) -> dict:
     """distopt vs torch.optim on one process; find_unused pairs with set_to_none=True."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,16 +135,8 @@ def parity_bf16(grad_dtype: torch.dtype) -> dict:
                  step).backward()
         opt.step()
 
-        for p in ref_trainable:
-            p.grad = None
-        _lm_loss(ref, tokens, targets, step).backward()
-        for master, p in zip(masters, ref_trainable, strict=True):
-            master.grad = None if p.grad is None else p.grad.float()
-        torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
-        ref_opt.step()
-        with torch.no_grad():
-            for master, p in zip(masters, ref_trainable, strict=True):
-                p.copy_(master)
+        fp32_master_step(ref_trainable, masters, ref_opt,
+                         _lm_loss(ref, tokens, targets, step))
         worst = max(worst, _max_diff(model, ref))
     dtypes = {p.dtype for p in model.parameters()}
     return {"max_diff": worst, "dtypes": dtypes}
