@@ -195,6 +195,12 @@ class _OwnedMainParams:
             param = nn.Parameter(main, requires_grad=True)
             param.grad = grad[lo:hi]
             self.main_params.append(param)
+        # The (main param, piece) pairs of each bucket, for steps one bucket at a time.
+        self._bucket_mains: list[list[tuple[nn.Parameter, ShardPiece]]] = [
+            [] for _ in self.param_regions
+        ]
+        for main, piece in zip(self.main_params, pieces, strict=True):
+            self._bucket_mains[piece.bucket].append((main, piece))
 
     @staticmethod
     def _segments(
@@ -229,15 +235,11 @@ class _OwnedMainParams:
     def num_buckets(self) -> int:
         return len(self.param_regions)
 
-    def bucket_mains(self, bucket: int) -> list[tuple[nn.Parameter, ShardPiece]]:
-        return [(m, p) for m, p in zip(self.main_params, self.pieces, strict=True)
-                if p.bucket == bucket]
-
     @contextlib.contextmanager
     def bucket_masters(self, bucket: int) -> Iterator[list[nn.Parameter]]:
         """With remainders: the bucket's main params hold its fp32 masters (one transient
         bucket shard) inside the block, and are split back after it."""
-        mains = self.bucket_mains(bucket)
+        mains = self._bucket_mains[bucket]
         master = join_fp32(self.param_regions[bucket], self._remainder_segments[bucket])
         for main, piece in mains:
             main.data = master[piece.local_range.start : piece.local_range.end]
