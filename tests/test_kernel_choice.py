@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import distopt
-from distopt.optimizer import ELEMENTWISE_OPTIMIZERS, default_kernel_kwargs
+from distopt.optimizer import default_kernel_kwargs
+from distopt.optimizer_kinds import ELEMENTWISE_OPTIMIZERS
 
 from models import AwkwardLM, batches
 

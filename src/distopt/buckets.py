@@ -14,6 +14,7 @@ DDP wrapper only decides when each bucket acts (see [Note: bucket launch order] 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from . import collectives as comm
 from .dtensor import alias_local, local_tensor
 from .layout import BucketLayout, BufferLayout, Range, build_layout
+from .whole_layout import build_mixed_layout
 
 
 class Bucket:
@@ -93,6 +95,11 @@ class Bucket:
     @property
     def ready(self) -> bool:
         return not self._pending
+
+    @property
+    def has_grads(self) -> bool:
+        """Whether a grad of this step has been written since the last ``forget_grads``."""
+        return bool(self._written)
 
     def forget_grads(self) -> None:
         """A new step: the next grad of each param replaces the buffer's contents."""
@@ -207,7 +214,11 @@ class ParamAndGradBuffer:
         stats: comm.CommStats | None = None,
         replicate_group: dist.ProcessGroup | None = None,
         fp32_accumulation: bool = False,
+        whole_costs: Sequence[float | None] | None = None,
     ) -> None:
+        """``whole_costs``: per param (in ``params``' order), None for element-wise shards or
+        the cost its owner balances when it is owned whole by one rank; see
+        [Note: whole-tensor layout] in whole_layout.py. None: every param element-wise."""
         if not params:
             raise ValueError("a buffer needs at least one parameter")
         self.params = params  # layout order
@@ -215,9 +226,13 @@ class ParamAndGradBuffer:
         self.grad_dtype = grad_dtype
         self.dp_size = dp_size
         self.dp_rank = dp_rank
-        self.layout: BufferLayout = build_layout(
-            [local_tensor(p).numel() for p in params], bucket_size=bucket_size, dp_size=dp_size
-        )
+        numels = [local_tensor(p).numel() for p in params]
+        if whole_costs is not None and any(cost is not None for cost in whole_costs):
+            self.layout: BufferLayout = build_mixed_layout(
+                numels, whole_costs, bucket_size=bucket_size, dp_size=dp_size
+            )
+        else:
+            self.layout = build_layout(numels, bucket_size=bucket_size, dp_size=dp_size)
         device = params[0].device
         # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
         self.param_data = torch.zeros(self.layout.numel, dtype=self.param_dtype, device=device)

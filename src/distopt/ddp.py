@@ -155,26 +155,9 @@ class DistributedDataParallel(nn.Module):
         # Torch DDP semantics: every replica starts from rank 0's weights.
         self._broadcast_from_first_rank(module)
 
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in reversed(self.params):  # reverse registration ~ the order backward runs
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self.flat_buffers: list[ParamAndGradBuffer] = [
-            self._make_buffer(plist, self.options.grad_dtype or dtype)
-            for dtype, plist in by_dtype.items()
-        ]
-        self.buffer_of: dict[nn.Parameter, ParamAndGradBuffer] = {
-            p: buf for buf in self.flat_buffers for p in buf.params
-        }
-        # One launch order over the buckets of all dtypes: by the backward position of each
-        # bucket's first parameter. See [Note: bucket launch order].
-        reverse_position = {p: i for i, p in enumerate(reversed(self.params))}
-        self.buckets: list[Bucket] = sorted(
-            (b for buf in self.flat_buffers for b in buf.buckets),
-            key=lambda b: reverse_position[b.params[0]],
-        )
-        for order, bucket in enumerate(self.buckets):
-            bucket.order = order
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._whole_tensor_costs: dict[nn.Parameter, float] = {}
+        self._param_wait_hooks: list[Any] = []
+        self._build_buffers()
         # Only these params need their DTensor grads turned into local ones in the hook.
         self._dtensor_params = frozenset(p for p in self.params if is_dtensor(p))
 
@@ -188,13 +171,77 @@ class DistributedDataParallel(nn.Module):
         self._grad_hooks = [
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
         ]
-        self._param_wait_hooks = self._register_param_wait_hooks(module)
+
+    def _build_buffers(self) -> None:
+        """(Re)build the buffers, buckets and launch order for ``_whole_tensor_costs``."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in reversed(self.params):  # reverse registration ~ the order backward runs
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.flat_buffers: list[ParamAndGradBuffer] = [
+            self._make_buffer(plist, self.options.grad_dtype or dtype)
+            for dtype, plist in by_dtype.items()
+        ]
+        self.buffer_of: dict[nn.Parameter, ParamAndGradBuffer] = {
+            p: buf for buf in self.flat_buffers for p in buf.params
+        }
+        # One launch order over the buckets of all dtypes: by the backward position of the
+        # param that completes each bucket (its last), then of its first. See
+        # [Note: bucket launch order].
+        reverse_position = {p: i for i, p in enumerate(reversed(self.params))}
+        self.buckets: list[Bucket] = sorted(
+            (b for buf in self.flat_buffers for b in buf.buckets),
+            key=lambda b: (reverse_position[b.params[-1]], reverse_position[b.params[0]]),
+        )
+        for order, bucket in enumerate(self.buckets):
+            bucket.order = order
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        for hook in self._param_wait_hooks:
+            hook.remove()
+        self._param_wait_hooks = self._register_param_wait_hooks(self.module)
+
+    def own_whole(self, costs: dict[nn.Parameter, float]) -> None:
+        """Lay the buffers out so that each param in ``costs`` is owned whole by one
+        data-parallel rank, the owners balancing the summed costs; every other param keeps
+        element-wise shards. See [Note: whole-tensor layout] in whole_layout.py.
+
+        ``DistributedOptimizer`` calls this for the params of its whole-tensor optimizers
+        (Muon, Adafactor; see [Note: optimizer kinds]); it is deterministic, so every rank
+        lays out the same buffers without communicating. The params keep their values; call
+        it before the first backward (grads already in the buffers would be lost).
+        """
+        unknown = [p for p in costs if p not in self._param_index]
+        if unknown:
+            raise ValueError(
+                f"own_whole got {len(unknown)} tensor(s) that are not trainable parameters of "
+                "this model"
+            )
+        if costs == self._whole_tensor_costs:
+            return
+        if any(bucket.has_grads for bucket in self.buckets):
+            raise RuntimeError(
+                "the grad buffers already hold this step's grads, which a new layout would "
+                "lose: build the optimizer before the first backward, or call "
+                "optimizer.zero_grad() (or ddp.zero_grad_buffer()) first"
+            )
+        self.finish_param_sync()
+        for bucket in self.buckets:
+            bucket.wait_reduction()
+        self._whole_tensor_costs = dict(costs)
+        self._build_buffers()
+        self._reset_reductions()
+
+    @property
+    def whole_tensor_costs(self) -> dict[nn.Parameter, float]:
+        """The params owned whole by one rank, with the cost their owners balance."""
+        return dict(self._whole_tensor_costs)
 
     def _make_buffer(
         self, params: list[nn.Parameter], grad_dtype: torch.dtype
     ) -> ParamAndGradBuffer:
+        whole = self._whole_tensor_costs
         return ParamAndGradBuffer(
             params,
+            whole_costs=[whole.get(p) for p in params] if whole else None,
             grad_dtype=grad_dtype,
             bucket_size=self.bucket_size,
             dp_size=self.dp_size,

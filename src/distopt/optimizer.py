@@ -40,28 +40,17 @@ from torch import nn
 from . import clip
 from .buckets import ParamAndGradBuffer
 from .ddp import DistributedDataParallel
+from .dtensor import is_dtensor, local_tensor
 from .layout import ShardPiece
+from .optimizer_kinds import (
+    check_optimizer_cls,
+    needs_matrices,
+    whole_tensor_cost,
+)
 from .options import StepOptions
 from .parallel import ParallelLayout, common_layout
 from .scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from .tensor_parallel import grad_statistics
-
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.ASGD,
-    torch.optim.Rprop,
-    torch.optim.Adadelta,
-)
-"""Optimizers whose update of an element depends only on that element's grad and state, so
-they give the same result on any split of a parameter. (LBFGS, Adafactor, Muon, SparseAdam
-look at whole tensors or the whole model and are refused.)"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +135,16 @@ class _OwnedMainParams:
     """The fp32 main params of the part of one buffer that this rank owns, as pieces."""
 
     def __init__(
-        self, buffer: ParamAndGradBuffer, *, sharded: bool, store_remainders: bool = False
+        self,
+        buffer: ParamAndGradBuffer,
+        *,
+        sharded: bool,
+        store_remainders: bool = False,
+        whole_params: frozenset[nn.Parameter] = frozenset(),
     ) -> None:
+        """``whole_params``: the params a whole-tensor optimizer steps; their pieces are whole
+        (the layout makes sure of it) and their main params take the param's own shape. See
+        [Note: optimizer kinds]."""
         self.buffer = buffer
         layout = buffer.layout
         pieces = layout.shard_pieces(buffer.dp_rank) if sharded else layout.whole_pieces()
@@ -188,12 +185,13 @@ class _OwnedMainParams:
         for piece in pieces:
             grad = self._grad_segments[piece.bucket]
             lo, hi = piece.local_range.start, piece.local_range.end
+            shape = self._main_shape(piece, whole_params)
             if self.remainders is None:
-                main = self._main_segments[piece.bucket][lo:hi]  # aliases the fp32 copy
+                main = self._main_segments[piece.bucket][lo:hi].view(shape)  # aliases fp32 copy
             else:
-                main = self._placeholder.expand(hi - lo)
+                main = self._placeholder.expand(shape)
             param = nn.Parameter(main, requires_grad=True)
-            param.grad = grad[lo:hi]
+            param.grad = grad[lo:hi].view(shape)
             self.main_params.append(param)
         # The (main param, piece) pairs of each bucket, for steps one bucket at a time.
         self._bucket_mains: list[list[tuple[nn.Parameter, ShardPiece]]] = [
@@ -209,6 +207,19 @@ class _OwnedMainParams:
         if flat is None:
             return regions
         return [flat[o : o + r.numel()] for o, r in zip(offsets, regions, strict=True)]
+
+    def _main_shape(
+        self, piece: ShardPiece, whole_params: frozenset[nn.Parameter]
+    ) -> tuple[int, ...]:
+        local = local_tensor(self.model_param(piece))
+        if self.model_param(piece) not in whole_params:
+            return (piece.param_range.size,)
+        if piece.param_range.size != local.numel():
+            raise AssertionError(
+                "a whole-tensor param is split across ranks; the buffers were not laid out "
+                "for its optimizer (DistributedDataParallel.own_whole)"
+            )
+        return tuple(local.shape)
 
     def model_param(self, piece: ShardPiece) -> nn.Parameter:
         return self.buffer.params[piece.param_index]
@@ -242,13 +253,14 @@ class _OwnedMainParams:
         mains = self._bucket_mains[bucket]
         master = join_fp32(self.param_regions[bucket], self._remainder_segments[bucket])
         for main, piece in mains:
-            main.data = master[piece.local_range.start : piece.local_range.end]
+            lo, hi = piece.local_range.start, piece.local_range.end
+            main.data = master[lo:hi].view(main.shape)
         try:
             yield [main for main, _ in mains]
         finally:
             split_fp32(master, self.param_regions[bucket], self._remainder_segments[bucket])
             for main, _ in mains:
-                main.data = self._placeholder.expand(main.numel())
+                main.data = self._placeholder.expand(main.shape)
 
     def main_value(self, main: nn.Parameter, piece: ShardPiece) -> torch.Tensor:
         """The fp32 master values of a piece: the main param, or rebuilt from remainders."""
@@ -256,7 +268,22 @@ class _OwnedMainParams:
             return main.detach()
         lo, hi = piece.local_range.start, piece.local_range.end
         return join_fp32(self.param_regions[piece.bucket][lo:hi],
-                         self._remainder_segments[piece.bucket][lo:hi])
+                         self._remainder_segments[piece.bucket][lo:hi]).view(main.shape)
+
+
+# [Note: one optimizer, several classes]
+# The usual recipe for Muon trains the hidden matrices with Muon and the embeddings, norms and
+# biases with AdamW. A param group may therefore name its own class under "optimizer"; groups
+# without one use optimizer_cls. distopt builds one inner torch optimizer per class over that
+# class's groups (in the user's order within it), and shares among them: the list
+# ``param_groups`` (the very dicts they step with, in the user's order, so torch's LR
+# schedulers set every group's lr), one ``state`` (their params are disjoint), and everything
+# of the step around them: one grad sync, one loss-scaler verdict and one global clip norm over
+# all grads, one param gather, one StepResult. optimizer_kwargs go to optimizer_cls only; a
+# group of another class gives its options in the group, its class's defaults filling the
+# rest. The groups of whole-tensor classes ([Note: optimizer kinds] in optimizer_kinds.py)
+# have their params owned whole (DistributedDataParallel.own_whole) and their main params
+# take each param's shape.
 
 
 class _BufferOptimizer(torch.optim.Optimizer):
@@ -274,7 +301,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
         model_parallel_group: dist.ProcessGroup | None,
         optimizer_kwargs: dict[str, Any],
     ) -> None:
-        _check_optimizer_cls(optimizer_cls)
+        check_optimizer_cls(optimizer_cls)
         if loss_scaler is not None and not isinstance(
             loss_scaler, (ConstantLossScaler, DynamicLossScaler)
         ):
@@ -310,9 +337,17 @@ class _BufferOptimizer(torch.optim.Optimizer):
         self.model_param_groups: list[list[nn.Parameter]] = [g["params"] for g in param_groups]
         self.default_param_groups = params is None
         options.check_param_dtypes({buf.param_dtype for m in models for buf in m.flat_buffers})
+        group_classes = [g.get("optimizer", optimizer_cls) for g in param_groups]
+        whole_costs = _whole_tensor_costs(param_groups, group_classes, self.models)
+        if self._sharded:
+            # Before anything reads the buffers: whole-tensor params get owners.
+            for model in self.models:
+                model.own_whole({p: c for p, c in whole_costs.items() if p in model.buffer_of})
+        whole_params = frozenset(whole_costs)
         self._owned = [
             _OwnedMainParams(buf, sharded=self._sharded,
-                             store_remainders=options.store_param_remainders)
+                             store_remainders=options.store_param_remainders,
+                             whole_params=whole_params)
             for model in self.models
             for buf in model.flat_buffers
         ]
@@ -324,15 +359,33 @@ class _BufferOptimizer(torch.optim.Optimizer):
                 self._piece_owner[main] = (owned, piece)
         self._pieces_of = pieces_of
 
-        inner_groups = []
-        for group in param_groups:
+        # One inner torch optimizer per class, each over its groups; see
+        # [Note: one optimizer, several classes].
+        groups_of: dict[type[torch.optim.Optimizer], list[dict[str, Any]]] = {}
+        user_order = []
+        for group, cls in zip(param_groups, group_classes, strict=True):
             inner = {k: v for k, v in group.items() if k != "params"}
             inner["params"] = [m for p in group["params"] for m in pieces_of.get(p, [])]
-            inner_groups.append(inner)
-        kwargs = {**optimizer_kwargs,
-                  **default_kernel_kwargs(optimizer_cls, self._device, optimizer_kwargs)}
-        self.optimizer = optimizer_cls(inner_groups, **kwargs)
-        mains = [m for g in self.optimizer.param_groups for m in g["params"]]
+            groups_of.setdefault(cls, []).append(inner)
+            user_order.append(inner)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for cls, inner_groups in groups_of.items():
+            # optimizer_kwargs belong to optimizer_cls; groups of other classes give their
+            # options in the group and take their class's defaults for the rest.
+            given = optimizer_kwargs if cls is optimizer_cls else {}
+            kwargs = {**given, **default_kernel_kwargs(cls, self._device, given)}
+            self.optimizers.append(cls(inner_groups, **kwargs))
+        # The inner optimizer of optimizer_cls (of the first group's class when no group uses
+        # it): its class and defaults are the optimizer's.
+        self.optimizer = next(
+            (o for o in self.optimizers if type(o) is optimizer_cls), self.optimizers[0]
+        )
+        # torch.optim keeps the groups' dicts as given, so this list holds the very dicts the
+        # inner optimizers step with, in the user's order.
+        assert all(any(g is h for o in self.optimizers for h in o.param_groups)
+                   for g in user_order)
+        param_groups_in_order = user_order
+        mains = [m for g in param_groups_in_order for m in g["params"]]
         self._grads = [m.grad for m in mains]
         # Tensor parallelism adds the TP groups to every reduction and leaves TP-replicated
         # grads out of the sums on all but one TP rank; see [Note: TP grad statistics].
@@ -352,8 +405,12 @@ class _BufferOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these
         # aliases make torch's LR schedulers and step hooks act on it directly.
         self.defaults = self.optimizer.defaults
-        self.param_groups = self.optimizer.param_groups
+        self.param_groups = param_groups_in_order
+        # One state for all inner optimizers: their params are disjoint, and checkpoints and
+        # users read it in one place, as torch.optim's.
         self.state = self.optimizer.state
+        for inner in self.optimizers:
+            inner.state = self.state
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -425,7 +482,8 @@ class _BufferOptimizer(torch.optim.Optimizer):
 
     def _inner_step(self) -> None:
         if not self.options.store_param_remainders:
-            self.optimizer.step()
+            for inner in self.optimizers:
+                inner.step()
             return
         # One bucket's fp32 masters at a time; see [Note: param remainders].
         for owned in self._owned:
@@ -434,13 +492,16 @@ class _BufferOptimizer(torch.optim.Optimizer):
                     self._step_only(set(mains))
 
     def _step_only(self, mains: set[nn.Parameter]) -> None:
-        """The inner step over ``mains`` alone (element-wise: the same as in a full step)."""
-        groups = self.optimizer.param_groups
+        """The inner steps over ``mains`` alone: the same as in a full step, since an
+        element-wise optimizer updates each element, and a whole-tensor one each param, alone."""
+        groups = self.param_groups
         saved = [group["params"] for group in groups]
         try:
             for group in groups:
                 group["params"] = [p for p in group["params"] if p in mains]
-            self.optimizer.step()
+            for inner in self.optimizers:
+                if any(group["params"] for group in inner.param_groups):
+                    inner.step()
         finally:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
@@ -716,19 +777,38 @@ def _check_model_parallel_group(group: Any, dp_group: dist.ProcessGroup | None) 
         )
 
 
-def _check_optimizer_cls(optimizer_cls: Any) -> None:
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise TypeError(
-            "optimizer_cls must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
-            f"(the class, not an instance), got {optimizer_cls!r}"
-        )
-    if not issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS):
-        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise TypeError(
-            f"{optimizer_cls.__name__} is not an element-wise optimizer: distopt splits "
-            f"parameters across ranks, which only element-wise updates tolerate. Use one of "
-            f"{names} (or a subclass of one)"
-        )
+def _whole_tensor_costs(
+    param_groups: list[dict[str, Any]],
+    group_classes: list[Any],
+    models: list[DistributedDataParallel],
+) -> dict[nn.Parameter, float]:
+    """The params of whole-tensor optimizers' groups and the cost their owners balance, after
+    checking that each class can be sharded and each param suits its class (on every rank, as
+    nothing here communicates)."""
+    names = {p: m.param_names[p] for m in models for p in m.params}
+    costs: dict[nn.Parameter, float] = {}
+    for index, (group, cls) in enumerate(zip(param_groups, group_classes, strict=True)):
+        check_optimizer_cls(cls, where=f'param group {index}\'s "optimizer"')
+        cost = whole_tensor_cost(cls)
+        if cost is None:
+            continue
+        for p in group["params"]:
+            if is_dtensor(p) and any(pl.is_shard() for pl in p.placements):
+                raise ValueError(
+                    f"parameter '{names[p]}' is sharded over the tensor-parallel mesh "
+                    f"({p.placements}), but {cls.__name__} needs each matrix whole: put it in a "
+                    'group with "optimizer": torch.optim.AdamW, or replicate it over TP'
+                )
+            shape = tuple(local_tensor(p).shape)
+            if needs_matrices(cls) and len(shape) != 2:
+                raise ValueError(
+                    f"parameter '{names[p]}' of shape {shape} is in a {cls.__name__} group, but "
+                    f"{cls.__name__} steps 2-D matrices only: put it in a group of its own with "
+                    '"optimizer": torch.optim.AdamW (the usual home of embeddings, norms and '
+                    "biases)"
+                )
+            costs[p] = cost(shape)
+    return costs
 
 
 def _normalize_param_groups(
