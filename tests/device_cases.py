@@ -121,6 +121,52 @@ def parity_fp32(device: torch.device, opt_name: str) -> dict:
             "kernel": kernel_of(opt), "devices": {p.device.type for p in model.parameters()}}
 
 
+def _muon_groups(model: AwkwardLM) -> list[dict]:
+    """Muon for the hidden matrices, AdamW for the tied embedding and the rest."""
+    matrices = [model.l1.weight, model.l2.weight, model.sometimes.weight]
+    rest = [model.emb.weight, model.l1.bias, model.l2.bias, model.norm.weight, model.norm.bias]
+    return [{"params": matrices, "lr": 0.02, "momentum": 0.9},
+            {"params": rest, "optimizer": torch.optim.AdamW, "lr": 1e-2, "betas": (0.8, 0.95)}]
+
+
+def parity_muon(device: torch.device) -> dict:
+    """Muon + AdamW in one distopt optimizer against torch.optim.Muon and torch.optim.AdamW on
+    the same device (each with its default kernel), with clipping and a cosine schedule."""
+    torch.manual_seed(0)
+    model = AwkwardLM().to(device)
+    ref = copy.deepcopy(model)
+    start = copy.deepcopy(model)
+    ddp = distopt.DistributedDataParallel(model, bucket_size=40, find_unused_parameters=True)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model),
+                                       clip_grad=CLIP, overlap_param_gather=True)
+    sched = CosineAnnealingLR(opt, T_max=STEPS)
+    ref_muon, ref_adamw = _muon_groups(ref)
+    ref_opts = [torch.optim.Muon([ref_muon]),
+                torch.optim.AdamW([{k: v for k, v in ref_adamw.items() if k != "optimizer"}])]
+    ref_scheds = [CosineAnnealingLR(o, T_max=STEPS) for o in ref_opts]
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+
+    worst = 0.0
+    for step in range(STEPS):
+        tokens, targets = _on(device, step)
+        opt.zero_grad()
+        _lm_loss(ddp, tokens, targets, step).backward()
+        opt.step()
+        sched.step()
+        for o in ref_opts:
+            o.zero_grad(set_to_none=True)
+        _lm_loss(ref, tokens, targets, step).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in trainable if p.grad is not None], CLIP)
+        for o, s in zip(ref_opts, ref_scheds, strict=True):
+            o.step()
+            s.step()
+        ddp.finish_param_sync()
+        worst = max(worst, _max_diff(model, ref))
+    return {"max_diff": worst, "moved": _max_diff(model, start),
+            "classes": [type(o).__name__ for o in opt.optimizers],
+            "adamw_kernel": kernel_of(opt.optimizers[1])}
+
+
 def parity_bf16(device: torch.device) -> dict:
     """bf16 params with fp32 grads against a reference that keeps fp32 master weights and
     casts them to bf16 after each step."""
@@ -474,6 +520,12 @@ def check_parity_fp32(value: dict) -> None:
     assert value["max_diff"] <= FP32_TOL, value
     assert value["norm_diff"] <= NORM_RTOL, value
     assert value["moved"] > 1e-2, value  # training really changed the weights
+
+
+def check_parity_muon(value: dict) -> None:
+    assert value["classes"] == ["Muon", "AdamW"], value
+    assert value["max_diff"] <= FP32_TOL, value
+    assert value["moved"] > 1e-2, value
 
 
 def check_parity_bf16(value: dict) -> None:

@@ -30,6 +30,12 @@ def test_fp32_parity(gloo, opt_name):
     assert value["kernel"] == cases.CPU_KERNEL and value["devices"] == {"cpu"}
 
 
+def test_muon_with_adamw_parity(gloo):
+    value = cases.parity_muon(CPU)
+    cases.check_parity_muon(value)
+    assert value["adamw_kernel"] == cases.CPU_KERNEL
+
+
 def test_bf16_params_fp32_grads(gloo):
     cases.check_parity_bf16(cases.parity_bf16(CPU))
 

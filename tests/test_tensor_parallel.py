@@ -274,6 +274,15 @@ def errors() -> dict:
         distopt.DistributedOptimizer([a, b], torch.optim.AdamW, lr=1e-2)
 
     out["chunks"] = _error(chunks_on_two_meshes)
+
+    def muon_on_a_tp_shard() -> None:
+        model = distopt.DistributedDataParallel(tp_block(mesh)[0], device_mesh=mesh)
+        inner = model.module
+        matrices = [inner.q.weight, inner.o.weight]  # Shard(0) and Shard(1) over TP
+        distopt.DistributedOptimizer(model, torch.optim.Muon, params=[{"params": matrices}],
+                                     lr=0.02)
+
+    out["muon-tp-shard"] = _error(muon_on_a_tp_shard)
     row_mesh = mesh_2d(1, 4)
     out["rows-of-6-over-4"] = distribute_tensor(torch.zeros(6, 3), row_mesh["tp"], [Shard(0)]
                                                 ).to_local().shape[0]
@@ -377,6 +386,7 @@ ERRORS = {
     "unnamed": "name it 'dp'",
     "empty-shard": "empty shard",
     "chunks": "different tensor-parallel meshes",
+    "muon-tp-shard": "parameter 'q.weight' is sharded over the tensor-parallel mesh",
 }
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.optim._muon as torch_muon
+from torch.distributed.device_mesh import init_device_mesh
 from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distopt
@@ -68,8 +69,9 @@ def _reference(model: AwkwardLM, kind: str) -> list[torch.optim.Optimizer]:
 
 def _distopt(ddp: distopt.DistributedDataParallel, model: AwkwardLM, kind: str):
     if kind == "muon":
+        # With the gather overlapped with the next forward: the wait hooks follow the layout.
         return distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model),
-                                            clip_grad=CLIP)
+                                            clip_grad=CLIP, overlap_param_gather=True)
     return distopt.DistributedOptimizer(ddp, torch.optim.Adafactor, clip_grad=CLIP, **ADAFACTOR)
 
 
@@ -79,7 +81,7 @@ def _averaged_grads(ddp: distopt.DistributedDataParallel) -> dict[torch.nn.Param
     grads = {}
     for bucket in ddp.buckets:
         full = torch.empty_like(bucket.grad_data)
-        dist.all_gather_into_tensor(full, bucket.grad_shard.contiguous())
+        dist.all_gather_into_tensor(full, bucket.grad_shard.contiguous(), group=ddp.process_group)
         for param, rng in zip(bucket.params, bucket.param_ranges, strict=True):
             grads[param] = full[rng.start : rng.end].view_as(param).clone()
     return grads
@@ -90,14 +92,18 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
                for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def exact(kind: str) -> dict:
-    """Fed distopt's averaged grads, the reference must end every step bitwise equal."""
+def exact(kind: str, mesh_shape: tuple[int, int] | None = None) -> dict:
+    """Fed distopt's averaged grads, the reference must end every step bitwise equal. With
+    ``mesh_shape`` (replicate, shard) the params are owned within each shard group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = AwkwardLM()
     ref = copy.deepcopy(model)
     start = copy.deepcopy(model)
-    ddp = distopt.DistributedDataParallel(model, bucket_size=60, find_unused_parameters=True)
+    mesh = None if mesh_shape is None else init_device_mesh(
+        "cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+    ddp = distopt.DistributedDataParallel(model, bucket_size=60, find_unused_parameters=True,
+                                          device_mesh=mesh)
     opt = _distopt(ddp, model, kind)
     sched = CosineAnnealingLR(opt, T_max=STEPS)
     ref_opts = _reference(ref, kind)
@@ -105,18 +111,24 @@ def exact(kind: str) -> dict:
     ref_of = dict(zip(model.parameters(), ref.parameters(), strict=True))
 
     unequal_steps, ns_calls, comm = [], [], []
+
+    def compare(step: int) -> None:
+        if not all(torch.equal(p, ref_of[p]) for p in model.parameters()):
+            unequal_steps.append((step, _max_diff(model, ref)))
+
     for step in range(STEPS):
         tokens, targets = batches(step)
         opt.zero_grad()
         ddp.comm_stats.reset()
         model.loss(rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
                    step).backward()
+        if step > 0:  # the forward waited for the last step's gathers (overlapped for Muon)
+            compare(step - 1)
         grads = _averaged_grads(ddp)
         unused = set(ddp.unused_params)
         with NewtonSchulzCounter() as counter:
             result = opt.step()
         ns_calls.append(counter.calls)
-        ddp.finish_param_sync()
         comm.append((dict(ddp.comm_stats.calls), dict(ddp.comm_stats.bytes)))
         sched.step()
 
@@ -132,9 +144,9 @@ def exact(kind: str) -> dict:
             o.step()
         for s in ref_scheds:
             s.step()
-        if not all(torch.equal(p, ref_of[p]) for p in model.parameters()):
-            unequal_steps.append((step, _max_diff(model, ref)))
         assert abs(result.grad_norm / ref_norm - 1) < 1e-6, (result.grad_norm, ref_norm)
+    ddp.finish_param_sync()
+    compare(STEPS - 1)
 
     whole = [b for b in ddp.buckets if b.layout.whole_tensor]
     owners = {ddp.param_names[p]: ddp.buffer_of[p].layout.params[i].owner
@@ -187,6 +199,41 @@ def trajectory_muon() -> dict:
     return {"max_diff": worst, "noise": noise}
 
 
+def remainders_match_fp32_masters() -> dict:
+    """bf16 params: Muon + AdamW with store_param_remainders against the fp32-master path,
+    masters and state compared bitwise after every step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = []
+    for remainders in (False, True):
+        torch.manual_seed(0)
+        model = AwkwardLM().to(torch.bfloat16)
+        ddp = distopt.DistributedDataParallel(model, bucket_size=60, find_unused_parameters=True)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model),
+                                           clip_grad=CLIP, store_param_remainders=remainders)
+        runs.append((model, ddp, opt))
+    unequal = []
+    for step in range(10):
+        tokens, targets = batches(step)
+        for model, ddp, opt in runs:
+            opt.zero_grad()
+            model.loss(rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                       step).backward()
+            opt.step()
+            ddp.finish_param_sync()
+        (_, _, plain), (_, _, split) = runs
+        masters = all(torch.equal(a, b) for a, b in
+                      zip(plain.main_param_values(), split.main_param_values(), strict=True))
+        states = all(
+            torch.equal(plain.state[a][k], split.state[b][k])
+            for a, b in zip(plain.main_params, split.main_params, strict=True)
+            for k in plain.state.get(a, {})
+        )
+        if not (masters and states):
+            unequal.append(step)
+    shapes = sorted({tuple(m.shape) for m in runs[1][2].main_params if m.dim() == 2})
+    return {"unequal_steps": unequal, "matrix_shapes": shapes}
+
+
 def bad_vector_in_muon(default_groups: bool) -> str:
     """A 1-D param in a Muon group: every rank raises, naming it, before any collective."""
     torch.manual_seed(0)
@@ -203,13 +250,17 @@ def bad_vector_in_muon(default_groups: bool) -> str:
 
 
 def _cases(world: int) -> list:
-    return [
+    cases = [
         ("exact-muon", exact, ("muon",)),
         ("exact-adafactor", exact, ("adafactor",)),
         ("trajectory-muon", trajectory_muon, ()),
+        ("remainders", remainders_match_fp32_masters, ()),
         ("bad-vector", bad_vector_in_muon, (False,)),
         ("bad-vector-default-groups", bad_vector_in_muon, (True,)),
     ]
+    if world == 4:
+        cases.append(("exact-muon-hierarchical", exact, ("muon", (2, 2))))
+    return cases
 
 
 WORLDS = [1, 2, 3, 4]
@@ -282,3 +333,26 @@ def test_vector_in_muon_group_names_the_param(world, case):
     messages = case_result(results, case)
     for message in messages:
         assert "l1.bias" in message and "2-D" in message and "AdamW" in message
+
+
+def test_remainders_give_the_fp32_master_path_bitwise(world):
+    _, results = world
+    for r in case_result(results, "remainders"):
+        assert r["unequal_steps"] == []
+        assert len(r["matrix_shapes"]) >= 1  # this rank's Muon masters keep the params' shapes
+
+
+def test_hierarchical_mesh_owns_within_the_shard_group(world):
+    d, results = world
+    if d != 4:
+        pytest.skip("a (replicate, shard) = (2, 2) mesh needs 4 ranks")
+    per_rank = case_result(results, "exact-muon-hierarchical")
+    for r in per_rank:
+        assert r["unequal_steps"] == []
+    # Owners are shard ranks: 0 and 1 only, the same layout on both replicas.
+    assert set(per_rank[0]["owners"].values()) == {0, 1}
+    assert all(r["owners"] == per_rank[0]["owners"] for r in per_rank)
+    for step in range(STEPS):
+        # Each replica runs Newton-Schulz once per matrix it steps: twice per matrix in all.
+        expected = 4 if step % 2 == 0 else 3
+        assert sum(r["ns_calls"][step] for r in per_rank) == 2 * expected

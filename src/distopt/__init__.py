@@ -11,6 +11,7 @@ from .checkpoint import (
 from .ddp import DistributedDataParallel
 from .memory import MemoryReport, measure_state_bytes, theoretical_bytes_per_param
 from .optimizer import BasicOptimizer, DistributedOptimizer, StepResult
+from .optimizer_kinds import register_whole_tensor_optimizer
 from .scaler import ConstantLossScaler, DynamicLossScaler
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "load_checkpoint",
     "load_plain_checkpoint",
     "measure_state_bytes",
+    "register_whole_tensor_optimizer",
     "save_checkpoint",
     "theoretical_bytes_per_param",
 ]

@@ -622,10 +622,17 @@ class DistributedOptimizer(_BufferOptimizer):
     Args:
         model: a distopt DistributedDataParallel built with ``use_distributed_optimizer=True``,
             or a list of them (model chunks sharing one data-parallel group).
-        optimizer_cls: an element-wise ``torch.optim.Optimizer`` subclass (AdamW, SGD, ...).
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass: element-wise (AdamW, SGD, ...),
+            whose state is sharded element by element, or whole-tensor (``torch.optim.Muon``,
+            ``torch.optim.Adafactor``, or one declared with
+            ``distopt.register_whole_tensor_optimizer``), whose params are each owned whole by
+            one rank; see [Note: optimizer kinds] in optimizer_kinds.py.
         params: optional torch-style param groups over the module's params (a list of params,
             or of dicts with ``params`` and per-group options). None: one group with all
-            trainable params.
+            trainable params. A group may name its own class under ``"optimizer"`` (Muon for
+            the hidden matrices, ``"optimizer": torch.optim.AdamW`` for the rest); its options
+            then come from the group and that class's defaults, not ``optimizer_kwargs``. See
+            [Note: one optimizer, several classes].
         clip_grad: max global grad norm (one norm over every shard, bucket and dtype, and over
             the tensor-parallel ranks of DTensor params), or None.
         loss_scaler: ``DynamicLossScaler()`` or ``ConstantLossScaler(s)`` for fp16, or None.
@@ -637,6 +644,9 @@ class DistributedOptimizer(_BufferOptimizer):
             norm and zero count are summed over it, besides the data-parallel group; each
             grad element must belong to exactly one of its ranks.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
+
+    With whole-tensor groups the optimizer lays the DDP's buffers out again
+    (``DistributedDataParallel.own_whole``): build it before the first backward.
     """
 
     _sharded = True

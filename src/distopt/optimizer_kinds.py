@@ -14,7 +14,9 @@ part may be depends on what the optimizer reads when it updates an element:
   owner steps it alone, and the ordinary reduce-scatter and all-gather carry it, so no byte is
   added to the communication. Which rank owns which param balances a cost per param: for Muon
   the multiply-adds of Newton-Schulz, for Adafactor (whose work is linear) the elements. A
-  user's own class joins with ``register_whole_tensor_optimizer``.
+  user's own class joins with ``register_whole_tensor_optimizer``. On a hierarchical mesh
+  ([Note: hierarchical data parallelism] in parallel.py) the owners are ranks of the shard
+  group, and each replica's owner steps the param, as each replica keeps its own state.
 * Anything else (LBFGS's line search over the whole model, SparseAdam's sparse grads) is
   refused.
 """
@@ -116,7 +118,8 @@ def check_optimizer_cls(optimizer_cls: Any, where: str = "optimizer_cls") -> Non
         elementwise = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         whole = ", ".join(sorted(c.__name__ for c in _WHOLE_TENSOR))
         raise TypeError(
-            f"{optimizer_cls.__name__} is neither element-wise nor declared whole-tensor, so "
+            f"{where} {optimizer_cls.__name__} is neither element-wise nor declared "
+            "whole-tensor, so "
             f"distopt cannot shard it. Use an element-wise optimizer ({elementwise}) or a "
             f"whole-tensor one ({whole}); if each of its updates reads only whole parameters, "
             "declare it with distopt.register_whole_tensor_optimizer(cls) (each param is then "

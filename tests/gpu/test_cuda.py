@@ -11,6 +11,7 @@ assertions. Here they run on ``cuda:0``:
 
 - fp32 parity against plain torch.optim on the same GPU (AdamW, SGD with Nesterov, Adagrad),
   clipping and a cosine schedule, with distopt's default fused kernel against torch's default;
+  and torch.optim.Muon for the hidden matrices beside AdamW in one distopt optimizer;
 - bf16 params with fp32 grads against fp32 master weights;
 - fp16 with a DynamicLossScaler and an injected overflow step (skipped, nothing changed);
 - no_sync accumulation;
@@ -55,6 +56,12 @@ def test_fp32_parity(backend, opt_name):
     value = cases.parity_fp32(CUDA, opt_name)
     cases.check_parity_fp32(value)
     assert value["kernel"] == cases.CUDA_KERNEL and value["devices"] == {"cuda"}
+
+
+def test_muon_with_adamw_parity(backend):
+    value = cases.parity_muon(CUDA)
+    cases.check_parity_muon(value)
+    assert value["adamw_kernel"] == cases.CUDA_KERNEL  # fused AdamW beside Muon
 
 
 def test_bf16_params_fp32_grads(backend):
