@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .. import collectives as comm
 from ..optimizer import BasicOptimizer, DistributedOptimizer
 from .files import CheckpointError
-from .format import Optimizer, class_path, hyper_params
+from .format import Optimizer, check_whole_state_fits, group_class_paths, hyper_params, whole_names
 
 Models = Any  # a DistributedDataParallel, its module, or a list of them (model chunks)
 
@@ -53,16 +53,34 @@ def check_pair(ddp: Models, opt: Any) -> None:
         )
 
 
-def check_optimizer_class(opt: Optimizer, saved: str, source: str, *,
+def check_optimizer_class(opt: Optimizer, saved: list[str], source: str, *,
                           otherwise: str | None = None) -> None:
-    """The state in ``source`` must be of the class the optimizer wraps."""
-    expected = class_path(type(opt.optimizer))
-    if saved != expected:
-        fix = "build the optimizer with the saved class" + (f", or {otherwise}" if otherwise
-                                                            else "")
-        raise CheckpointError(
-            f"{source} holds {saved} state, this optimizer wraps {expected}: {fix}"
-        )
+    """The state in ``source`` must be of the classes the optimizer steps its groups with:
+    ``saved`` holds the class path of each saved param group (a group count that differs is
+    left to check_groups)."""
+    current = group_class_paths(opt)
+    fix = "build the optimizer with the saved class" + (f", or {otherwise}" if otherwise else "")
+    if len(set(saved)) == 1 and len(set(current)) == 1:
+        if saved[0] != current[0]:
+            raise CheckpointError(
+                f"{source} holds {saved[0]} state, this optimizer wraps {current[0]}: {fix}"
+            )
+        return
+    for index, (old, new) in enumerate(zip(saved, current, strict=False)):
+        if old != new:
+            raise CheckpointError(
+                f"param group {index} of {source} holds {old} state, this optimizer steps the "
+                f'group with {new}: {fix} (the group\'s "optimizer" key)'
+            )
+
+
+def check_whole_state(opt: Optimizer, whole_state: dict[str, dict[str, Any]]) -> None:
+    """Whole-parameter state (``{name: {key: [shape, dtype]}}``) loads only into params owned
+    whole; see [Note: whole-tensor state] in format.py. The same verdict on every rank."""
+    whole = whole_names(opt)
+    for name, entries in whole_state.items():
+        for key, (shape, _) in entries.items():
+            check_whole_state_fits(name, key, tuple(shape), name in whole)
 
 
 def check_same_model(saved: dict[str, list[int] | None], current: dict[str, list[int] | None],

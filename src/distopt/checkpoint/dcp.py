@@ -109,9 +109,11 @@ class _DcpFlat(torch.Tensor):
 
 def piece_as_dcp(tp: TensorParallelMesh | None, owned: OwnedPiece, values: torch.Tensor,
                  writing: bool) -> torch.Tensor:
-    """``values`` (1-D, laid out like ``owned``'s piece) as chunks of the flattened global
-    parameter, for DCP to write or to read into; see [Note: TP checkpoints]."""
+    """``values`` (laid out like ``owned``'s piece: 1-D, or the param's shape for a param
+    owned whole) as chunks of the flattened global parameter, for DCP to write or to read
+    into; see [Note: TP checkpoints]."""
     numel = owned.param.numel()
+    values = values.view(-1)  # a view, so that a load reads into the live tensor
     if tp is None:
         return _DcpFlat([(owned.start, values)], numel, values)
     if writing and not tp.counts_once(owned.param):

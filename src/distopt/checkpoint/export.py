@@ -29,6 +29,7 @@ import torch
 
 from . import files
 from .files import CheckpointError
+from .format import CLASS_KEY
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -164,29 +165,45 @@ def _export_tree(manifest: dict[str, Any], index: dict[str, Any], objects: dict[
                 sd[key] = tensor(f"model/{prefix}{key}", shape)
         model_dicts.append(sd)
 
-    # torch numbers params by their position in the param groups, in order.
+    # One torch optimizer state per class, over that class's groups in the run's order (the
+    # groups of one class are what its torch optimizer would be built over); torch numbers
+    # params by their position in its param groups, in order.
     order = [all_names] if manifest["default_param_groups"] else manifest["param_groups"]
-    position: dict[str, int] = {}
-    groups = []
-    for names, options in zip(order, objects["meta/param_groups"], strict=True):
-        ids = [position.setdefault(n, len(position)) for n in names]
-        groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": ids})
-    state: dict[int, dict[str, Any]] = {}
+    options = objects["meta/param_groups"]
+    classes = manifest.get("param_group_classes") or [manifest["optimizer"]] * len(order)
+    position: dict[str, tuple[str, int]] = {}  # name -> (class, its position there)
+    per_class: dict[str, dict[str, Any]] = {}
+    for names, group, cls in zip(order, options, classes, strict=True):
+        into = per_class.setdefault(cls, {"state": {}, "param_groups": []})
+        first = sum(len(g["params"]) for g in into["param_groups"])
+        ids = list(range(first, first + len(names)))
+        position.update((n, (cls, i)) for n, i in zip(names, ids, strict=True))
+        into["param_groups"].append(
+            {**{k: v for k, v in group.items() if k not in ("params", CLASS_KEY)}, "params": ids}
+        )
+    whole_state = manifest.get("whole_state", {})
     for fqn, entry in index.items():
         if not fqn.startswith("state/"):
             continue
         name, _, key = fqn[len("state/"):].rpartition("/")
         if isinstance(entry, BytesStorageMetadata):
             value: Any = objects[fqn]
+        elif key in whole_state.get(name, {}) or not len(entry.size):
+            value = tensor(fqn, list(entry.size))  # whole-parameter state, or a scalar
         else:
-            value = tensor(fqn, shape_of[name] if len(entry.size) else [])
-        state.setdefault(position[name], {})[key] = value
-    return {
-        "model": model_dicts[0] if len(model_dicts) == 1 else model_dicts,
-        "optimizer": {"state": dict(sorted(state.items())), "param_groups": groups},
-        "extra": objects.get("extra"),
-        "loss_scaler": manifest["loss_scaler"],
-    }
+            value = tensor(fqn, shape_of[name])
+        cls, pid = position[name]
+        per_class[cls]["state"].setdefault(pid, {})[key] = value
+    for sd in per_class.values():
+        sd["state"] = dict(sorted(sd["state"].items()))
+    tree: dict[str, Any] = {"model": model_dicts[0] if len(model_dicts) == 1 else model_dicts}
+    if len(per_class) == 1:
+        tree["optimizer"] = next(iter(per_class.values()))
+    else:
+        tree["optimizers"] = per_class
+    tree["extra"] = objects.get("extra")
+    tree["loss_scaler"] = manifest["loss_scaler"]
+    return tree
 
 
 def _write(tree: dict[str, Any], path: Path, ckpt_dir: Path, metadata: Metadata) -> None:

@@ -22,6 +22,25 @@ Names are the DDP's parameter names, prefixed by ``chunk{i}.`` when the optimize
 model chunks. As with ``torch.optim``, the tensors are the live ones, not copies. A checkpoint
 holds the same entries under DCP keys (``main/{name}``, ``state/{name}/{key}``).
 
+[Note: whole-tensor state]
+A param of a whole-tensor optimizer (Muon, Adafactor; [Note: optimizer kinds]) is owned whole
+by one rank and its main param has the param's shape, and so does its per-element state (Muon's
+momentum). Such state is stored like any other, flattened into a ``FlatShard`` of the whole
+param, so it reshards over DP as element-wise state does, and even loads into an element-wise
+layout of the same class. What a flat shard cannot hold is state that is not one value per
+element (Adafactor's row and column statistics, shapes such as (rows, 1)): *whole-parameter
+state*. It is a plain tensor of its own shape, held and written by the owner alone (one DCP
+key, present on one rank at save) and read whole by whichever rank owns the param at load;
+``distopt.json`` lists each such entry, so a load tells it from per-element state before
+reading anything. It has no meaning for a piece of a param, so a load into a layout that splits
+the param element-wise refuses it (see checks.py). A state tensor is per-element when it has
+the main param's shape; loaded values count as per-element when they are 1-D of the param's
+numel or have the param's shape.
+
+A param group that names its own class keeps the class under "optimizer"; stored state holds
+the class's path instead (a string, which pickles and JSON hold), and every load checks each
+group's class against the saved one and leaves the live group's class in place.
+
 [Note: TP checkpoints]
 A checkpoint stores each param's main values and per-element state as 1-D tensors of the
 param's global numel (see [Note: flat shards in DCP]), so that it reshards along TP as it does
@@ -48,6 +67,7 @@ from torch import nn
 from ..dtensor import is_dtensor
 from ..layout import ShardPiece
 from ..optimizer import BasicOptimizer, DistributedOptimizer
+from ..optimizer_kinds import whole_tensor_cost
 from .files import CheckpointError
 
 STATE_DICT_FORMAT = "distopt.optimizer/1"
@@ -86,6 +106,7 @@ class OwnedPiece:
     param: nn.Parameter
     main: nn.Parameter
     piece: ShardPiece
+    whole: bool = False  # the param is owned whole by a whole-tensor optimizer's group
 
     @property
     def start(self) -> int:
@@ -116,18 +137,50 @@ def param_names(opt: Optimizer) -> dict[nn.Parameter, str]:
     return names
 
 
+CLASS_KEY = "optimizer"
+"""The param-group key that names the group's own optimizer class; see
+[Note: one optimizer, several classes] in optimizer.py."""
+
+
+def group_classes(opt: Optimizer) -> list[type[torch.optim.Optimizer]]:
+    """The class of the inner optimizer that steps each param group, in ``param_groups`` order."""
+    owner = {id(group): type(inner) for inner in opt.optimizers for group in inner.param_groups}
+    return [owner[id(group)] for group in opt.param_groups]
+
+
+def group_class_paths(opt: Optimizer) -> list[str]:
+    return [class_path(cls) for cls in group_classes(opt)]
+
+
+def saved_group_classes(groups: list[dict[str, Any]], optimizer: str) -> list[str]:
+    """Each saved group's class: its own "optimizer" entry, else the state's class."""
+    return [g.get(CLASS_KEY, optimizer) for g in groups]
+
+
+def whole_names(opt: Optimizer) -> set[str]:
+    """The names of the params that whole-tensor optimizers' groups own whole."""
+    names = param_names(opt)
+    return {names[p] for cls, mps in zip(group_classes(opt), opt.model_param_groups, strict=True)
+            if whole_tensor_cost(cls) is not None for p in mps}
+
+
 def owned_pieces(opt: Optimizer) -> list[OwnedPiece]:
     """This rank's pieces in param-group order (at most one per parameter; see the layout rule)."""
     names = param_names(opt)
-    return [OwnedPiece(name=names[param], param=param, main=main, piece=piece)
+    whole = whole_names(opt)
+    return [OwnedPiece(name=names[param], param=param, main=main, piece=piece,
+                       whole=names[param] in whole)
             for param, piece, main in opt.pieces()]
 
 
 def hyper_params(opt: Optimizer) -> list[dict[str, Any]]:
-    """Each param group's options, with the names of its parameters in the order given."""
+    """Each param group's options, with the names of its parameters in the order given and a
+    class named by the group as its path; see [Note: whole-tensor state]."""
     names = param_names(opt)
     return [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in mps]}
+        {**{k: class_path(v) if k == CLASS_KEY and isinstance(v, type) else v
+            for k, v in group.items() if k != "params"},
+         "params": [names[p] for p in mps]}
         for group, mps in zip(opt.param_groups, opt.model_param_groups, strict=True)
     ]
 
@@ -150,23 +203,61 @@ def describe(value: Any) -> list[Any]:
 
 
 def state_entry(value: Any, owned: OwnedPiece, key: str) -> Any:
-    """One state value as stored: per-element tensors as FlatShards, scalars as they are."""
+    """One state value as stored: per-element tensors as FlatShards, scalars as they are, and
+    the whole-parameter state of a param owned whole as its tensor; see
+    [Note: whole-tensor state]."""
     if isinstance(value, torch.Tensor):
-        if value.shape == owned.main.shape and value.dim() == 1:
-            return FlatShard(value.detach(), owned.start, owned.param.numel())
+        if value.shape == owned.main.shape and value.dim() >= 1:
+            return FlatShard(value.detach().reshape(-1), owned.start, owned.param.numel())
         if value.dim() == 0:
             return value
+        if owned.whole:
+            return value.detach()
     elif isinstance(value, Number):
         return value
     raise TypeError(
         f"optimizer state '{key}' of parameter '{owned.name}' is a {type(value).__name__} of "
         f"shape {tuple(getattr(value, 'shape', ()))}; distopt checkpoints hold per-element "
-        "tensors and scalars only (element-wise optimizers keep nothing else)"
+        "tensors and scalars of element-wise optimizers (they keep nothing else), and besides "
+        "tensors of any shape for params that whole-tensor optimizers own whole"
     )
 
 
+def is_per_element(value: torch.Tensor, owned: OwnedPiece) -> bool:
+    """Whether loaded state ``value`` (dim >= 1) holds one value per element of the param: 1-D
+    of its numel, or of its shape. Anything else is whole-parameter state."""
+    return value.numel() == owned.param.numel() and (
+        value.dim() == 1 or tuple(value.shape) == tuple(owned.param.shape)
+    )
+
+
+def loaded_entry(value: Any, owned: OwnedPiece, key: str) -> Any:
+    """A state entry of an in-memory or plain state dict as ``owned`` holds it: a scalar as it
+    is, per-element state as the piece's elements (shaped like its main param), whole-parameter
+    state as it is where the param is owned whole. Raises CheckpointError otherwise."""
+    if isinstance(value, Number) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return value
+    if isinstance(value, torch.Tensor) and not is_per_element(value, owned):
+        check_whole_state_fits(owned.name, key, tuple(value.shape), owned.whole)
+        return value
+    return piece_of(value, owned, f"state '{key}'")
+
+
+def check_whole_state_fits(name: str, key: str, shape: tuple[int, ...], whole: bool) -> None:
+    """Whole-parameter state loads only where its param is owned whole."""
+    if not whole:
+        raise CheckpointError(
+            f"state '{key}' of parameter '{name}' has shape {shape}: it is whole-parameter "
+            f"state (not one value per element), which only a rank owning '{name}' whole can "
+            f"hold, but this optimizer splits '{name}' element-wise over the ranks. Load it "
+            "with the param in a group of a whole-tensor optimizer (declare a class of your own "
+            "with distopt.register_whole_tensor_optimizer, as the saving run did)"
+        )
+
+
 def piece_of(source: Any, owned: OwnedPiece, what: str) -> torch.Tensor:
-    """The elements of ``owned``'s piece out of a full tensor, a FlatShard or a list of them."""
+    """The elements of ``owned``'s piece out of a full tensor, a FlatShard or a list of them,
+    shaped like its main param."""
     numel = owned.param.numel()
     if isinstance(source, torch.Tensor) and source.dim() >= 1:
         if source.numel() != numel:
@@ -174,7 +265,7 @@ def piece_of(source: Any, owned: OwnedPiece, what: str) -> torch.Tensor:
                 f"{what} of '{owned.name}' has shape {tuple(source.shape)}, the parameter "
                 f"{tuple(owned.param.shape)}"
             )
-        return source.reshape(-1)[owned.start : owned.end]
+        return source.reshape(-1)[owned.start : owned.end].reshape(owned.main.shape)
     shards = source if isinstance(source, list) else [source]
     if not shards or not all(isinstance(s, FlatShard) for s in shards):
         raise CheckpointError(
@@ -201,7 +292,8 @@ def piece_of(source: Any, owned: OwnedPiece, what: str) -> torch.Tensor:
             f"[{owned.start}, {owned.end}): pass entries that cover this rank's elements (full "
             "tensors, or every rank's shards merged with distopt.checkpoint.merge_state_dicts)"
         )
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return flat.reshape(owned.main.shape)  # a param owned whole: its main param's shape
 
 
 def merge_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .format import Optimizer, OwnedPiece
+from .format import CLASS_KEY, Optimizer, OwnedPiece
 
 KERNEL_OPTIONS = frozenset({"foreach", "fused", "capturable"})
 """Param-group options that say how torch.optim runs a step, not what it computes. They suit
@@ -40,7 +40,8 @@ def state_tensor(opt: Optimizer, owned: OwnedPiece, key: str, shape: Sequence[in
 def install(opt: Optimizer, states: Iterable[tuple[OwnedPiece, dict[str, Any]]],
             options: list[dict[str, Any]], scaler: dict[str, Any] | None) -> None:
     """Make ``states`` each piece's optimizer state, set the param groups' options (all but
-    their params and ``KERNEL_OPTIONS``) and the loss scaler's state (when both sides have a
+    their params, ``KERNEL_OPTIONS`` and the group's class, which stays the class object the
+    checks compared with the saved path) and the loss scaler's state (when both sides have a
     scaler).
 
     The model params are left as they are: a loader that loaded the main params rebuilds them
@@ -53,7 +54,7 @@ def install(opt: Optimizer, states: Iterable[tuple[OwnedPiece, dict[str, Any]]],
             opt.optimizer.state.pop(owned.main, None)
     for group, saved in zip(opt.param_groups, options, strict=True):
         group.update({k: v for k, v in saved.items()
-                      if k != "params" and k not in KERNEL_OPTIONS})
+                      if k not in ("params", CLASS_KEY) and k not in KERNEL_OPTIONS})
     if opt.loss_scaler is not None and scaler is not None:
         opt.loss_scaler.load_state_dict(scaler["state"])
 

@@ -19,6 +19,7 @@ from .checks import (
     check_pair,
     check_same_model,
     check_scaler,
+    check_whole_state,
 )
 from .files import CheckpointError
 from .format import Optimizer, describe, model_prefixes, owned_pieces
@@ -68,7 +69,10 @@ def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metada
                       ckpt_dir: Path) -> dict[str, list[str]]:
     """Compare the checkpoint with the model and optimizer; return each param's state keys."""
     source = f"checkpoint {ckpt_dir}"
-    check_optimizer_class(opt, manifest["optimizer"], source,
+    # Checkpoints written before param groups could name a class list one class for all.
+    classes = manifest.get("param_group_classes") or [manifest["optimizer"]] * len(
+        manifest["param_groups"])
+    check_optimizer_class(opt, classes, source,
                           otherwise="export the checkpoint (distopt export) and convert the "
                           "state yourself")
     if len(manifest["models"]) != len(opt.models):
@@ -88,6 +92,8 @@ def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metada
     check_groups(opt, manifest["param_groups"], source)
     scaler = manifest["loss_scaler"]
     check_scaler(opt, None if scaler is None else scaler["type"], source)
+    whole_state = manifest.get("whole_state", {})
+    check_whole_state(opt, whole_state)
 
     index = metadata.state_dict_metadata
     state_keys: dict[str, list[str]] = {}
@@ -102,6 +108,13 @@ def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metada
                 f"checkpoint {ckpt_dir} has no fp32 main params of {owned.param.numel()} elements "
                 f"for '{owned.name}' in its index: it is damaged or of another model"
             )
+        for key, (shape, _) in whole_state.get(owned.name, {}).items():
+            entry = index.get(f"state/{owned.name}/{key}")
+            if entry is None or getattr(entry, "size", None) != torch.Size(shape):
+                raise CheckpointError(
+                    f"checkpoint {ckpt_dir} lists state '{key}' of '{owned.name}' of shape "
+                    f"{tuple(shape)}, which its index does not hold: it is damaged"
+                )
     return state_keys
 
 
@@ -121,6 +134,7 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
         state: dict[str, Any] = {"meta/param_groups": None, "extra": None}
         targets = []
         tp = opt.parallel.tp
+        whole_state = manifest.get("whole_state", {})
         for owned in owned_pieces(opt):
             numel = owned.param.numel()
             state[f"main/{owned.name}"] = dcp.piece_as_dcp(tp, owned, owned.main.detach(),
@@ -133,9 +147,11 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
                     state[fqn] = None
                     slots[key] = fqn
                     continue
-                shape = owned.main.shape if entry.size == torch.Size([numel]) else entry.size
+                whole = key in whole_state.get(owned.name, {})
+                per_element = not whole and entry.size == torch.Size([numel])
+                shape = owned.main.shape if per_element else entry.size
                 target = state_tensor(opt, owned, key, shape, entry.properties.dtype)
-                if len(shape) == 0:
+                if not per_element:  # a scalar, or whole-parameter state: read whole
                     state[fqn] = target
                 else:
                     state[fqn] = dcp.piece_as_dcp(tp, owned, target, writing=False)

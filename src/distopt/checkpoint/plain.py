@@ -13,8 +13,11 @@ from .files import CheckpointError
 from .format import (
     Optimizer,
     OwnedPiece,
+    class_path,
     describe,
+    group_class_paths,
     hyper_params,
+    loaded_entry,
     model_prefixes,
     owned_pieces,
     piece_of,
@@ -64,10 +67,12 @@ def _plan(ckpt: Any, opt: Optimizer
           ) -> tuple[list[tuple[OwnedPiece, torch.Tensor, dict[str, Any]]], list[dict[str, Any]]]:
     """Check the file against the model and optimizer; return each owned piece's main values
     and state entries, and the file's param-group options."""
-    if not (isinstance(ckpt, dict) and "model" in ckpt and "optimizer" in ckpt):
+    if not (isinstance(ckpt, dict) and "model" in ckpt
+            and ("optimizer" in ckpt or "optimizers" in ckpt)):
         raise CheckpointError(
             "a plain checkpoint is a dict with 'model' (the module's state_dict) and "
-            "'optimizer' (the torch optimizer's state_dict)"
+            "'optimizer' (the torch optimizer's state_dict), or 'optimizers' (one per class, "
+            "keyed by class path, for param groups of several classes)"
         )
     sds = _model_dicts(ckpt)
     if len(sds) != len(opt.models):
@@ -84,41 +89,70 @@ def _plan(ckpt: Any, opt: Optimizer
                 trainable_names.append(prefix + n)
             model_values[prefix + n] = sd[n]
 
-    osd = ckpt["optimizer"]
-    plain_groups = osd.get("param_groups") if isinstance(osd, dict) else None
-    if not isinstance(plain_groups, list) or not isinstance(osd.get("state"), dict):
-        raise CheckpointError("'optimizer' must be a torch.optim state_dict (state, param_groups)")
-    # torch numbers params by their position in the param groups, in order.
-    if opt.default_param_groups and len(plain_groups) == 1:
-        size = len(plain_groups[0]["params"])
-        if size not in (len(all_names), len(trainable_names)):
+    group_names = [group["params"] for group in hyper_params(opt)]
+    options: list[dict[str, Any]] = [{} for _ in group_names]
+    plain_state: dict[str, dict[str, Any]] = {}
+    for osd, indices in _torch_states(ckpt, group_class_paths(opt)):
+        plain_groups = osd.get("param_groups") if isinstance(osd, dict) else None
+        if not isinstance(plain_groups, list) or not isinstance(osd.get("state"), dict):
             raise CheckpointError(
-                f"the optimizer state has {size} params, the model {len(all_names)} "
-                f"({len(trainable_names)} trainable)"
-            )
-        orders = [all_names if size == len(all_names) else trainable_names]
-    else:
-        orders = [group["params"] for group in hyper_params(opt)]
-        sizes = [len(g["params"]) for g in plain_groups]
-        if sizes != [len(o) for o in orders]:
-            raise CheckpointError(
-                f"the optimizer state's param groups hold {sizes} params, this optimizer's "
-                f"{[len(o) for o in orders]}: build it with the same param groups"
-            )
-    name_of = {}
-    for group, names in zip(plain_groups, orders, strict=True):
-        name_of.update(zip(group["params"], names, strict=True))
-    plain_state = {name_of[pid]: entries for pid, entries in osd["state"].items()
-                   if pid in name_of}
+                "'optimizer' must be a torch.optim state_dict (state, param_groups)")
+        # torch numbers params by their position in the param groups, in order.
+        if opt.default_param_groups and len(plain_groups) == 1:
+            size = len(plain_groups[0]["params"])
+            if size not in (len(all_names), len(trainable_names)):
+                raise CheckpointError(
+                    f"the optimizer state has {size} params, the model {len(all_names)} "
+                    f"({len(trainable_names)} trainable)"
+                )
+            orders = [all_names if size == len(all_names) else trainable_names]
+        else:
+            orders = [group_names[i] for i in indices]
+            sizes = [len(g["params"]) for g in plain_groups]
+            if sizes != [len(o) for o in orders]:
+                raise CheckpointError(
+                    f"the optimizer state's param groups hold {sizes} params, this optimizer's "
+                    f"{[len(o) for o in orders]}: build it with the same param groups"
+                )
+        name_of = {}
+        for index, group, names in zip(indices, plain_groups, orders, strict=True):
+            name_of.update(zip(group["params"], names, strict=True))
+            options[index] = group
+        plain_state.update((name_of[pid], entries) for pid, entries in osd["state"].items()
+                           if pid in name_of)
 
     values = []
     for owned in owned_pieces(opt):
         main = piece_of(model_values[owned.name], owned, "model value").float()
-        entries = {}
-        for key, value in plain_state.get(owned.name, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                entries[key] = piece_of(value, owned, f"state '{key}'")
-            else:
-                entries[key] = value
+        entries = {key: loaded_entry(value, owned, key)
+                   for key, value in plain_state.get(owned.name, {}).items()}
         values.append((owned, main, entries))
-    return values, plain_groups
+    return values, options
+
+
+def _torch_states(ckpt: dict[str, Any], classes: list[str]
+                  ) -> list[tuple[Any, list[int]]]:
+    """Each torch optimizer state of the file with the indices of the param groups it holds:
+    one state over every group, or under "optimizers" one per class over that class's groups
+    (as export writes for a run of several classes)."""
+    used = list(dict.fromkeys(classes))
+    if "optimizers" not in ckpt:
+        if len(used) > 1:
+            raise CheckpointError(
+                f"the file holds one torch optimizer state ('optimizer'), but this optimizer "
+                f"steps its param groups with {len(used)} classes ({', '.join(used)}): pass "
+                "one state per class under 'optimizers', keyed by class path (what distopt "
+                "export writes for such a run)"
+            )
+        return [(ckpt["optimizer"], list(range(len(classes))))]
+    states = ckpt["optimizers"]
+    if isinstance(states, dict):  # keyed by class path, or in memory by the class itself
+        states = {class_path(k) if isinstance(k, type) else k: v for k, v in states.items()}
+    if not isinstance(states, dict) or set(states) != set(used):
+        held = list(states) if isinstance(states, dict) else type(states).__name__
+        raise CheckpointError(
+            f"the file holds torch optimizer states of {held}, this optimizer steps its param "
+            f"groups with {used}: build it with the classes of the run that wrote the "
+            'file (a group\'s "optimizer" key)'
+        )
+    return [(states[cls], [i for i, c in enumerate(classes) if c == cls]) for cls in used]

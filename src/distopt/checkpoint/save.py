@@ -19,6 +19,7 @@ from .format import (
     Optimizer,
     class_path,
     describe,
+    group_class_paths,
     hyper_params,
     model_prefixes,
     owned_pieces,
@@ -71,15 +72,22 @@ def save_checkpoint(
 
     from . import dcp  # see [Note: one-way imports]
 
-    dcp.save(_dcp_state(opt, extra, rank), tmp, group)
-    written = comm.all_gather_object(files.checksum_files(tmp, f"__{rank}_"), group)
+    state, whole = _dcp_state(opt, extra, rank)
+    dcp.save(state, tmp, group)
+    # The manifest lists every rank's files and the whole-parameter state its owner wrote.
+    written = comm.all_gather_object((files.checksum_files(tmp, f"__{rank}_"), whole), group)
 
     failure = None
     if rank == 0:
         try:
-            listed = {k: v for per_rank in written for k, v in per_rank.items()}
+            listed = {k: v for per_rank, _ in written for k, v in per_rank.items()}
             listed[".metadata"] = files.checksum(tmp / ".metadata")
-            files.commit(tmp, final, _manifest(opt, sequence, final.name, listed), keep)
+            whole_state: dict[str, dict[str, list[Any]]] = {}
+            for _, per_rank in written:
+                for name, entries in per_rank.items():
+                    whole_state.setdefault(name, {}).update(entries)
+            manifest = _manifest(opt, sequence, final.name, listed, whole_state)
+            files.commit(tmp, final, manifest, keep)
         except OSError as exc:
             failure = f"cannot commit checkpoint {final}: {exc}"
     failure = comm.broadcast_object(failure, group)
@@ -88,20 +96,26 @@ def save_checkpoint(
     return final
 
 
-def _dcp_state(opt: Optimizer, extra: Any, rank: int) -> dict[str, Any]:
-    """What this rank gives DCP to write, under the keys of the package docstring."""
+def _dcp_state(opt: Optimizer, extra: Any, rank: int
+               ) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
+    """What this rank gives DCP to write, under the keys of the package docstring, and the
+    whole-parameter state among it (``{name: {key: [shape, dtype]}}``)."""
     from .dcp import piece_as_dcp
 
     sd = state_dict(opt)
     tp = opt.parallel.tp
     owned = {o.name: o for o in owned_pieces(opt)}
     state: dict[str, Any] = {}
+    whole: dict[str, dict[str, list[Any]]] = {}
     for name, shard in sd["main_params"].items():
         state[f"main/{name}"] = piece_as_dcp(tp, owned[name], shard.local, writing=True)
     for name, entries in sd["state"].items():
         for key, value in entries.items():
             if isinstance(value, FlatShard):
                 value = piece_as_dcp(tp, owned[name], value.local, writing=True)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                # Whole-parameter state, from its owner only; see [Note: whole-tensor state].
+                whole.setdefault(name, {})[key] = describe(value)
             state[f"state/{name}/{key}"] = value
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         for key, value in model.module.state_dict().items():
@@ -109,11 +123,11 @@ def _dcp_state(opt: Optimizer, extra: Any, rank: int) -> dict[str, Any]:
     state["meta/param_groups"] = sd["param_groups"]
     if rank == 0:
         state["extra"] = extra
-    return state
+    return state, whole
 
 
-def _manifest(opt: Optimizer, sequence: int, name: str,
-              listed: dict[str, dict[str, int]]) -> dict[str, Any]:
+def _manifest(opt: Optimizer, sequence: int, name: str, listed: dict[str, dict[str, int]],
+              whole_state: dict[str, dict[str, list[Any]]]) -> dict[str, Any]:
     models = []
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         module = model.module
@@ -134,6 +148,8 @@ def _manifest(opt: Optimizer, sequence: int, name: str,
         "torch": torch.__version__,
         "optimizer": class_path(type(opt.optimizer)),
         "param_groups": [group["params"] for group in hyper_params(opt)],
+        "param_group_classes": group_class_paths(opt),
+        "whole_state": whole_state,
         "default_param_groups": opt.default_param_groups,
         "loss_scaler": scaler_state(opt),
         "models": models,

@@ -6,7 +6,6 @@ these functions through the hook the package registers; see [Note: one-way impor
 
 from __future__ import annotations
 
-from numbers import Number
 from typing import Any
 
 import torch
@@ -20,8 +19,10 @@ from .format import (
     OwnedPiece,
     class_path,
     hyper_params,
+    loaded_entry,
     owned_pieces,
     piece_of,
+    saved_group_classes,
     scaler_state,
     state_entry,
 )
@@ -35,7 +36,7 @@ def state_dict(opt: Optimizer) -> dict[str, Any]:
     # With store_param_remainders the masters are rebuilt for the block; the shards keep them.
     with opt.main_params_materialized():
         for owned in owned_pieces(opt):
-            main = owned.main.detach()
+            main = owned.main.detach().reshape(-1)  # a view, also of a param owned whole
             main_params[owned.name] = FlatShard(main, owned.start, owned.param.numel())
             entries = {k: state_entry(v, owned, k)
                        for k, v in opt.state.get(owned.main, {}).items()}
@@ -75,7 +76,8 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
             f"{STATE_DICT_FORMAT!r}); torch.optim state dicts load with "
             "distopt.load_plain_checkpoint"
         )
-    check_optimizer_class(opt, sd["optimizer"], "the state dict")
+    check_optimizer_class(opt, saved_group_classes(sd["param_groups"], sd["optimizer"]),
+                          "the state dict")
     check_groups(opt, [g["params"] for g in sd["param_groups"]], "the state dict")
     scaler = sd["loss_scaler"]
     check_scaler(opt, None if scaler is None else scaler["type"], "the state dict")
@@ -84,11 +86,7 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
         if owned.name not in sd["main_params"]:
             raise CheckpointError(f"no main params for '{owned.name}' in the state dict")
         main = piece_of(sd["main_params"][owned.name], owned, "main params")
-        entries = {}
-        for key, value in sd["state"].get(owned.name, {}).items():
-            scalar = isinstance(value, Number) or (
-                isinstance(value, torch.Tensor) and value.dim() == 0
-            )
-            entries[key] = value if scalar else piece_of(value, owned, f"state '{key}'")
+        entries = {key: loaded_entry(value, owned, key)
+                   for key, value in sd["state"].get(owned.name, {}).items()}
         values.append((owned, main, entries))
     return values
