@@ -20,7 +20,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="distopt export",
         description="Write a distopt checkpoint as one plain PyTorch file: the model's "
-        "state_dict and a torch.optim state dict (load it with torch.load(weights_only=True)).",
+        "state_dict and a torch.optim state dict, one per optimizer class when the param "
+        "groups use several (load it with torch.load(weights_only=True)).",
     )
     parser.add_argument("checkpoint", help="a checkpoint directory, or a run directory "
                         "(its latest checkpoint is exported)")

@@ -5,7 +5,9 @@ writes only what it owns, through torch.distributed.checkpoint (DCP), under thes
 
     main/{name}          fp32 master values: 1-D [numel], one chunk per owning rank
     state/{name}/{key}   per-element optimizer state (exp_avg, ...): 1-D [numel], same chunks;
-                         per-parameter scalars (step) once, as 0-d tensors
+                         per-parameter scalars (step) once, as 0-d tensors; whole-parameter
+                         state of a param owned whole (Adafactor's row_var) in its own shape,
+                         from the owner
     model/{key}          the module's state_dict() in its own dtype, each tensor written once
     meta/param_groups    the param groups' options, each naming its parameters
     extra                the caller's object (LR scheduler, data position, RNG), from rank 0
@@ -14,8 +16,8 @@ next to ``distopt.json``, the manifest that describes the model and the optimize
 every file with its CRC32. Loading reads the manifest and DCP's index, checks them against the
 model and the optimizer, verifies the files' checksums (split over the ranks), and only then,
 when every rank agrees, reads each rank's elements into place. See [Note: atomic checkpoints],
-[Note: flat shards in DCP], [Note: DP-size independent state], [Note: which ranks agree] and,
-for tensor-parallel models, [Note: TP checkpoints].
+[Note: flat shards in DCP], [Note: DP-size independent state], [Note: whole-tensor state],
+[Note: which ranks agree] and, for tensor-parallel models, [Note: TP checkpoints].
 
 The modules, each importing only modules listed before it:
 

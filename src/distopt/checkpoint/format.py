@@ -223,12 +223,28 @@ def state_entry(value: Any, owned: OwnedPiece, key: str) -> Any:
     )
 
 
-def is_per_element(value: torch.Tensor, owned: OwnedPiece) -> bool:
-    """Whether loaded state ``value`` (dim >= 1) holds one value per element of the param: 1-D
+def is_per_element(value: torch.Tensor, param: nn.Parameter) -> bool:
+    """Whether loaded state ``value`` (dim >= 1) holds one value per element of ``param``: 1-D
     of its numel, or of its shape. Anything else is whole-parameter state."""
-    return value.numel() == owned.param.numel() and (
-        value.dim() == 1 or tuple(value.shape) == tuple(owned.param.shape)
+    return value.numel() == param.numel() and (
+        value.dim() == 1 or tuple(value.shape) == tuple(param.shape)
     )
+
+
+def check_loaded_state(opt: Optimizer, state: dict[str, dict[str, Any]]) -> None:
+    """Whole-parameter state among loaded entries (``{name: {key: value}}``) must be of params
+    owned whole here. Checks every param, not only this rank's pieces, so that every rank given
+    the same entries reaches the same verdict without communicating."""
+    whole = whole_names(opt)
+    params = {name: p for p, name in param_names(opt).items()}
+    for name, entries in state.items():
+        param = params.get(name)
+        if param is None or not isinstance(entries, dict):
+            continue  # not a param of this model: left to the checks of the model
+        for key, value in entries.items():
+            if (isinstance(value, torch.Tensor) and value.dim() > 0
+                    and not is_per_element(value, param)):
+                check_whole_state_fits(name, key, tuple(value.shape), name in whole)
 
 
 def loaded_entry(value: Any, owned: OwnedPiece, key: str) -> Any:
@@ -237,7 +253,7 @@ def loaded_entry(value: Any, owned: OwnedPiece, key: str) -> Any:
     state as it is where the param is owned whole. Raises CheckpointError otherwise."""
     if isinstance(value, Number) or (isinstance(value, torch.Tensor) and value.dim() == 0):
         return value
-    if isinstance(value, torch.Tensor) and not is_per_element(value, owned):
+    if isinstance(value, torch.Tensor) and not is_per_element(value, owned.param):
         check_whole_state_fits(owned.name, key, tuple(value.shape), owned.whole)
         return value
     return piece_of(value, owned, f"state '{key}'")

@@ -13,6 +13,7 @@ from .files import CheckpointError
 from .format import (
     Optimizer,
     OwnedPiece,
+    check_loaded_state,
     class_path,
     describe,
     group_class_paths,
@@ -121,6 +122,7 @@ def _plan(ckpt: Any, opt: Optimizer
         plain_state.update((name_of[pid], entries) for pid, entries in osd["state"].items()
                            if pid in name_of)
 
+    check_loaded_state(opt, plain_state)
     values = []
     for owned in owned_pieces(opt):
         main = piece_of(model_values[owned.name], owned, "model value").float()

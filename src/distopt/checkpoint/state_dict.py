@@ -17,6 +17,7 @@ from .format import (
     FlatShard,
     Optimizer,
     OwnedPiece,
+    check_loaded_state,
     class_path,
     hyper_params,
     loaded_entry,
@@ -81,6 +82,7 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
     check_groups(opt, [g["params"] for g in sd["param_groups"]], "the state dict")
     scaler = sd["loss_scaler"]
     check_scaler(opt, None if scaler is None else scaler["type"], "the state dict")
+    check_loaded_state(opt, sd["state"])
     values = []
     for owned in owned_pieces(opt):
         if owned.name not in sd["main_params"]:
