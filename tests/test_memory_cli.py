@@ -69,3 +69,57 @@ def test_param_remainders_rows(capsys, grad, dp, sharded):
         torch.bfloat16, DTYPES[grad], dp, store_param_remainders=True))
     assert main(["--params", "7e9", "--dtype", "fp32", "--store-param-remainders"]) == 2
     assert "needs bf16 params" in capsys.readouterr().err
+
+
+def _row(out: str, name: str) -> tuple[float, float]:
+    """The two B/param columns (flat, sharded) of a row of the cluster plan."""
+    match = re.search(rf"^  {re.escape(name)}\s+([\d.]+)\s+\S+ \S+\s+([\d.]+)\s+\S+ \S+$",
+                      out, re.M)
+    assert match, (name, out)
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_cluster_plan_prints_memory_and_traffic_beside_flat(capsys):
+    # 2 nodes x 2 GPUs, shard 2, fp32 (test_cluster_plan.py works these out by hand).
+    argv = ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "2", "--shard-size", "2",
+            "--dtype", "fp32"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes x 2 GPUs = 4 ranks; shard size 2: 2 replicas, each shard group inside" in out
+    assert _row(out, "optimizer state") == (2.0, 4.0)
+    assert _row(out, "total") == (10.0, 12.0)
+    assert _row(out, "reduce-scatter (grads)") == (3.0, 2.0)
+    assert _row(out, "replicate all-reduce (grads)") == (0.0, 2.0)
+    assert _row(out, "all-gather (params)") == (3.0, 2.0)
+    assert _row(out, "inside a node, mean") == (3.0, 4.0)
+    assert _row(out, "across nodes, mean") == (3.0, 2.0)
+    assert _row(out, "across nodes, busiest rank") == (6.0, 2.0)
+    # Per rank in bytes: B/param times 1e9 params.
+    assert re.search(r"^  across nodes, busiest rank .*5\.59 GiB .*1\.86 GiB$", out, re.M)
+    assert "11.18 GiB held instead of 9.31 GiB" in out
+    assert "sends 1.86 GiB across nodes per step instead of 5.59 GiB" in out
+
+
+def test_cluster_plan_defaults_to_a_node_per_shard_group(capsys):
+    assert main(["--model", "medium", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "(19,177,472 params)" in out and "16 ranks; shard size 8: 2 replicas" in out
+    # bf16 params, fp32 grads: the replicate chunk is 1/8 of the grads, all-reduced over 2.
+    assert _row(out, "replicate all-reduce (grads)") == (0.0, 0.5)
+    assert _row(out, "across nodes, busiest rank") == (5.625, 0.5)
+    argv = ["--params", "7e9", "--nodes", "4", "--grad-dtype", "bf16"]
+    assert main([*argv, "--reduce-scatter-fp32-accumulation"]) == 0
+    out = capsys.readouterr().out
+    # Gathered for the fp32 sum: (4 - 1) * 2 B / 8 instead of 2 * 3/4 * 2 B / 8.
+    assert _row(out, "replicate gather (grads)") == (0.0, 0.75)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shard-size", "8"], "--shard-size: options of the cluster plan; add --nodes"),
+    (["--nodes", "2", "--dp", "4"], "--dp 4 is not the cluster's 16 ranks"),
+    (["--nodes", "2", "--shard-size", "3"], "--shard-size 3 does not divide the 16 ranks"),
+    (["--nodes", "2", "--reduce-scatter-fp32-accumulation"], "add --grad-dtype bf16"),
+])
+def test_cluster_plan_bad_options_give_one_line(capsys, argv, message):
+    assert main(["--params", "7e9", *argv]) == 2
+    assert message in capsys.readouterr().err

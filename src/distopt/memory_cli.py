@@ -2,9 +2,13 @@
 
     distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype fp32
     distopt memory --model small --dp 4
+    distopt memory --params 7e9 --nodes 4 --gpus-per-node 8 --shard-size 8
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
-component; activations and padding are not included.
+component; activations and padding are not included. With ``--nodes`` it prints a plan for a
+cluster instead: memory per rank and the bytes each rank sends per step inside a node and
+across nodes, sharded within groups of ``--shard-size`` ranks beside the flat layout
+(``distopt.cluster_plan``; see [Note: cluster traffic model] there).
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import sys
 
 import torch
 
+from .cluster_plan import ClusterPlan, cluster_plan
 from .dtypes import DTYPES, dtype_name
-from .memory import COMPONENTS, bytes_per_param_breakdown
+from .memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
 
 GIB = 2**30
 LABELS = {
@@ -45,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=_positive_count, help="parameter count, e.g. 7e9")
     size.add_argument("--model", help="a demo GPT preset (tiny, small, medium)")
-    parser.add_argument("--dp", type=_positive_count, default=8, help="data-parallel size")
+    parser.add_argument("--dp", type=_positive_count, default=None,
+                        help="data-parallel size (default 8; with --nodes: every rank)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="param dtype")
     parser.add_argument("--grad-dtype", choices=DTYPES, default=None,
                         help="grad dtype (default: fp32 for bf16/fp16 params)")
@@ -53,11 +59,93 @@ def _parser() -> argparse.ArgumentParser:
                         help="distopt keeps bf16 params + 2-byte remainders as fp32 masters")
     parser.add_argument("--optimizer-state-bytes", type=int, default=8,
                         help="fp32 optimizer state per param: 8 for Adam, 4 for SGD momentum")
+    cluster = parser.add_argument_group(
+        "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
+        "flat over every rank")
+    cluster.add_argument("--nodes", type=_positive_count, default=None,
+                         help="nodes of the cluster (prints the cluster plan)")
+    cluster.add_argument("--gpus-per-node", type=_positive_count, default=None,
+                         help="ranks per node (default 8)")
+    cluster.add_argument("--shard-size", type=_positive_count, default=None,
+                         help="ranks each bucket is sharded over (default: the GPUs of a node)")
+    cluster.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
+                         help="bf16/fp16 grads summed in fp32 (the replicate stage gathers)")
     return parser
+
+
+def _cluster_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the cluster options, as the one line to print, or None."""
+    if args.nodes is None:
+        given = [flag for flag, value in (("--gpus-per-node", args.gpus_per_node),
+                                          ("--shard-size", args.shard_size)) if value is not None]
+        if given or args.reduce_scatter_fp32_accumulation:
+            flags = " and ".join(given) or "--reduce-scatter-fp32-accumulation"
+            return f"{flags}: options of the cluster plan; add --nodes N (e.g. --nodes 2)"
+        return None
+    world = args.nodes * (args.gpus_per_node or 8)
+    if args.dp is not None and args.dp != world:
+        return (f"--dp {args.dp} is not the cluster's {world} ranks; drop --dp (with --nodes "
+                "every rank is data-parallel)")
+    if args.shard_size is not None and world % args.shard_size:
+        return (f"--shard-size {args.shard_size} does not divide the {world} ranks; pick a "
+                f"divisor, such as the GPUs of one node ({args.gpus_per_node or 8})")
+    if args.reduce_scatter_fp32_accumulation and (args.grad_dtype or "fp32") == "fp32":
+        return "--reduce-scatter-fp32-accumulation needs bf16 or fp16 grads; add --grad-dtype bf16"
+    return None
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit that keeps it at 1 or more."""
+    for unit, scale in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _print_cluster_plan(plan: ClusterPlan, num_params: int, labels: dict[str, str],
+                        replicate_label: str) -> None:
+    flat, sharded = plan.flat, plan.sharded
+    where = ("each shard group inside one node" if sharded.shard_group_nodes == 1 else
+             f"shard groups spanning up to {sharded.shard_group_nodes} nodes")
+    print(f"{plan.nodes} nodes x {plan.gpus_per_node} GPUs = {plan.world_size} ranks; shard "
+          f"size {sharded.shard_size}: {sharded.replicas} replicas, {where}\n")
+    heads = (f"flat, d = {flat.shard_size}",
+             f"shard {sharded.shard_size} x {sharded.replicas} replicas")
+    print(f"{'':<30}{heads[0]:>26}{heads[1]:>26}")
+
+    def table(title: str, rows: list[tuple[str, float, float]]) -> None:
+        print(f"{title:<30}" + f"{'B/param':>12}{'per rank':>14}" * 2)
+        for name, a, b in rows:
+            print(f"  {name:<28}" + "".join(
+                f"{value:>12.3f}{_size(value * num_params):>14}" for value in (a, b)))
+
+    table("memory held per rank", [
+        *[(labels[name], flat.memory[name], sharded.memory[name]) for name in COMPONENTS],
+        ("total", flat.memory_total, sharded.memory_total)])
+    print()
+    traffic = [
+        ("reduce-scatter (grads)", "reduce_scatter"),
+        (replicate_label, "replicate_all_reduce"),
+        ("all-gather (params)", "all_gather"),
+        ("total", "total"),
+        ("inside a node, mean", "inside_node"),
+        ("across nodes, mean", "across_nodes"),
+        ("across nodes, busiest rank", "across_nodes_busiest"),
+    ]
+    table("sent per rank and step", [
+        (name, getattr(flat.traffic, field), getattr(sharded.traffic, field))
+        for name, field in traffic])
+    print("\nacross nodes: each collective modelled as a ring through its group's ranks in "
+          "rank order,\nranks numbered node by node; busiest rank: the most one rank sends "
+          "across nodes,\nwhich bounds a ring's time. Padding and activations not included.")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    problem = _cluster_problem(args)
+    if problem is not None:
+        print(f"distopt memory: {problem}", file=sys.stderr)
+        return 2
     if args.model is not None:
         from .train.model import GPT, gpt_config  # the preset's exact parameter count
 
@@ -87,15 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"distopt memory: --store-param-remainders: {error}", file=sys.stderr)
         return 2
-    replicated, distributed = theory.per_rank(args.dp, distributed=False), ours.per_rank(args.dp)
     labels = dict(LABELS)
     if args.store_param_remainders:
         labels["main_params"] = "remainders"
+    if args.nodes is not None:
+        return _cluster(args, num_params, label, grad_dtype, ours, labels)
+    dp = args.dp or 8
+    replicated, distributed = theory.per_rank(dp, distributed=False), ours.per_rank(dp)
     rows = [(labels[name], replicated[name], distributed[name]) for name in COMPONENTS]
-    rep_total = theory.total(args.dp, distributed=False)
-    dist_total = ours.total(args.dp)
+    rep_total = theory.total(dp, distributed=False)
+    dist_total = ours.total(dp)
     print(f"{label}, {args.dtype} params, {dtype_name(grad_dtype)} grads, "
-          f"data-parallel size {args.dp}\n")
+          f"data-parallel size {dp}\n")
     print(f"{'component':<18}{'replicated':>14}{'distopt':>14}{'distopt GiB/rank':>18}")
     print(f"{'':<18}{'B/param':>14}{'B/param':>14}")
     for name, rep, dist in [*rows, ("total", rep_total, dist_total)]:
@@ -103,4 +194,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGiB per rank: replicated {rep_total * num_params / GIB:.2f}, "
           f"distopt {dist_total * num_params / GIB:.2f} "
           f"({rep_total / dist_total:.2f}x less); activations not included")
+    return 0
+
+
+def _cluster(args: argparse.Namespace, num_params: int, label: str, grad_dtype: torch.dtype,
+             breakdown: BytesPerParam, labels: dict[str, str]) -> int:
+    gpus = args.gpus_per_node or 8
+    plan = cluster_plan(args.nodes, gpus, args.shard_size or gpus, breakdown,
+                        fp32_accumulation=args.reduce_scatter_fp32_accumulation)
+    count = f" ({num_params:,} params)" if args.model is not None else ""
+    accumulation = ", fp32-accumulated reduction" if args.reduce_scatter_fp32_accumulation else ""
+    print(f"{label}{count}, {args.dtype} params, {dtype_name(grad_dtype)} grads{accumulation}")
+    # With fp32 accumulation the replicate stage gathers every replica's chunk and sums it in
+    # fp32 (see [Note: cluster traffic model]).
+    replicate = ("replicate gather (grads)" if args.reduce_scatter_fp32_accumulation
+                 else "replicate all-reduce (grads)")
+    _print_cluster_plan(plan, num_params, labels, replicate)
+    flat, sharded = plan.flat, plan.sharded
+    print(f"\nshard {sharded.shard_size} against flat, per rank: "
+          f"{_size(sharded.memory_total * num_params)} held instead of "
+          f"{_size(flat.memory_total * num_params)};\nthe busiest rank sends "
+          f"{_size(sharded.traffic.across_nodes_busiest * num_params)} across nodes per step "
+          f"instead of {_size(flat.traffic.across_nodes_busiest * num_params)}")
     return 0
