@@ -17,9 +17,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distopt
+from distopt import collectives as comm
 
 from dist_harness import case_result, run_cases
-from models import AwkwardLM, batches, rank_slice
+from models import AwkwardLM, TinyTransformer, batches, rank_slice
+from test_fp32_accumulation import _local_loss, _owned_pieces, error_report, fp32_average
 from test_parity import (
     BF16_TOL,
     CLIP,
@@ -33,6 +35,7 @@ from test_parity import (
 
 WORLD = 4
 LAYOUTS = [(2, 2), (1, 4), (4, 1)]
+FP32_ACCUMULATION_LAYOUTS = [(2, 2), (4, 1)]
 STEPS = 20
 
 
@@ -121,6 +124,89 @@ def resume_flat(replicate: int, shard: int, path: str) -> dict:
     return {"max_diff": _max_diff(model, flat_model), "moved": _max_diff(model, AwkwardLM())}
 
 
+def fp32_accumulated_reduction(replicate: int, shard: int) -> dict:
+    """bf16 grads with reduce_scatter_with_fp32_accumulation on a mesh: each stage sums in
+    fp32 and rounds once, so every owned piece is the fp32 average over the replicas of the
+    shard groups' rounded fp32 averages, bit for bit; see
+    [Note: fp32-accumulated reduce-scatter]. Every rank's bf16 grads are recomputed here on a
+    reference copy, so the exact average is known."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    per_rank = []
+    for r in range(world):
+        ref.zero_grad()
+        _local_loss(ref, 0, r, world).backward()
+        per_rank.append([p.grad.clone() for p in ref.parameters()])
+    ddp = distopt.DistributedDataParallel(
+        model, grad_dtype=torch.bfloat16, bucket_size=5000, device_mesh=_mesh(replicate, shard),
+        reduce_scatter_with_fp32_accumulation=True,
+    )
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.0)
+    opt.zero_grad()
+    ddp.comm_stats.reset()
+    _local_loss(ddp, 0, rank, world).backward()
+    ddp.finish_grad_sync()
+    index = {p: i for i, p in enumerate(model.parameters())}
+    two_stage, single, pieces, worst = True, True, 0, -1.0
+    for param, piece in _owned_pieces(ddp):
+        rows = [grads[index[param]].reshape(-1)[piece] for grads in per_rank]
+        groups = [fp32_average(rows[k * shard : (k + 1) * shard], torch.bfloat16)
+                  for k in range(replicate)]
+        got = param.main_grad.reshape(-1)[piece]
+        two_stage &= torch.equal(got, fp32_average(groups, torch.bfloat16))
+        single &= torch.equal(got, fp32_average(rows, torch.bfloat16))
+        worst = max(worst, error_report(got, rows)["over_half_ulp"])
+        pieces += 1
+    # The collective alone: the replicas' copies summed in fp32 in replica order, rounded once;
+    # the all-gather version (NCCL's) gives the same bits on gloo too.
+    group = ddp.parallel.replicate_group
+    copies = [torch.randn(1000, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+              for r in dist.get_process_group_ranks(group)]
+    mine = copies[dist.get_rank(group)]
+    p2p, gathered = mine.clone(), mine.clone()
+    comm.all_reduce_avg_fp32_accum(p2p, group, async_op=True).wait()
+    comm._all_gather_all_reduce_fp32(gathered, group, async_op=False)
+    return {"two_stage": two_stage, "single_rounding": single, "over_half_ulp": worst,
+            "pieces": pieces, "buckets": len(ddp.buckets), "calls": dict(ddp.comm_stats.calls),
+            "bytes": dict(ddp.comm_stats.bytes),
+            "owned_padded": sum(b.owned_grad.numel() for b in ddp.buckets),
+            "collective": torch.equal(p2p, fp32_average(copies, torch.bfloat16)),
+            "gathered_same": torch.equal(gathered, p2p)}
+
+
+def fp32_accumulated_parity(replicate: int, shard: int) -> dict:
+    """bf16 params and grads with fp32-accumulated reductions on a mesh against a reference
+    keeping fp32 master weights, AdamW with clipping: the flat path's test (in
+    test_fp32_accumulation.py) on a mesh."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = AwkwardLM().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    initial = copy.deepcopy(model)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    masters = [torch.nn.Parameter(p.detach().float()) for p in trainable]
+    ddp = distopt.DistributedDataParallel(
+        model, grad_dtype=torch.bfloat16, bucket_size=40, find_unused_parameters=True,
+        device_mesh=_mesh(replicate, shard), reduce_scatter_with_fp32_accumulation=True,
+    )
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2)
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    worst = 0.0
+    for step in range(10):
+        tokens, targets = batches(step)
+        opt.zero_grad()
+        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                 step).backward()
+        opt.step()
+        fp32_master_step(trainable, masters, ref_opt, _lm_loss(ref, tokens, targets, step))
+        worst = max(worst, _max_diff(model, ref))
+    return {"max_diff": worst, "moved": _max_diff(model, initial),
+            "fp32_buckets": sum(b.fp32_accumulation for b in ddp.buckets),
+            "buckets": len(ddp.buckets)}
+
+
 def bad_meshes() -> dict:
     out = {}
     meshes = {
@@ -142,6 +228,9 @@ def _cases(tmp: str) -> list:
     for r, s in LAYOUTS:
         cases.append((f"fp32-{r}x{s}", parity, (r, s, torch.float32)))
     cases.append(("bf16-2x2", parity, (2, 2, torch.bfloat16)))
+    for r, s in FP32_ACCUMULATION_LAYOUTS:
+        cases.append((f"fp32acc-reduction-{r}x{s}", fp32_accumulated_reduction, (r, s)))
+    cases.append(("fp32acc-parity-2x2", fp32_accumulated_parity, (2, 2)))
     cases.append(("resume-2x2-flat", resume_flat, (2, 2, f"{tmp}/ckpt-2x2")))
     cases.append(("bad-meshes", bad_meshes, ()))
     return cases
@@ -195,6 +284,31 @@ def test_memory_is_the_table_at_the_shard_size(results, layout):
     # The ranks of one replica (global ranks 0..s-1) own every element once: state is 8/s.
     assert sum(v["owned"] for v in values[:s]) == values[0]["num_params"]
     assert all(v["owned"] == values[i % s]["owned"] for i, v in enumerate(values))
+
+
+@pytest.mark.parametrize("layout", FP32_ACCUMULATION_LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
+def test_fp32_accumulation_sums_both_stages_in_fp32(results, layout):
+    r, s = layout
+    for v in case_result(results, f"fp32acc-reduction-{r}x{s}"):
+        assert v["pieces"] > 0 and v["buckets"] >= 3
+        # Each stage's fp32 sum, rounded once: the same bits on every rank.
+        assert v["two_stage"], v
+        if s == 1:
+            # Nothing to round in the shard group: one rounding in all, as flat.
+            assert v["single_rounding"] and v["over_half_ulp"] <= 0, v
+        # Overlapped as the plain path: both stages of every bucket start during backward
+        # (counted once each); the replicate stage carries the owned chunk.
+        assert v["calls"].get("reduce_scatter", 0) == (v["buckets"] if s > 1 else 0)
+        assert v["calls"]["replicate_all_reduce"] == v["buckets"]
+        assert v["bytes"]["replicate_all_reduce"] == 2 * v["owned_padded"]
+        assert v["collective"] and v["gathered_same"]
+
+
+def test_fp32_accumulation_trains_like_fp32_master_weights(results):
+    for v in case_result(results, "fp32acc-parity-2x2"):
+        assert v["fp32_buckets"] == v["buckets"]
+        assert v["max_diff"] <= BF16_TOL, v  # the flat path's tolerance
+        assert v["moved"] > 2 * BF16_TOL
 
 
 def test_checkpoint_saved_hierarchical_resumes_flat(results):

@@ -149,7 +149,11 @@ class Bucket:
         self._reduction = None
         if first is not None:
             first.wait()
-        self._replica_reduction = comm.all_reduce_avg(
+        # See [Note: fp32-accumulated reduce-scatter]: the second stage sums in fp32 too.
+        all_reduce = (
+            comm.all_reduce_avg_fp32_accum if self.fp32_accumulation else comm.all_reduce_avg
+        )
+        self._replica_reduction = all_reduce(
             self.owned_grad, self.replicate_group, async_op=True, stats=self.stats,
             op="replicate_all_reduce",
         )

@@ -39,6 +39,17 @@ grads the sum no longer overflows where the average fits. The price is a transie
 in flight, freed when its reduction is waited for: the received chunks in the grads' dtype
 (the whole bucket with ``all_to_all_single``, (d - 1)/d of it on gloo) and an fp32 accumulator
 of one shard.
+
+On a hierarchical mesh (see [Note: hierarchical data parallelism] in parallel.py) the reduced
+chunk is then averaged over the r replicas, and a plain all-reduce of it would sum in bf16 again
+(a ring rounds at each of its hops, and with one rank per shard group nothing was summed in fp32
+at all). With the option that second stage is ``all_reduce_avg_fp32_accum``: every replica
+gathers the r rounded chunks and adds them in fp32 in replica order, divides by r and rounds
+once. The average is thus rounded once per stage, twice in all (once when the shard group is
+one rank), whatever d; exactly ``fp32 average over replicas of (fp32 average over the shard
+group, rounded)``, the same on every rank. Keeping the first stage's fp32 sums unrounded would
+double the bytes that cross nodes. The gather sends r - 1 chunks per rank, the bytes of the
+ring all-reduce at r = 2 and r/2 times them beyond, with a transient of r - 1 received chunks.
 """
 
 from __future__ import annotations
@@ -244,6 +255,54 @@ def all_gather(
     else:
         call = lambda: getattr(dist, _ALL_GATHER)(full, shard, group=group, async_op=async_op)
     return _timed(stats, "all_gather", async_op, call)
+
+
+def all_reduce_avg_fp32_accum(
+    full: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool,
+    stats: CommStats | None = None,
+    op: str = "all_reduce",
+):
+    """``all_reduce_avg`` of bf16 or fp16 ``full`` with the r copies of the group summed in
+    fp32 in rank order and the average rounded once, the same bits on every rank. Each rank
+    gathers the others' copies: it sends r - 1 copies' bytes, as much as a ring all-reduce
+    (2 (r - 1)/r) at r = 2, r/2 times as much beyond. See
+    [Note: fp32-accumulated reduce-scatter]; ``op`` names it in ``stats``."""
+    if group_size(group) == 1:
+        return DONE
+    if stats is not None:
+        stats.record(op, full)
+    implementation = _gloo_all_reduce_fp32 if is_gloo(group) else _all_gather_all_reduce_fp32
+    call = lambda: implementation(full, group, async_op=async_op)
+    return _timed(stats, op, async_op, call)
+
+
+def _all_gather_all_reduce_fp32(full, group, *, async_op: bool):
+    # Row r of ``received`` is rank r's copy.
+    size = group_size(group)
+    received = torch.empty(size * full.numel(), dtype=full.dtype, device=full.device)
+    work = getattr(dist, _ALL_GATHER)(received, full, group=group, async_op=True)
+    rows = list(received.view(size, -1))
+    return _Composite([work], lambda: _average_in_fp32(full, rows)).finish(async_op)
+
+
+def _gloo_all_reduce_fp32(full, group, *, async_op: bool):
+    # See [Note: collectives on gloo]: this rank's copy to every peer, theirs into ``received``.
+    size, rank = group_size(group), group_rank(group)
+    received = torch.empty((size - 1, full.numel()), dtype=full.dtype, device=full.device)
+    works, rows = [], []
+    for peer in range(size):
+        if peer == rank:
+            rows.append(full)
+            continue
+        row = received[peer if peer < rank else peer - 1]
+        works.append(dist.isend(full, group_dst=peer, group=group, tag=_REDUCE_TAG))
+        works.append(dist.irecv(row, group_src=peer, group=group, tag=_REDUCE_TAG))
+        rows.append(row)
+    # ``full`` is overwritten only after every send of it has completed.
+    return _Composite(works, lambda: _average_in_fp32(full, rows)).finish(async_op)
 
 
 class _Composite:

@@ -17,7 +17,8 @@ shard group. Replicas then hold identical chunks, so grad statistics (norm, zero
 flag, nan check) reduce over the shard group only and count every element once; only
 ``find_unused_parameters`` and the start-up broadcast span both groups. Memory per rank is the
 table at d = the shard size; the replicate group carries 2 (N/s)(r - 1)/r elements per rank
-and step, 1/s of a flat all-reduce.
+and step, 1/s of a flat all-reduce. With ``reduce_scatter_with_fp32_accumulation`` the second
+stage sums in fp32 as well (see [Note: fp32-accumulated reduce-scatter]).
 """
 
 from __future__ import annotations
