@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import distopt
+from distopt.train.config import default_shard_size
 
 SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "8", "--seq-len", "32",
          "--max-bytes", "300000", "--eval-every", "4", "--eval-batches", "2",
@@ -83,7 +84,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_launchers_as_two_nodes_match_one_launcher(baseline, tmp_path):
+@pytest.fixture(scope="module")
+def shard_size_one(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One launcher, two ranks that each shard alone and replicate each other."""
+    out = tmp_path_factory.mktemp("shard1")
+    proc = _train(out, "--shard-size", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc.out = out
+    return proc
+
+
+def test_two_launchers_as_two_nodes_match_one_launcher(shard_size_one, tmp_path):
+    """Two launchers of one rank each: by default each node's rank is its own shard group (the
+    replicate all-reduce crosses the launchers), as one launcher with --shard-size 1 does."""
     endpoint = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
@@ -95,21 +108,37 @@ def test_two_launchers_as_two_nodes_match_one_launcher(baseline, tmp_path):
     outs = [node.communicate(timeout=240) for node in nodes]
     for node, (_, err) in zip(nodes, outs, strict=True):
         assert node.returncode == 0, err[-3000:]
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+    assert "sharded over 1 ranks, 2 replicas" in "".join(out for out, _ in outs)
+    assert _final_heldout(tmp_path) == _final_heldout(shard_size_one.out)
 
 
-def test_shard_size_shards_within_groups_and_replicates_across(baseline, tmp_path):
+def test_shard_size_shards_within_groups_and_replicates_across(baseline, shard_size_one):
     """Two ranks each shard alone and replicate each other: memory is the table at d = 1, and
     the run learns what the flat run learns (the same average, summed in another order)."""
-    proc = _train(tmp_path, "--shard-size", "1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    proc = shard_size_one
+    summary = json.loads((proc.out / "summary.json").read_text())
     flat = json.loads((baseline / "summary.json").read_text())
     assert summary["theory_bytes_per_param"]["distopt"] == 16.0
     for report in summary["memory_per_rank"]:
         assert report["optimizer_state"] == 8 * report["num_params"]
     assert "sharded over 1 ranks, 2 replicas" in proc.stdout
     assert abs(summary["heldout_loss_end"] - flat["heldout_loss_end"]) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "node_of_rank,shard",
+    [([0, 0, 1, 1], 2),  # torchrun --nnodes 2 --nproc-per-node 2
+     (["a"] * 8 + ["b"] * 8 + ["c"] * 8, 8),
+     ([0, 1, 2, 3], 1),  # one rank per node: every rank its own shard, all-reduce across
+     ([0, 0, 0, 0], None),  # one node: flat
+     ([0], None),
+     ([0, 0, 0, 1], None),  # nodes of unequal sizes: no shard size fits them
+     ([0, 1, 0, 1], None)],  # a node's ranks not consecutive: a shard group would span nodes
+)
+def test_default_shard_size_is_one_node_on_several(node_of_rank, shard):
+    assert default_shard_size(node_of_rank) == shard
+
+
 def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
     proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
                   "--reduce-scatter-fp32-accumulation", "--store-param-remainders")

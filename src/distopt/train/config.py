@@ -7,6 +7,7 @@ error instead of a traceback from every rank.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -67,7 +68,9 @@ class TrainConfig:
     """Replicated optimizer state (distopt.BasicOptimizer), for comparison."""
     shard_size: int | None = None
     """Ranks each bucket is sharded over; the groups of that many ranks replicate each other
-    (a ("dp_replicate", "dp_shard") mesh, e.g. the GPUs of one node). None: every rank."""
+    (a ("dp_replicate", "dp_shard") mesh, e.g. the GPUs of one node). None: the ranks of one
+    node when the run spans several nodes (and shards), else every rank (see
+    ``default_shard_size``)."""
     reduce_scatter_fp32_accumulation: bool = False
     """Send bf16/fp16 grads as they are but sum each shard in fp32 and round it once."""
     store_param_remainders: bool = False
@@ -177,6 +180,26 @@ class TrainConfig:
         return asdict(self)
 
 
+def default_shard_size(node_of_rank: Sequence[Hashable]) -> int | None:
+    """The shard size of a run without --shard-size, from the node each rank runs on (indexed
+    by global rank): on several nodes, the ranks of one node, so that reduce-scatters and
+    all-gathers stay inside a node and only each shard's average crosses nodes (see
+    [Note: hierarchical data parallelism]); None, every rank in one shard group, on one node.
+    The shard groups are runs of consecutive ranks, so a node's ranks must be consecutive and
+    every node must hold as many, as torchrun numbers them with the same --nproc-per-node on
+    every node; otherwise None as well, as no shard size matches the nodes."""
+    runs: list[tuple[Hashable, int]] = []  # (node, ranks) of each run of consecutive ranks
+    for node in node_of_rank:
+        if runs and runs[-1][0] == node:
+            runs[-1] = (node, runs[-1][1] + 1)
+        else:
+            runs.append((node, 1))
+    nodes = {node for node, _ in runs}
+    if len(runs) < 2 or len(nodes) != len(runs) or len({size for _, size in runs}) != 1:
+        return None
+    return runs[0][1]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="distopt train",
@@ -201,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shard", action="store_true", help="replicated optimizer (BasicOptimizer)")
     p.add_argument("--shard-size", type=int, default=None,
                    help="ranks each bucket is sharded over, replicated across the groups of that "
-                   "many ranks (e.g. the GPUs of one node); default: every rank")
+                   "many ranks; default: the ranks of one node when the run spans several "
+                   "nodes, else every rank")
     p.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
                    help="sum bf16/fp16 grads in fp32 on the receiving rank (one rounding)")
     p.add_argument("--store-param-remainders", action="store_true",

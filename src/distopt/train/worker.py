@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch.distributed as dist
 import distopt
 
 from ..dtypes import DTYPES
-from .config import OPTIMIZERS, TrainConfig
+from .config import OPTIMIZERS, TrainConfig, default_shard_size
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
 from .report import write_loss_plot, write_summary
@@ -96,9 +97,15 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
 
     def _data_parallel_mesh(self) -> Any:
-        """A ("dp_replicate", "dp_shard") mesh for --shard-size, else None (every rank shards;
-        see [Note: hierarchical data parallelism])."""
+        """A ("dp_replicate", "dp_shard") mesh for --shard-size, or by default on several
+        nodes for the ranks of one node, else None (every rank shards; see
+        [Note: hierarchical data parallelism])."""
         shard = self.config.shard_size
+        # Replicated optimizer state (--no-shard) is plain DDP's all-reduce over every rank.
+        if shard is None and not self.config.no_shard:
+            nodes: list[Any] = [None] * self.world
+            dist.all_gather_object(nodes, _node_id())
+            shard = default_shard_size(nodes)
         if shard is None or shard == self.world:
             return None
         from torch.distributed.device_mesh import init_device_mesh
@@ -260,6 +267,12 @@ def _failure_injection() -> tuple[int, int]:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return -1, -1
     return int(os.environ.get(FAIL_AT_STEP_ENV, "-1")), int(os.environ.get(FAIL_RANK_ENV, "0"))
+
+
+def _node_id() -> str:
+    """Which node this rank runs on: the launcher's node rank (torchrun's GROUP_RANK, one per
+    launcher even when several run on one machine), else the host name."""
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
 
 
 def _device(device_type: str) -> torch.device:
