@@ -3,7 +3,9 @@
 Four gloo ranks run every case in one spawned group. Each case builds a 2-D mesh
 (replicate, shard) and trains the parity model on its slice of the global batch, against
 single-process torch.optim on the whole batch; it also counts what each group carried and
-measures what each rank holds. See [Note: hierarchical data parallelism] in distopt/parallel.py.
+measures what each rank holds. A checkpoint saved at (2, 2) is resumed by the same four ranks
+flat, and by a second group of two ranks flat and at (1, 2). See
+[Note: hierarchical data parallelism] in distopt/parallel.py.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distopt
 from distopt import collectives as comm
+from distopt.checkpoint import merge_state_dicts
 
 from dist_harness import case_result, run_cases
 from models import AwkwardLM, TinyTransformer, batches, rank_slice
+from test_checkpoint import _state_diff
 from test_fp32_accumulation import _local_loss, _owned_pieces, error_report, fp32_average
 from test_parity import (
     BF16_TOL,
@@ -95,33 +99,69 @@ def parity(replicate: int, shard: int, dtype: torch.dtype) -> dict:
     }
 
 
-def resume_flat(replicate: int, shard: int, path: str) -> dict:
-    """A checkpoint saved at (replicate, shard) resumes at flat d = 4 like the run that went on."""
+SAVE_AT, END = 3, 6
+
+
+def _build_for_checkpoint(mesh):
+    torch.manual_seed(0)
+    model = AwkwardLM()
+    ddp = distopt.DistributedDataParallel(model, bucket_size=40, device_mesh=mesh)
+    opt = distopt.DistributedOptimizer(
+        ddp, torch.optim.AdamW, params=_groups(model, "adamw"), clip_grad=CLIP, lr=1e-2
+    )
+    return model, ddp, opt
+
+
+def _train(ddp, opt, steps) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        tokens, targets = batches(step)
+        opt.zero_grad()
+        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                 step).backward()
+        opt.step()
 
-    def build(mesh):
-        torch.manual_seed(0)
-        model = AwkwardLM()
-        ddp = distopt.DistributedDataParallel(model, bucket_size=40, device_mesh=mesh)
-        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2)
-        return model, ddp, opt
 
-    def train(ddp, opt, steps):
-        for step in steps:
-            tokens, targets = batches(step)
-            opt.zero_grad()
-            _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
-                     step).backward()
-            opt.step()
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
-    model, ddp, opt = build(_mesh(replicate, shard))
-    train(ddp, opt, range(3))
+
+def save_hierarchical(replicate: int, shard: int, path: str) -> dict:
+    """Train at (replicate, shard) to SAVE_AT, save, train on to END; write each rank's
+    in-memory state dict and (rank 0) the trajectory, for the resumes to compare with."""
+    model, ddp, opt = _build_for_checkpoint(_mesh(replicate, shard))
+    _train(ddp, opt, range(SAVE_AT))
     distopt.save_checkpoint(path, ddp, opt)
-    train(ddp, opt, range(3, 6))
-    flat_model, flat_ddp, flat_opt = build(None)
-    distopt.load_checkpoint(path, flat_ddp, flat_opt)
-    train(flat_ddp, flat_opt, range(3, 6))
-    return {"max_diff": _max_diff(model, flat_model), "moved": _max_diff(model, AwkwardLM())}
+    torch.save(opt.state_dict(), f"{path}-sd-{dist.get_rank()}.pt")
+    ref = {"saved": _params(model)}
+    _train(ddp, opt, range(SAVE_AT, END))
+    ref["final"] = _params(model)
+    if dist.get_rank() == 0:
+        torch.save(ref, f"{path}-ref.pt")
+    return {"moved": _max_diff(model, AwkwardLM())}
+
+
+def resume(path: str, layout: tuple[int, int] | None, saved_world: int) -> dict:
+    """Load the checkpoint at ``layout`` (a (replicate, shard) mesh, or None: flat over every
+    rank) and train to END on the same global batches: the params and the optimizer state at
+    the load are exactly the saved ones, and the end is the uninterrupted run's."""
+    model, ddp, opt = _build_for_checkpoint(None if layout is None else _mesh(*layout))
+    distopt.load_checkpoint(path, ddp, opt)
+    ref = torch.load(f"{path}-ref.pt")
+    at_load = max(
+        (p.detach() - ref["saved"][k]).abs().max().item() for k, p in model.named_parameters()
+    )
+    saved = merge_state_dicts(
+        [torch.load(f"{path}-sd-{r}.pt", weights_only=False) for r in range(saved_world)]
+    )
+    state_diff = _state_diff(opt, saved)
+    _train(ddp, opt, range(SAVE_AT, END))
+    final = max(
+        (p.detach() - ref["final"][k]).abs().max().item() for k, p in model.named_parameters()
+    )
+    return {"at_load": at_load, "state_diff": state_diff, "final": final,
+            "dp_size": ddp.dp_size, "replicas": ddp.parallel.replicate_size,
+            "owned": sum(m.numel() for m in opt.main_params)}
 
 
 def fp32_accumulated_reduction(replicate: int, shard: int) -> dict:
@@ -231,14 +271,29 @@ def _cases(tmp: str) -> list:
     for r, s in FP32_ACCUMULATION_LAYOUTS:
         cases.append((f"fp32acc-reduction-{r}x{s}", fp32_accumulated_reduction, (r, s)))
     cases.append(("fp32acc-parity-2x2", fp32_accumulated_parity, (2, 2)))
-    cases.append(("resume-2x2-flat", resume_flat, (2, 2, f"{tmp}/ckpt-2x2")))
+    cases.append(("save-2x2", save_hierarchical, (2, 2, f"{tmp}/ckpt-2x2")))
+    cases.append(("resume-flat4", resume, (f"{tmp}/ckpt-2x2", None, WORLD)))
     cases.append(("bad-meshes", bad_meshes, ()))
     return cases
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_cases(WORLD, _cases(str(tmp_path_factory.mktemp("hier"))))
+def checkpoints(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hier"))
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints):
+    return run_cases(WORLD, _cases(checkpoints))
+
+
+@pytest.fixture(scope="module")
+def resumed_on_two(results, checkpoints):
+    """The checkpoint saved at (2, 2) on four ranks, resumed by two: flat, and on a (1, 2) mesh."""
+    case_result(results, "save-2x2")
+    path = f"{checkpoints}/ckpt-2x2"
+    return run_cases(2, [("resume-flat2", resume, (path, None, WORLD)),
+                         ("resume-1x2", resume, (path, (1, 2), WORLD))])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
@@ -312,10 +367,25 @@ def test_fp32_accumulation_trains_like_fp32_master_weights(results):
 
 
 def test_checkpoint_saved_hierarchical_resumes_flat(results):
-    for v in case_result(results, "resume-2x2-flat"):
-        # Another summation order of the same average (two stages against one): round-off.
-        assert v["max_diff"] < 1e-6, v["max_diff"]
+    for v in case_result(results, "save-2x2"):
         assert v["moved"] > 0.05
+    for v in case_result(results, "resume-flat4"):
+        assert (v["dp_size"], v["replicas"]) == (4, 1)
+        assert v["at_load"] == 0.0 and v["state_diff"] == 0.0, v
+        # Another summation order of the same average (two stages against one): round-off.
+        assert v["final"] < 1e-6, v
+
+
+@pytest.mark.parametrize("name", ["resume-flat2", "resume-1x2"])
+def test_checkpoint_saved_hierarchical_resumes_on_two_ranks(resumed_on_two, name):
+    values = case_result(resumed_on_two, name)
+    for v in values:
+        assert (v["replicas"], v["dp_size"]) == (1, 2)
+        assert v["at_load"] == 0.0 and v["state_diff"] == 0.0, v
+        assert v["final"] <= FP32_TOL, v  # test_checkpoint.py's bound at another DP size
+    # The two ranks together own every element once, as each replica did at (2, 2).
+    assert sum(v["owned"] for v in values) == sum(
+        p.numel() for p in AwkwardLM().parameters() if p.requires_grad)
 
 
 def test_bad_meshes_name_the_fix(results):
