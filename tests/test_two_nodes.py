@@ -1,0 +1,136 @@
+"""Two launchers as two nodes: torchrun twice on this machine, --nnodes 2 --nproc-per-node 2.
+
+Each launcher's two ranks are one shard group of a ("dp_replicate", "dp_shard") = (2, 2) mesh
+(tests/two_node_worker.py trains the parity model on it). Every reduce-scatter and all-gather,
+down to each point-to-point message gloo sends for them, stays inside its launcher; only the
+replicate all-reduce crosses. The result equals, bit for bit, one launcher of four ranks on the
+same mesh, and single-process torch.optim within 1e-5. Both runs go at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import AwkwardLM, batches
+from test_parity import FP32_TOL, _groups, _lm_loss, fp32_master_step
+from two_node_worker import STEPS
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "two_node_worker.py"
+LAUNCHERS = ("0", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(out: Path, launcher: str, *args: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}",
+        "DISTOPT_TEST_LAUNCHER": launcher,
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(WORKER), str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    two, one = tmp_path_factory.mktemp("two-launchers"), tmp_path_factory.mktemp("one-launcher")
+    # Static rendezvous at launcher 0's store: launcher i's ranks are 2i and 2i + 1.
+    nodes = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    port = str(_free_port())
+    procs = [
+        _torchrun(two, launcher, *nodes, "--master-port", port, "--node-rank", launcher)
+        for launcher in LAUNCHERS
+    ]
+    procs.append(_torchrun(one, "0", "--standalone", "--nnodes", "1", "--nproc-per-node", "4"))
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return {
+        name: [torch.load(out / f"rank{r}.pt") for r in range(4)]
+        for name, out in (("two", two), ("one", one))
+    }
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """Single-process torch.optim on the whole global batch, as test_hierarchical.parity."""
+    torch.manual_seed(0)
+    model = AwkwardLM()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in trainable]
+    index = {p: i for i, p in enumerate(trainable)}
+    groups = [
+        {**g, "params": [masters[index[p]] for p in g["params"]]} for g in _groups(model, "adamw")
+    ]
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    for step in range(STEPS):
+        tokens, targets = batches(step)
+        fp32_master_step(trainable, masters, opt, _lm_loss(model, tokens, targets, step))
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_each_launcher_is_one_shard_group(runs):
+    for v in runs["two"]:
+        # torchrun numbers ranks launcher by launcher: GROUP_RANK is the launcher.
+        assert v["group_rank"] == v["launcher"]
+        mates = [w["rank"] for w in runs["two"] if w["launcher"] == v["launcher"]]
+        assert v["shard_ranks"] == mates and len(mates) == 2
+
+
+def test_no_reduce_scatter_or_all_gather_crosses_launchers(runs):
+    launcher_of = {v["rank"]: v["launcher"] for v in runs["two"]}
+    for v in runs["two"]:
+        crossing = {"reduce_scatter_avg": 0, "all_gather": 0, "replicate_all_reduce": 0}
+        for op, ranks in v["groups"]:
+            crossing[op] += len({launcher_of[r] for r in ranks}) > 1
+        counted = {op: sum(1 for o, _ in v["groups"] if o == op) for op in crossing}
+        n = v["buckets"]
+        assert counted == {
+            "reduce_scatter_avg": n * STEPS,
+            "all_gather": n * STEPS,
+            "replicate_all_reduce": n * STEPS,
+        }
+        assert crossing == {
+            "reduce_scatter_avg": 0,
+            "all_gather": 0,
+            "replicate_all_reduce": n * STEPS,
+        }
+        # Down to gloo's messages: one sent to and one received from the other rank of the
+        # launcher per bucket, in each reduce-scatter and each all-gather.
+        assert len(v["messages"]) == 4 * n * STEPS
+        assert {launcher_of[peer] for _, _, peer in v["messages"]} == {v["launcher"]}
+        assert {peer for _, _, peer in v["messages"]} == set(v["shard_ranks"]) - {v["rank"]}
+        # Each step: one reduce-scatter, replicate all-reduce and all-gather per bucket.
+        for calls in v["calls"]:
+            assert calls["reduce_scatter"] == calls["all_gather"] == n
+            assert calls["replicate_all_reduce"] == n
+
+
+def test_two_launchers_equal_one_launcher_and_torch(runs):
+    reference = _reference()
+    for two, one in zip(runs["two"], runs["one"], strict=True):
+        assert two["params"].keys() == one["params"].keys() == reference.keys()
+        for name, value in two["params"].items():
+            assert torch.equal(value, one["params"][name]), name
+            assert (value - reference[name]).abs().max().item() < FP32_TOL, name
+        torch.manual_seed(0)
+        initial = dict(AwkwardLM().named_parameters())
+        moved = max((value - initial[k]).abs().max().item() for k, value in two["params"].items())
+        assert moved > 0.01
