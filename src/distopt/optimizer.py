@@ -122,11 +122,14 @@ def _registered_state_dict_format() -> StateDictFormat:
 # further from zero) and leaves the remainder low - 0x10000 in [-0x8000, -1]; a lower
 # one is kept as is, in [0, 0x7fff]. So the model param equals the fp32-master path's cast
 # except at exact ties whose high half is even, where it is one ulp further from zero; the
-# fp32 master, and so every later step, is the same. Between steps the main params are
+# fp32 master is the same, and so is every later step given the same grads (in training the
+# next forward sees the tie's param, so the grads differ a little from then on;
+# docs/mixed-precision.md measures how much). Between steps the main params are
 # placeholders (a zero-stride view of one scalar): read the masters with
 # ``opt.main_param_values()``; checkpoints read and write them inside
 # ``opt.main_params_materialized()``, so a checkpoint holds fp32 masters either way and loads
-# into an optimizer with or without the option.
+# into an optimizer with or without the option. A plain checkpoint's fp32 weights load as the
+# masters, and every rank rounds all of its params with ``bf16_of_fp32``, as the split does.
 
 
 def split_fp32(master: torch.Tensor, high: torch.Tensor, remainder: torch.Tensor) -> None:
