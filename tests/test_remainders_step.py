@@ -45,6 +45,8 @@ CONFIGS = {
     ),
     "sgd-bf16": (torch.optim.SGD, dict(lr=0.5, momentum=0.9), torch.bfloat16, False, False),
     "adamw-fp16-scaled": (torch.optim.AdamW, dict(lr=1e-2), torch.float16, True, False),
+    # Muon for the matrices, each owned whole by one rank, and AdamW for the biases.
+    "muon-adamw-bf16": (torch.optim.Muon, dict(lr=2e-2), torch.bfloat16, False, False),
 }
 
 
@@ -78,9 +80,21 @@ def _build(base: nn.Module, name: str, remainders: bool, bucket_size: int = 600)
     )
     # hysteresis=1: the first steps, at scale 2**16, overflow fp16 and are skipped.
     scaler = distopt.DynamicLossScaler(hysteresis=1) if scaled else None
+    groups = None
+    if opt_cls is torch.optim.Muon:
+        params = list(model.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() == 2]},
+            {
+                "params": [p for p in params if p.dim() == 1],
+                "optimizer": torch.optim.AdamW,
+                "lr": 1e-2,
+            },
+        ]
     opt = distopt.DistributedOptimizer(
         ddp,
         opt_cls,
+        params=groups,
         clip_grad=1.0,
         log_num_zeros=True,
         loss_scaler=scaler,
@@ -132,7 +146,7 @@ def same_bits_as_the_fp32_master_path(name: str) -> dict:
                     param.detach()
                     .reshape(-1)[piece.param_range.start : piece.param_range.end]
                     .view(torch.int16),
-                    bf16_of_fp32(master).view(torch.int16),
+                    bf16_of_fp32(master).reshape(-1).view(torch.int16),
                 )
                 for (param, piece, _), master in zip(opt_r.pieces(), masters, strict=True)
             )
