@@ -55,7 +55,7 @@ def test_breakdown_is_the_theory_by_component():
             assert sum(per_rank.values()) == pytest.approx(total)
 
 
-@pytest.mark.parametrize("grad,dp,sharded", [("fp32", 4, 6 + 10 / 4), ("bf16", 8, 4 + 14 / 8)])
+@pytest.mark.parametrize("grad,dp,sharded", [("fp32", 4, 6 + 10 / 4), ("bf16", 8, 4 + 10 / 8)])
 def test_param_remainders_rows(capsys, grad, dp, sharded):
     argv = ["--params", "7e9", "--dp", str(dp), "--dtype", "bf16", "--grad-dtype", grad]
     assert main([*argv, "--store-param-remainders"]) == 0
@@ -65,6 +65,11 @@ def test_param_remainders_rows(capsys, grad, dp, sharded):
     remainders = re.search(r"^remainders\s+([\d.]+)\s+([\d.]+)", out, re.M)
     assert float(remainders.group(1)) == 4.0  # replicated keeps fp32 masters
     assert float(remainders.group(2)) == pytest.approx(2 / dp, abs=1e-3)
+    main_grads = re.search(r"^fp32 main grads\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    # bf16 grads: replicated keeps fp32 copies; with remainders they are per-bucket transients.
+    assert float(main_grads.group(1)) == (4.0 if grad == "bf16" else 0.0)
+    assert float(main_grads.group(2)) == 0.0
+    assert "one bucket's shard at a time" in out
     assert sharded == pytest.approx(distopt.theoretical_bytes_per_param(
         torch.bfloat16, DTYPES[grad], dp, store_param_remainders=True))
     assert main(["--params", "7e9", "--dtype", "fp32", "--store-param-remainders"]) == 2

@@ -1,5 +1,6 @@
-"""100 training steps of a tiny transformer in fp32, fp16 (+ dynamic loss scaling), bf16 and
-fp32 under bf16 autocast, on 2 ranks: the final losses must agree within 5%.
+"""100 training steps of a tiny transformer in fp32, fp16 (+ dynamic loss scaling), bf16 (also
+with fp32-accumulated reduce-scatter and param remainders) and fp32 under bf16 autocast, on 2
+ranks: the final losses must agree within 5%.
 
 Run as a script to print the table of docs/mixed-precision.md:
 
@@ -34,6 +35,16 @@ RUNS = {
     "fp16": (torch.float16, torch.float16, True, False),
     "bf16": (torch.bfloat16, torch.bfloat16, False, False),
     "autocast-bf16": (torch.float32, torch.float32, False, True),
+    "bf16-fp32acc": (torch.bfloat16, torch.bfloat16, False, False),
+    "bf16-remainders": (torch.bfloat16, torch.bfloat16, False, False),
+    "bf16-fp32acc-remainders": (torch.bfloat16, torch.bfloat16, False, False),
+}
+# name -> (DistributedDataParallel options, DistributedOptimizer options) beyond the dtypes
+OPTIONS = {
+    "bf16-fp32acc": ({"reduce_scatter_with_fp32_accumulation": True}, {}),
+    "bf16-remainders": ({}, {"store_param_remainders": True}),
+    "bf16-fp32acc-remainders": ({"reduce_scatter_with_fp32_accumulation": True},
+                                {"store_param_remainders": True}),
 }
 
 
@@ -51,11 +62,12 @@ def train(name: str) -> dict:
     model = TinyTransformer()
     plain = copy.deepcopy(model)
     model.to(param_dtype)
-    ddp = distopt.DistributedDataParallel(model, grad_dtype=grad_dtype)
+    ddp_options, opt_options = OPTIONS.get(name, ({}, {}))
+    ddp = distopt.DistributedDataParallel(model, grad_dtype=grad_dtype, **ddp_options)
     # growth_interval=20 so that 100 steps see the scale grow and back off again.
     scaler = distopt.DynamicLossScaler(growth_interval=20) if scaled else None
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, clip_grad=CLIP,
-                                       loss_scaler=scaler)
+                                       loss_scaler=scaler, **opt_options)
     initial = _eval_loss(model, autocast)
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else (
         contextlib.nullcontext)
@@ -76,7 +88,8 @@ def train(name: str) -> dict:
     out = {"initial": initial, "final": _eval_loss(model, autocast), "updated": updated,
            "norms": norms, "scales": scales,
            "bytes_per_param": distopt.measure_state_bytes(opt).bytes_per_param,
-           "theory": distopt.theoretical_bytes_per_param(param_dtype, grad_dtype, world)}
+           "theory": distopt.theoretical_bytes_per_param(param_dtype, grad_dtype, world,
+                                                         **opt_options)}
     if name == "fp32":  # plain torch on the full batches, the reference of the fp32 run
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
         for step in range(STEPS):
@@ -101,7 +114,7 @@ def test_fp32_run_trains_and_matches_plain_torch(runs):
         assert all(value["updated"])
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "autocast-bf16"])
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "fp32"])
 def test_low_precision_final_loss_within_5_percent_of_fp32(runs, name):
     fp32 = runs["fp32"][0]["final"]
     for value in runs[name]:
@@ -128,6 +141,21 @@ def test_fp16_loss_scaler_skips_and_unscales(runs):
     assert len(pairs) == STEPS - skipped
     ratios = sorted(a / b for a, b in pairs)
     assert 0.8 < ratios[len(ratios) // 2] < 1.25
+
+
+def test_bf16_options(runs):
+    # At d = 2 the fp32-accumulated reduce-scatter adds one pair and halves it, as the plain
+    # one does, so each run with it is the run without it, bit for bit.
+    for with_it, without in (("bf16-fp32acc", "bf16"),
+                             ("bf16-fp32acc-remainders", "bf16-remainders")):
+        a, b = runs[with_it][0], runs[without][0]
+        assert (a["norms"], a["final"]) == (b["norms"], b["final"])
+    # Remainders: the fp32-master path's masters; the model params differ only after tie
+    # events (see tests/test_remainders_train.py), so the losses agree closely, not exactly.
+    bf16, remainders = runs["bf16"][0], runs["bf16-remainders"][0]
+    assert remainders["final"] == pytest.approx(bf16["final"], rel=0.01)
+    assert remainders["norms"][0] == bf16["norms"][0]  # the first step's grads are the same
+    assert remainders["theory"] < bf16["theory"]
 
 
 def test_state_bytes_follow_the_design_table(runs):

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import distopt
+from distopt.optimizer import bf16_of_fp32
 from distopt.tensor_parallel import some_shard_is_empty
 
 from dist_harness import case_result, run_cases
@@ -174,6 +175,47 @@ def parity(dp: int, tp: int, sharded: bool, sequence_parallel: bool) -> dict:
     }
 
 
+def remainders_match_fp32_masters() -> dict:
+    """bf16 params and grads at dp=2, tp=2 with sequence parallelism (replicated LayerNorm
+    DTensors, counted once in the norm): with store_param_remainders, whose step sees the
+    grads one bucket at a time, against the fp32-master path. Both see the same grads until a
+    tie event changes a forward (see [Note: param remainders])."""
+    mesh = mesh_2d(2, 2)
+    dp_rank, tp_rank = mesh.get_coordinate()
+    runs = {}
+    for remainders in (True, False):
+        torch.manual_seed(0)
+        model = Block().to(torch.bfloat16)
+        parallelize_module(model, mesh["tp"], tp_plan(sequence_parallel=True))
+        ddp = distopt.DistributedDataParallel(model, device_mesh=mesh, bucket_size=100,
+                                              grad_dtype=torch.bfloat16)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2,
+                                           log_num_zeros=True, store_param_remainders=remainders)
+        runs[remainders] = (ddp, opt)
+    out = {"results": {True: [], False: []}, "same_masters": [], "ties": []}
+    for step in range(4):
+        x, y = batch(step)
+        mine = (slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2),
+                slice(tp_rank * SEQ // 2, (tp_rank + 1) * SEQ // 2))
+        for remainders, (ddp, opt) in runs.items():
+            opt.zero_grad()
+            (F.mse_loss(ddp(x[mine].bfloat16()).float(), y[mine]) / 2).backward()
+            result = opt.step()
+            out["results"][remainders].append((result.grad_norm, result.num_zeros))
+            ddp.finish_param_sync()
+        masters = runs[True][1].main_param_values()
+        out["same_masters"].append(all(
+            torch.equal(a.view(torch.int32), b.view(torch.int32))
+            for a, b in zip(masters, runs[False][1].main_param_values(), strict=True)))
+        ties = sum(int((bf16_of_fp32(m).view(torch.int16)
+                        != m.to(torch.bfloat16).view(torch.int16)).sum()) for m in masters)
+        count = torch.tensor([ties])
+        dist.all_reduce(count)
+        out["ties"].append(int(count.item()))
+    out["buckets"] = len(runs[True][0].buckets)
+    return out
+
+
 def scaler_skips_inf_on_one_tp_rank() -> dict:
     """An inf in one TP rank's grads skips the step on every rank of the mesh."""
     mesh = mesh_2d(2, 2)
@@ -300,6 +342,7 @@ CONFIGS = {  # name: (dp, tp, DistributedOptimizer (else BasicOptimizer), sequen
 
 def _cases() -> list:
     cases = [(f"parity-{name}", parity, args) for name, args in CONFIGS.items()]
+    cases.append(("remainders", remainders_match_fp32_masters, ()))
     cases.append(("scaler", scaler_skips_inf_on_one_tp_rank, ()))
     cases.append(("nan-check", nan_check_raises_on_every_rank, ()))
     cases.append(("errors", errors, ()))
@@ -348,6 +391,18 @@ def test_buffers_hold_local_shards_and_dp_collectives_cover_them(results):
     for v in case_result(results, "parity-dp2-tp2-basic"):
         for calls in v["calls"]:
             assert calls == {"all_reduce": v["buckets"], "all_reduce_small": 1}  # norm over TP
+
+
+def test_param_remainders_step_the_fp32_master_paths_bits(results):
+    values = case_result(results, "remainders")
+    for v in values:
+        assert v["buckets"] >= 2
+        # Identical until the step after the first tie event (whose forward differs).
+        first_tie = next((i for i, t in enumerate(v["ties"]) if t), len(v["ties"]) - 1)
+        same = first_tie + 1
+        assert v["same_masters"][:same] == [True] * same, v
+        assert v["results"][True][:same] == v["results"][False][:same], v
+        assert all(norm > CLIP for norm, _ in v["results"][True])  # every step clipped
 
 
 def test_inf_on_one_tp_rank_skips_the_step_everywhere(results):

@@ -45,7 +45,8 @@ class BytesPerParam:
     """fp32 master copies of bf16/fp16 params (fp32 params are their own master copies), or
     the int16 remainders that complete bf16 params into fp32 masters."""
     main_grads: int
-    """fp32 copies of the reduced grads, when the grad buffer is bf16/fp16."""
+    """fp32 copies of the reduced grads, when the grad buffer is bf16/fp16 (with remainders
+    they exist only during the step, one bucket at a time, and cost nothing here)."""
     optimizer_state: int
     """The torch optimizer's state: 8 for Adam's two fp32 moments, 4 for SGD's momentum."""
 
@@ -86,7 +87,8 @@ def bytes_per_param_breakdown(
 
     ``grad_dtype=None`` means grads in the param dtype. ``optimizer_state_bytes`` is 8 for
     Adam's two fp32 moments, 4 for SGD with momentum. ``store_param_remainders`` (bf16 params
-    only) keeps 2-byte remainders instead of 4-byte fp32 main params.
+    only) keeps 2-byte remainders instead of 4-byte fp32 main params, and steps one bucket at
+    a time, so bf16/fp16 grads get their fp32 copies only for that bucket's step (none kept).
     """
     grad_dtype = grad_dtype or param_dtype
     if store_param_remainders and param_dtype != torch.bfloat16:
@@ -95,13 +97,14 @@ def bytes_per_param_breakdown(
             "param_dtype=torch.bfloat16 or drop the option"
         )
     # The optimizer steps in fp32: low-precision params and grads get fp32 copies (or, for
-    # bf16 params with remainders, the low half of one).
+    # bf16 params with remainders, the low half of one, and grads copied per bucket).
     main_params = 4 if param_dtype != torch.float32 else 0
+    main_grads = 4 if grad_dtype != torch.float32 and not store_param_remainders else 0
     return BytesPerParam(
         params=_element_size(param_dtype),
         grads=_element_size(grad_dtype),
         main_params=2 if store_param_remainders else main_params,
-        main_grads=4 if grad_dtype != torch.float32 else 0,
+        main_grads=main_grads,
         optimizer_state=optimizer_state_bytes,
     )
 
@@ -119,7 +122,8 @@ def theoretical_bytes_per_param(
 
     ``optimizer_state_bytes`` is 8 for Adam's two fp32 moments, 4 for SGD with momentum.
     ``distributed=False`` gives the replicated (DDP + torch optimizer) figure.
-    ``store_param_remainders``: int16 remainders instead of fp32 main params (bf16 params).
+    ``store_param_remainders``: int16 remainders instead of fp32 main params, and no
+    persistent fp32 main grads (bf16 params).
     ``bytes_per_param_breakdown`` gives the same figure component by component.
     """
     _check_dp_size(dp_size)

@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGiB per rank: replicated {rep_total * num_params / GIB:.2f}, "
           f"distopt {dist_total * num_params / GIB:.2f} "
           f"({rep_total / dist_total:.2f}x less); activations not included")
+    if args.store_param_remainders:
+        print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
+              "bf16/fp16 grads) one bucket's shard at a time; that transient is not included")
     return 0
 
 

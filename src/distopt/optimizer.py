@@ -7,6 +7,7 @@ map of who calls whom)::
       | reduce-scatter (average), bucket by bucket, overlapped with backward
     grad_shard [N/d]    this rank's chunk of every bucket, now reduced
       | fp32 grads: used in place;  else copied once per bucket into grad_fp32 [N/d]
+      | (with store_param_remainders: into a transient of one bucket, during its step)
     pieces              one fp32 main param per (param, shard) overlap, a view into
                         param_data's shard (fp32 params) or into shard_fp32 [N/d] (otherwise);
                         its .grad a view into the shard of the reduced grads
@@ -18,8 +19,10 @@ map of who calls whom)::
 The inner optimizer is an ordinary ``torch.optim`` optimizer whose params are the pieces, so
 its state (Adam's moments) exists only for the 1/d of the elements this rank owns. Every memory
 cost beyond model params and grads is therefore 1/d of the model, padding aside; nothing is
-allocated per step, except with ``store_param_remainders``, whose fp32 masters exist only
-during the step, one bucket's shard at a time (see [Note: param remainders]). BasicOptimizer
+allocated per step but the inner optimizer's own temporaries, except with
+``store_param_remainders``, whose fp32 masters and (for bf16/fp16 grads) fp32 main grads
+exist only during the step, one bucket's shard at a time (see [Note: param remainders]).
+BasicOptimizer
 is the same pipeline with every rank owning whole buckets, all-reduced grads and no gather.
 """
 
@@ -101,6 +104,17 @@ def _registered_state_dict_format() -> StateDictFormat:
 # the two together are the fp32 master, bit for bit, at 2 bytes per owned element instead of 4.
 # The step rebuilds the fp32 masters of one bucket's shard at a time (a transient of one
 # bucket), steps that bucket's pieces, and splits the result back before the next bucket.
+# bf16/fp16 grads get their fp32 copies the same way, so no fp32 main grads are kept either
+# (main params have no ``.grad`` between steps). What the step needs of all grads before
+# changing any param (the loss scaler's inf verdict, the global norm for clipping) comes from
+# a first pass over the buckets, each bucket's grads copied to fp32, unscaled and their norms
+# taken, then dropped; the second pass copies and unscales again (the same bits), clips with
+# the global coefficient, counts zeros and steps. The inner optimizer is element-wise and
+# counts ``step`` per param, so stepping one bucket's pieces at a time is the fp32-master
+# path's step, bit for bit; the norms are summed in the fp32-master path's order. The peak
+# of a step is then one bucket shard's fp32 masters and fp32 grads and the inner optimizer's
+# temporaries of that bucket (AdamW's foreach step: one more fp32 tensor), against the
+# fp32-master path's temporaries of the whole shard; docs/mixed-precision.md has the numbers.
 # Splitting cannot use the fp32-master path's cast (round to nearest, ties to even): at an
 # exact tie (low half 0x8000) rounding down would leave a remainder of +0x8000, one past what
 # an int16 holds. The split rounds to nearest with ties away from zero instead: a low half of
@@ -108,27 +122,41 @@ def _registered_state_dict_format() -> StateDictFormat:
 # further from zero) and leaves the remainder low - 0x10000 in [-0x8000, -1]; a lower
 # one is kept as is, in [0, 0x7fff]. So the model param equals the fp32-master path's cast
 # except at exact ties whose high half is even, where it is one ulp further from zero; the
-# fp32 master, and so every later step, is the same. Between steps the main params are
+# fp32 master is the same, and so is every later step given the same grads (in training the
+# next forward sees the tie's param, so the grads differ a little from then on;
+# docs/mixed-precision.md measures how much). Between steps the main params are
 # placeholders (a zero-stride view of one scalar): read the masters with
 # ``opt.main_param_values()``; checkpoints read and write them inside
 # ``opt.main_params_materialized()``, so a checkpoint holds fp32 masters either way and loads
-# into an optimizer with or without the option.
+# into an optimizer with or without the option. A plain checkpoint's fp32 weights load as the
+# masters, and every rank rounds all of its params with ``bf16_of_fp32``, as the split does.
 
 
 def split_fp32(master: torch.Tensor, high: torch.Tensor, remainder: torch.Tensor) -> None:
     """Write fp32 ``master`` as bf16 ``high`` and int16 ``remainder``; see
     [Note: param remainders]."""
     bits = master.view(torch.int32)
-    low = bits & 0xFFFF
-    round_up = (low >= 0x8000).to(torch.int32)
-    high.view(torch.int16).copy_((bits >> 16) + round_up)
-    remainder.copy_(low - (round_up << 16))
+    # The remainder is the low half read as an int16: low when it is below 0x8000, and
+    # low - 0x10000 (what rounding the high half up leaves) when it is not. Narrowing an int32
+    # keeps its low 16 bits, so this is one conversion, with no temporary.
+    remainder.copy_(bits)
+    # Adding 0x8000 carries into the high half exactly when low >= 0x8000. (Only NaNs with a
+    # high half of 0x7fff or 0xffff wrap around, into 0x8000 and 0x0000 with a negative
+    # remainder; join_fp32 wraps back to the same bits.) One int32 temporary of the shard.
+    high.view(torch.int16).copy_((bits + 0x8000).bitwise_right_shift_(16))
+
+
+def bf16_of_fp32(master: torch.Tensor) -> torch.Tensor:
+    """The bf16 param ``split_fp32`` leaves for fp32 ``master`` (nearest, ties away from
+    zero); a new tensor."""
+    bits = (master.view(torch.int32) + 0x8000).bitwise_right_shift_(16)
+    return bits.to(torch.int16).view(torch.bfloat16)
 
 
 def join_fp32(high: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master that bf16 ``high`` and int16 ``remainder`` split; a new tensor."""
-    bits = (high.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
-    return bits.view(torch.float32)
+    bits = high.view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
+    return bits.add_(remainder).view(torch.float32)
 
 
 class _OwnedMainParams:
@@ -165,8 +193,11 @@ class _OwnedMainParams:
             self.remainders = torch.zeros(total, dtype=torch.int16, device=device)
         elif buffer.param_dtype != fp32:
             self.shard_fp32 = torch.empty(total, dtype=fp32, device=device)
+        # With remainders, bf16/fp16 grads get fp32 copies one bucket at a time during the
+        # step, like the masters; see [Note: param remainders].
+        self.transient_grads = store_remainders and buffer.grad_dtype != fp32
         self.grad_fp32 = None
-        if buffer.grad_dtype != fp32:
+        if buffer.grad_dtype != fp32 and not self.transient_grads:
             self.grad_fp32 = torch.empty(total, dtype=fp32, device=device)
         self._main_segments = self._segments(self.shard_fp32, offsets, self.param_regions)
         self._grad_segments = self._segments(self.grad_fp32, offsets, self.grad_regions)
@@ -191,7 +222,8 @@ class _OwnedMainParams:
             else:
                 main = self._placeholder.expand(shape)
             param = nn.Parameter(main, requires_grad=True)
-            param.grad = grad[lo:hi].view(shape)
+            if not self.transient_grads:
+                param.grad = grad[lo:hi].view(shape)
             self.main_params.append(param)
         # The (main param, piece) pairs of each bucket, for steps one bucket at a time.
         self._bucket_mains: list[list[tuple[nn.Parameter, ShardPiece]]] = [
@@ -261,6 +293,25 @@ class _OwnedMainParams:
             split_fp32(master, self.param_regions[bucket], self._remainder_segments[bucket])
             for main, _ in mains:
                 main.data = self._placeholder.expand(main.shape)
+
+    @contextlib.contextmanager
+    def bucket_grads(self, bucket: int) -> Iterator[tuple[list[nn.Parameter], bool]]:
+        """The bucket's main params with their fp32 main grads as ``.grad`` inside the block,
+        and whether those grads are new copies of the reduced grads. With transient grads they
+        are (one transient bucket shard, dropped after the block); otherwise they are the
+        persistent main grads."""
+        mains = self._bucket_mains[bucket]
+        if not self.transient_grads:
+            yield [main for main, _ in mains], False
+            return
+        grad = self.grad_regions[bucket].float()
+        for main, piece in mains:
+            main.grad = grad[piece.local_range.start : piece.local_range.end].view(main.shape)
+        try:
+            yield [main for main, _ in mains], True
+        finally:
+            for main, _ in mains:
+                main.grad = None
 
     def main_value(self, main: nn.Parameter, piece: ShardPiece) -> torch.Tensor:
         """The fp32 master values of a piece: the main param, or rebuilt from remainders."""
@@ -447,6 +498,8 @@ class _BufferOptimizer(torch.optim.Optimizer):
         for model in self.models:
             model.finish_grad_sync()
             model.finish_param_sync()
+        if self.options.store_param_remainders:
+            return self._step_bucket_by_bucket()
         for owned in self._owned:
             owned.copy_grads_in()
         grads = self._grads
@@ -481,15 +534,77 @@ class _BufferOptimizer(torch.optim.Optimizer):
         return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros)
 
     def _inner_step(self) -> None:
-        if not self.options.store_param_remainders:
-            for inner in self.optimizers:
-                inner.step()
-            return
-        # One bucket's fp32 masters at a time; see [Note: param remainders].
-        for owned in self._owned:
-            for bucket in range(owned.num_buckets):
-                with owned.bucket_masters(bucket) as mains:
-                    self._step_only(set(mains))
+        for inner in self.optimizers:
+            inner.step()
+
+    def _step_bucket_by_bucket(self) -> StepResult:
+        """``step()`` with ``store_param_remainders``, after the grad sync: the fp32 masters,
+        and with bf16/fp16 grads the fp32 main grads, exist one bucket's shard at a time. The
+        same numbers as the fp32-master path, bit for bit; see [Note: param remainders]."""
+        groups, device = self._reduce_groups, self._device
+        stats = self.models[0].comm_stats
+        buckets = [(owned, b) for owned in self._owned for b in range(owned.num_buckets)]
+        counted = self._counted_mains
+        inv_scale = None
+        if self.loss_scaler is not None:
+            inv_scale = clip.inverse_scale(1.0 / self.loss_scaler.scale, device)
+
+        # First pass, over every bucket's grads: what the step needs of all of them before it
+        # changes any param, the inf verdict and the global norm. Persistent (fp32) main grads
+        # are unscaled here once; transient copies are made again, and unscaled again, below.
+        clip_grad, norms = self.options.clip_grad, {}
+        if inv_scale is not None or clip_grad is not None:
+            found_inf = clip.inf_flag(device)
+            for owned, bucket in buckets:
+                with owned.bucket_grads(bucket) as (mains, _):
+                    if inv_scale is not None:
+                        clip.unscale_(self._grads_of(mains), found_inf, inv_scale)
+                    if clip_grad is not None:
+                        mine = [m for m in mains if m in counted]
+                        norms.update(zip(mine, clip.grad_norms(self._grads_of(mine)),
+                                         strict=True))
+            if self.loss_scaler is not None:
+                found = clip.any_rank_found_inf(found_inf, groups, stats)
+                self.loss_scaler.update(found)
+                if found:
+                    return StepResult(updated=False)
+        grad_norm, coef = None, None
+        if clip_grad is not None:
+            # The norms in the order of the fp32-master path's sum, so the same bits.
+            total_norm = clip.global_norm([norms[m] for m in counted], groups, device, stats)
+            grad_norm = float(total_norm.item())
+            coef = clip.clip_coefficient(clip_grad, total_norm)
+
+        # Second pass: one bucket's masters and grads at a time, stepped and split back.
+        zeros = clip.zero_counter(device) if self.options.log_num_zeros else None
+        unused = {m for model in self.models for p in model.unused_params
+                  for m in self._pieces_of.get(p, ())}
+        for owned, bucket in buckets:
+            with owned.bucket_masters(bucket) as mains, owned.bucket_grads(bucket) as (_, new):
+                grads = self._grads_of(mains)
+                if new and inv_scale is not None:
+                    clip.unscale_(grads, clip.inf_flag(device), inv_scale)
+                if coef is not None and grads:
+                    torch._foreach_mul_(grads, coef)
+                if zeros is not None:
+                    clip.add_zeros(zeros, self._grads_of([m for m in mains if m in counted]))
+                self._step_only({m for m in mains if m not in unused})
+        num_zeros = None if zeros is None else clip.total_zeros(zeros, groups, stats)
+        self._gather_params()
+        return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    @staticmethod
+    def _grads_of(mains: list[nn.Parameter]) -> list[torch.Tensor]:
+        return [m.grad for m in mains]
+
+    @functools.cached_property
+    def _counted_mains(self) -> dict[nn.Parameter, None]:
+        """The main params whose grads global statistics count on this rank (``_counted_grads``
+        by main param, in the same order; see [Note: TP grad statistics])."""
+        mains = [m for g in self.param_groups for m in g["params"]]
+        _, counted = grad_statistics(self.parallel.tp, [self.piece_info(m)[0] for m in mains],
+                                     mains)
+        return dict.fromkeys(counted)
 
     def _step_only(self, mains: set[nn.Parameter]) -> None:
         """The inner steps over ``mains`` alone: the same as in a full step, since an

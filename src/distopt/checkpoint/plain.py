@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..optimizer import bf16_of_fp32
 from .checks import Models, check_pair, check_same_model
 from .files import CheckpointError
 from .format import (
@@ -36,14 +37,6 @@ def load_plain_checkpoint(source: str | os.PathLike | dict[str, Any], ddp: Model
     everything before changing anything; needs no communication. Returns ``source["extra"]``.
     """
     check_pair(ddp, opt)
-    if opt.options.store_param_remainders:
-        # Loading needs no communication, but a rank splits only its own shard of the params;
-        # the other ranks' copies would keep the file's cast until the next gather.
-        raise CheckpointError(
-            "load_plain_checkpoint does not load into an optimizer built with "
-            "store_param_remainders=True; load it without the option, save_checkpoint, and "
-            "load_checkpoint that into the run with the option"
-        )
     if isinstance(source, dict):
         ckpt = source
     else:
@@ -56,8 +49,21 @@ def load_plain_checkpoint(source: str | os.PathLike | dict[str, Any], ddp: Model
         for model, sd in zip(opt.models, _model_dicts(ckpt), strict=True):
             model.finish_param_sync()
             model.module.load_state_dict(sd)
+            if opt.options.store_param_remainders:
+                _round_as_split(model, sd)
     install_values(opt, values, options, ckpt.get("loss_scaler"))
     return ckpt.get("extra")
+
+
+def _round_as_split(model: Any, sd: dict[str, Any]) -> None:
+    """With store_param_remainders, make every element of the trainable params the bf16 half
+    of the split of its fp32 master, as the owner's split will leave its own shard: each rank
+    rounds the whole file alike, so all ranks agree without communicating. (load_state_dict
+    rounded ties to even; see [Note: param remainders] in distopt/optimizer.py.)"""
+    trainable = set(model.params)
+    for name, param in model.module.named_parameters():  # tied params: the first name
+        if param in trainable:
+            param.detach().copy_(bf16_of_fp32(sd[name].float().reshape(param.shape)))
 
 
 def _model_dicts(ckpt: dict[str, Any]) -> list[dict[str, Any]]:
