@@ -47,8 +47,9 @@ class BytesPerParam:
     main_grads: int
     """fp32 copies of the reduced grads, when the grad buffer is bf16/fp16 (with remainders
     they exist only during the step, one bucket at a time, and cost nothing here)."""
-    optimizer_state: int
-    """The torch optimizer's state: 8 for Adam's two fp32 moments, 4 for SGD's momentum."""
+    optimizer_state: float
+    """The torch optimizer's state: 8 for Adam's two fp32 moments, 4 for SGD's momentum; with
+    several optimizers (Muon's 4 beside AdamW's 8), the model's mean (distopt.ownership)."""
 
     def per_rank(self, dp_size: int, *, distributed: bool = True) -> dict[str, float]:
         """Each component's bytes per parameter on one of ``dp_size`` data-parallel ranks, by
@@ -80,7 +81,7 @@ def bytes_per_param_breakdown(
     param_dtype: torch.dtype,
     grad_dtype: torch.dtype | None = None,
     *,
-    optimizer_state_bytes: int = 8,
+    optimizer_state_bytes: float = 8,
     store_param_remainders: bool = False,
 ) -> BytesPerParam:
     """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
@@ -115,7 +116,7 @@ def theoretical_bytes_per_param(
     dp_size: int,
     *,
     distributed: bool = True,
-    optimizer_state_bytes: int = 8,
+    optimizer_state_bytes: float = 8,
     store_param_remainders: bool = False,
 ) -> float:
     """Bytes per parameter of params, grads, fp32 main params/grads and optimizer state.

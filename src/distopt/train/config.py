@@ -25,7 +25,18 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "nadam": (torch.optim.NAdam, {"betas": (0.9, 0.95)}),
     "radam": (torch.optim.RAdam, {"betas": (0.9, 0.95)}),
     "adamax": (torch.optim.Adamax, {}),
+    # Whole-tensor optimizers, each in its standard recipe (train/recipes.py): Muon for the
+    # hidden matrices beside AdamW (the options above) for the rest, at AdamW's lr thanks to
+    # adjust_lr_fn (see [Note: the Muon recipe]); Adafactor for every param, torch's defaults.
+    "muon": (torch.optim.Muon, {"momentum": 0.95, "nesterov": True, "weight_decay": 0.1,
+                                "adjust_lr_fn": "match_rms_adamw"}),
+    "adafactor": (torch.optim.Adafactor, {}),
 }
+
+DEFAULT_LR = {"adafactor": 0.1}
+"""Peak learning rates other than 3e-3. Adafactor's lr is relative: each step moves a param by
+lr times its RMS, and torch caps lr at 1/sqrt(step); 0.1 trains the tiny GPT as far as AdamW
+at 3e-3 does (150 steps: held-out loss 2.38 against 2.40; 1e-2 reaches 2.88)."""
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -54,8 +65,8 @@ class TrainConfig:
     """Micro-batches per step on each rank (no_sync for all but the last)."""
     seq_len: int = 128
     """Tokens (bytes) per sequence."""
-    lr: float = 3e-3
-    """Peak learning rate, reached after the warm-up."""
+    lr: float | None = None
+    """Peak learning rate, reached after the warm-up; None: the optimizer's (DEFAULT_LR)."""
     warmup: int = 30
     """Linear warm-up steps, followed by a cosine decay to lr / 10."""
     optimizer: str = "adamw"
@@ -95,6 +106,8 @@ class TrainConfig:
     """Steps between checkpoints (0: only at the end)."""
     keep: int = 2
     """Checkpoints kept on disk."""
+    save: bool = True
+    """Write checkpoints (False: none at all, and the run cannot be resumed)."""
     resume: bool = False
     """Resume from the latest checkpoint in ``out`` (restarts always resume)."""
     max_restarts: int = 0
@@ -104,6 +117,8 @@ class TrainConfig:
     """Progress bar on rank 0."""
 
     def __post_init__(self) -> None:
+        if self.lr is None:
+            self.lr = DEFAULT_LR.get(self.optimizer, 3e-3)
         problems = []
         if self.nproc is not None and self.nproc < 1:
             problems.append(f"--nproc must be >= 1, got {self.nproc}")
@@ -217,7 +232,8 @@ def parser() -> argparse.ArgumentParser:
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "warmup", "eval_every",
                  "eval_batches", "save_every", "keep", "max_restarts", "seed"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 3e-3; for adafactor 0.1)")
     p.add_argument("--optimizer", default=defaults.optimizer, help=", ".join(OPTIMIZERS))
     p.add_argument("--dtype", default=defaults.dtype, help="fp32, bf16 or fp16")
     p.add_argument("--grad-dtype", default=defaults.grad_dtype, help="fp32, bf16 or fp16")
@@ -238,6 +254,8 @@ def parser() -> argparse.ArgumentParser:
                    default=defaults.clip, help="max grad norm, or 'none'")
     p.add_argument("--out", default=defaults.out, help="output folder")
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    p.add_argument("--no-save", dest="save", action="store_false",
+                   help="write no checkpoints (the run cannot be resumed)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 

@@ -9,9 +9,16 @@ from typing import Any
 
 from ..dtypes import DTYPES
 from ..memory import bytes_per_param_breakdown
+from ..ownership import OwnershipPlan
 from .config import OPTIMIZERS, TrainConfig
 
 _STATE_BYTES = {"sgd": 4, "adagrad": 4, "rmsprop": 4}  # fp32 state per param; Adam-likes: 8
+
+
+def state_bytes_per_element(optimizer: str) -> int:
+    """fp32 state per element of ``--optimizer NAME``'s element-wise class (for muon: of the
+    AdamW that steps the params Muon does not)."""
+    return _STATE_BYTES.get(optimizer, 8)
 
 
 def write_summary(
@@ -23,11 +30,20 @@ def write_summary(
     *,
     num_files: tuple[int, int],
     shard_size: int | None = None,
+    optimizer_state_bytes: float | None = None,
+    ownership: OwnershipPlan | None = None,
 ) -> dict[str, Any]:
+    """``optimizer_state_bytes``: the model's mean state per param when it is not one
+    optimizer's fixed figure (Muon beside AdamW, Adafactor); ``ownership``: the plan of a run
+    whose params are owned whole, printed beside what the ranks measured (see
+    [Note: memory of whole-tensor ownership] in distopt/ownership.py)."""
+    if optimizer_state_bytes is None:
+        optimizer_state_bytes = state_bytes_per_element(config.optimizer)
+
     def breakdown(remainders: bool):
         return bytes_per_param_breakdown(
             DTYPES[config.dtype], DTYPES[config.grad_dtype],
-            optimizer_state_bytes=_STATE_BYTES.get(config.optimizer, 8),
+            optimizer_state_bytes=optimizer_state_bytes,
             store_param_remainders=remainders,
         )
 
@@ -52,6 +68,19 @@ def write_summary(
         "memory_per_rank": reports,
         "theory_bytes_per_param": theory,
     }
+    if ownership is not None:
+        summary["whole_tensor"] = {
+            "balance": [
+                {"cost": list(b.cost), "padding": list(b.padding), "imbalance": b.imbalance,
+                 "best_imbalance": b.best_imbalance, "whole_padding": b.whole_padding}
+                for b in ownership.balance()
+            ],
+            "padding_elements": ownership.padding,
+            "table_bytes_per_param": ownership.table_bytes_per_param,
+            "padding_bytes_per_param": ownership.padding_bytes_per_param,
+            "expected_per_rank": [ownership.ranks[rank % ownership.dp_size].as_dict()
+                                  for rank in range(world)],
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
     mib = 2**20
@@ -72,14 +101,39 @@ def write_summary(
         parts = ", ".join(f"{r[k] / mib:.2f}" for k in
                           ("params", "grads", "main_params", "main_grads", "optimizer_state"))
         lines.append(f"{rank:<6}{r['total'] / mib:>10.2f}{r['bytes_per_param']:>10.2f}   ({parts})")
+    if ownership is not None:
+        lines += _ownership_lines(ownership, summary)
     lines += [
         f"theory: distopt {theory['distopt']:.2f} B/param = {theory['distopt'] * n / mib:.2f} MiB"
         f" per rank; replicated {theory['replicated']:.2f} B/param = "
         f"{theory['replicated'] * n / mib:.2f} MiB per rank",
-        f"outputs: {out}/metrics.jsonl, summary.json, loss.png, checkpoints/",
+        f"outputs: {out}/metrics.jsonl, summary.json, loss.png"
+        + (", checkpoints/" if config.save else ""),
     ]
     print("\n".join(lines), flush=True)
     return summary
+
+
+def _ownership_lines(plan: OwnershipPlan, summary: dict[str, Any]) -> list[str]:
+    """The balance of the params owned whole, and each rank's bytes as table + padding + the
+    state of what it owns beyond 1/d, beside what it measured."""
+    lines = ["", "params owned whole: optimizer cost per rank (Newton-Schulz multiply-adds for "
+             "Muon, elements for Adafactor) and padding"]
+    for report in plan.balance():
+        lines += report.format().splitlines()
+    lines += ["", "B/param per rank = table + padding + state owned beyond 1/d "
+              "(the layout's arithmetic), beside measured"]
+    lines += [f"{'rank':<6}{'table':>9}{'padding':>10}{'owned':>9}{'expected':>10}{'measured':>10}"]
+    for rank, measured in enumerate(summary["memory_per_rank"]):
+        # With --shard-size, rank r is rank r % shard size of its shard group (the mesh's
+        # last dimension), whose layout the plan is.
+        shard_rank = rank % plan.dp_size
+        lines.append(
+            f"{rank:<6}{plan.table_bytes_per_param:>9.3f}{plan.padding_bytes_per_param:>10.3f}"
+            f"{plan.ownership_bytes_per_param(shard_rank):>+9.3f}"
+            f"{plan.ranks[shard_rank].bytes_per_param:>10.3f}{measured['bytes_per_param']:>10.3f}"
+        )
+    return lines
 
 
 def write_loss_plot(path: Path, history: list[dict[str, Any]]) -> None:
@@ -105,4 +159,4 @@ def write_loss_plot(path: Path, history: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
-__all__ = ["write_loss_plot", "write_summary"]
+__all__ = ["state_bytes_per_element", "write_loss_plot", "write_summary"]

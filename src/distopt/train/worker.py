@@ -21,11 +21,14 @@ import torch.distributed as dist
 
 import distopt
 
+from .. import ownership
 from ..dtypes import DTYPES
+from ..optimizer_kinds import whole_tensor_cost
 from .config import OPTIMIZERS, TrainConfig, default_shard_size
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
-from .report import write_loss_plot, write_summary
+from .recipes import param_groups
+from .report import state_bytes_per_element, write_loss_plot, write_summary
 
 # Test hook for the fault-tolerance test: the rank named here kills itself with SIGKILL at
 # this step of the first attempt, exactly like a crashed or preempted process.
@@ -85,6 +88,9 @@ class Trainer:
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
         common = dict(clip_grad=config.clip, loss_scaler=scaler, lr=config.lr, **opt_kwargs)
+        groups = param_groups(config.optimizer, model, config.lr)
+        if groups is not None:
+            common["params"] = groups
         if config.no_shard:
             self.opt = distopt.BasicOptimizer(self.ddp, opt_cls, **common)
         else:
@@ -215,9 +221,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}",
                                 tok_s=f"{stats['tokens_per_s']:.0f}")
-            if config.save_every and self.step % config.save_every == 0 or (
-                self.step == config.steps
-            ):
+            if config.save and (config.save_every and self.step % config.save_every == 0
+                                or self.step == config.steps):
                 self.save()
         if bar is not None:
             bar.close()
@@ -237,9 +242,25 @@ class Trainer:
             summary = write_summary(self.out, self.config, self.world, reports, self.history,
                                     shard_size=self.ddp.dp_size,
                                     num_files=(self.corpus.num_files_train,
-                                               self.corpus.num_files_heldout))
+                                               self.corpus.num_files_heldout),
+                                    **self._whole_tensor_memory())
             write_loss_plot(self.out / "loss.png", self.history)
         return summary or {}
+
+    def _whole_tensor_memory(self) -> dict[str, Any]:
+        """With params owned whole (Muon, Adafactor): the model's mean optimizer state per
+        param and the plan of what each rank holds; see [Note: memory of whole-tensor
+        ownership] in distopt/ownership.py."""
+        classes = ownership.classes_of(self.opt)
+        if not any(whole_tensor_cost(cls) is not None for cls in classes.values()):
+            return {}
+        per_element = state_bytes_per_element(self.config.optimizer)
+        memory: dict[str, Any] = {"optimizer_state_bytes": ownership.mean_state_bytes(
+            ((tuple(p.shape), cls) for p, cls in classes.items()),
+            elementwise_bytes=per_element)}
+        if self.opt.sharded:
+            memory["ownership"] = ownership.plan_of(self.opt, elementwise_bytes=per_element)
+        return memory
 
 
 class _MetricsLog:

@@ -1,0 +1,126 @@
+"""`distopt train --optimizer muon | adafactor`: the whole-tensor optimizers in the training job.
+
+Each run trains the tiny GPT for 8 steps on 2 ranks without checkpoints (--no-save), and the
+summary must show the loss falling and each rank's bytes equal to the layout's arithmetic:
+the table with the recipe's optimizer state, plus the padding, plus the state of what the rank
+owns beyond an even share ([Note: memory of whole-tensor ownership] in distopt/ownership.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_train import SMALL, _run
+
+from distopt.train.model import gpt_config
+
+# SMALL saves checkpoints every 4 steps; whole-tensor runs here write none (see the last test).
+_AT = SMALL.index("--save-every")
+NO_SAVE = [*SMALL[:_AT], *SMALL[_AT + 2 :], "--no-save"]
+
+
+def _train(out: Path, optimizer: str, *extra: str, save: bool = False,
+           env: dict[str, str] | None = None):
+    args = SMALL if save else NO_SAVE
+    return _run(["train", "--nproc", "2", *args, "--optimizer", optimizer, "--out", str(out),
+                 *extra], env=env)
+
+
+def _shapes() -> tuple[list[tuple[int, int]], int]:
+    """The tiny GPT of SMALL (seq_len 32): its hidden matrices, and the elements of the rest."""
+    config = gpt_config("tiny", seq_len=32)
+    e, layers = config.n_embd, config.n_layer
+    matrices = layers * [(3 * e, e), (e, e), (4 * e, e), (e, 4 * e)]
+    rest = config.vocab_size * e + config.seq_len * e + layers * (2 * 2 * e + 3 * e + e + 4 * e
+                                                                  + e) + 2 * e
+    return matrices, rest
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    out = {}
+    for optimizer in ("muon", "adafactor"):
+        path = tmp_path_factory.mktemp(optimizer)
+        proc = _train(path, optimizer)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[optimizer] = (path, proc.stdout)
+    return out
+
+
+def _summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("optimizer,name", [("muon", "Muon"), ("adafactor", "Adafactor")])
+def test_whole_tensor_runs_learn(runs, optimizer, name):
+    path, stdout = runs[optimizer]
+    summary = _summary(path)
+    assert summary["optimizer"] == name
+    evals = [json.loads(line)["heldout_loss"] for line in
+             (path / "metrics.jsonl").read_text().splitlines() if "heldout_loss" in line]
+    assert len(evals) == 3
+    # 8 steps from 5.42 nats per byte: AdamW reaches about 4.5; a step that did nothing, or
+    # stepped a wrong slice, would stay near the start.
+    assert evals[-1] < 0.9 * evals[0], evals
+    assert "imbalance max/mean" in stdout
+    assert not (path / "checkpoints").exists()
+
+
+def test_muon_bytes_per_param_follow_the_recipe(runs):
+    path, stdout = runs["muon"]
+    summary = _summary(path)
+    matrices, rest = _shapes()
+    n_matrix = sum(a * b for a, b in matrices)
+    n = summary["num_params"]
+    assert n == n_matrix + rest
+    # Muon keeps one fp32 momentum per matrix element, AdamW two moments per other element.
+    state = 4 * n_matrix + 8 * rest
+    assert sum(r["optimizer_state"] for r in summary["memory_per_rank"]) == state
+    theory = summary["theory_bytes_per_param"]
+    assert theory["distopt"] == pytest.approx(8 + state / n / 2, rel=1e-12)
+    assert theory["replicated"] == pytest.approx(8 + state / n, rel=1e-12)  # plain DDP + both
+    whole = summary["whole_tensor"]
+    assert whole["table_bytes_per_param"] == pytest.approx(theory["distopt"], rel=1e-12)
+    # What each rank measured is the layout's arithmetic, to the byte, component by component.
+    assert whole["expected_per_rank"] == summary["memory_per_rank"]
+    for report in summary["memory_per_rank"]:
+        assert report["params"] == 4 * (n + whole["padding_elements"])
+    (balance,) = whole["balance"]
+    # Two blocks of four matrices on two ranks: one block's worth of Newton-Schulz each.
+    block = 192 * 64**2 + 64**3 + 2 * 256 * 64**2
+    assert balance["cost"] == [block, block] and balance["imbalance"] == 1.0
+
+
+def test_adafactor_keeps_rows_and_columns(runs):
+    path, _ = runs["adafactor"]
+    summary = _summary(path)
+    assert summary["config"]["lr"] == 0.1  # Adafactor's own default: its lr is relative
+    config = gpt_config("tiny", seq_len=32)
+    matrices, _ = _shapes()
+    matrices += [(config.vocab_size, config.n_embd), (config.seq_len, config.n_embd)]
+    vectors = summary["num_params"] - sum(a * b for a, b in matrices)
+    state = 4 * (sum(a + b for a, b in matrices) + vectors)
+    assert sum(r["optimizer_state"] for r in summary["memory_per_rank"]) == state
+    whole = summary["whole_tensor"]
+    assert whole["expected_per_rank"] == summary["memory_per_rank"]
+    # Every param is owned whole, balanced by elements: the ranks' elements differ by at most
+    # the largest param's (the embedding, 256 x 64).
+    (balance,) = whole["balance"]
+    assert abs(balance["cost"][0] - balance["cost"][1]) <= 256 * 64
+    assert sum(balance["cost"]) == summary["num_params"]
+
+
+@pytest.mark.xfail(strict=True, reason="checkpoints do not save whole-tensor optimizer state "
+                   "yet (a FlatShard takes 1-D pieces only); remove this mark once they do")
+def test_muon_run_resumes_after_a_crash(runs, tmp_path):
+    """What the uninterrupted runs above cannot check yet: a Muon run killed at step 6 and
+    resumed from its step-4 checkpoint ends exactly where the uninterrupted run ends."""
+    crashed = _train(tmp_path, "muon", save=True,
+                     env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "1"})
+    assert crashed.returncode != 0
+    resumed = _train(tmp_path, "muon", "--resume", save=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    uninterrupted = _summary(runs["muon"][0])["heldout_loss_end"]
+    assert _summary(tmp_path)["heldout_loss_end"] == uninterrupted
