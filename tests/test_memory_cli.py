@@ -128,3 +128,45 @@ def test_cluster_plan_defaults_to_a_node_per_shard_group(capsys):
 def test_cluster_plan_bad_options_give_one_line(capsys, argv, message):
     assert main(["--params", "7e9", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def _rows(out: str) -> list[list[float]]:
+    """The per-rank rows of the bytes table: table, padding, owned, B/param, bytes."""
+    return [[float(x.replace(",", "")) for x in m.groups()] for m in re.finditer(
+        r"^\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([-+][\d.]+)\s+([\d.]+)\s+([\d,]+)$", out, re.M)]
+
+
+def test_muon_balance_of_gpt_small(capsys):
+    """GPT small at d = 4 under the Muon recipe: one layer's Newton-Schulz work per rank, and
+    the padding the bucket size decides (tests/test_balance.py measures the same layouts)."""
+    assert main(["--model", "small", "--dp", "4", "--optimizer", "muon", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "Muon for 16 hidden matrices (3,145,728 params)" in out
+    assert "busiest rank: 2.013e+08, 1.0000x the mean" in out
+    rows = _rows(out)
+    assert len(rows) == 4
+    # 8 B of params and grads, and 4 B of momentum per matrix element beside AdamW's 8 for the
+    # 144,896 others, over 4 ranks; NCCL's default buckets leave no padding.
+    table = 8 + (4 * 3_145_728 + 8 * 144_896) / 3_290_624 / 4
+    for row in rows:
+        assert row[:4] == pytest.approx([table, 0, 0, table], abs=1e-4)
+        assert row[4] == 8 * 3_290_624 + (4 * 3_145_728 + 8 * 144_896) / 4
+    # Gloo's default bucket size (half the model): 131,072 padding elements per rank.
+    assert main(["--model", "small", "--dp", "4", "--optimizer", "muon", "--dtype", "fp32",
+                 "--bucket-size", "1628928"]) == 0
+    out = capsys.readouterr().out
+    assert "padding 524,288 elements = 13.74% of the buffer" in out
+    for row in _rows(out):
+        assert row[1] == pytest.approx(8 * 524_288 / 3_290_624, abs=1e-4)
+
+
+def test_adafactor_and_bad_whole_tensor_options(capsys):
+    assert main(["--model", "tiny", "--dp", "2", "--optimizer", "adafactor"]) == 0
+    out = capsys.readouterr().out
+    assert "Adafactor for every param" in out and len(_rows(out)) == 2
+    assert main(["--params", "7e9", "--optimizer", "muon"]) == 2
+    assert "--optimizer needs --model" in capsys.readouterr().err
+    assert main(["--model", "tiny", "--optimizer", "muon", "--nodes", "2"]) == 2
+    assert "drop --nodes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", "small", "--optimizer", "lbfgs"])

@@ -3,12 +3,15 @@
     distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype fp32
     distopt memory --model small --dp 4
     distopt memory --params 7e9 --nodes 4 --gpus-per-node 8 --shard-size 8
+    distopt memory --model small --dp 4 --optimizer muon
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
 cluster instead: memory per rank and the bytes each rank sends per step inside a node and
 across nodes, sharded within groups of ``--shard-size`` ranks beside the flat layout
-(``distopt.cluster_plan``; see [Note: cluster traffic model] there).
+(``distopt.cluster_plan``; see [Note: cluster traffic model] there). With ``--optimizer muon``
+(or ``adafactor``) it shows what owning each matrix whole costs a model: the optimizer's work
+on each rank, the padding, and the bytes each rank holds (``distopt.ownership``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="ranks each bucket is sharded over (default: the GPUs of a node)")
     cluster.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
                          help="bf16/fp16 grads summed in fp32 (the replicate stage gathers)")
+    _add_whole_tensor_options(parser)
     return parser
 
 
@@ -146,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"distopt memory: {problem}", file=sys.stderr)
         return 2
+    if args.optimizer is not None:
+        return _whole_tensor(args)
     if args.model is not None:
         from .train.model import GPT, gpt_config  # the preset's exact parameter count
 
@@ -219,4 +225,87 @@ def _cluster(args: argparse.Namespace, num_params: int, label: str, grad_dtype: 
           f"{_size(flat.memory_total * num_params)};\nthe busiest rank sends "
           f"{_size(sharded.traffic.across_nodes_busiest * num_params)} across nodes per step "
           f"instead of {_size(flat.traffic.across_nodes_busiest * num_params)}")
+    return 0
+
+
+# ---------------------------------------------------------------- whole-tensor optimizers
+
+WHOLE_TENSOR_RECIPES = {
+    "muon": "Muon for the hidden matrices, AdamW for embeddings, norms and biases",
+    "adafactor": "Adafactor for every param",
+}
+
+
+def _add_whole_tensor_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "whole-tensor optimizers", "what owning each param whole costs a --model: the "
+        "optimizer's work on each rank, the padding, the bytes each rank holds")
+    group.add_argument("--optimizer", choices=WHOLE_TENSOR_RECIPES, default=None,
+                       help="the recipe of distopt train --optimizer (needs --model)")
+    group.add_argument("--bucket-size", type=_positive_count, default=None,
+                       help="elements per bucket (default: distopt's default on NCCL)")
+
+
+def _whole_tensor(args: argparse.Namespace) -> int:
+    """The balance and the bytes per rank of a demo GPT under a whole-tensor optimizer, by the
+    layout arithmetic the DDP runs (distopt.ownership.predict_plan)."""
+    if args.model is None:
+        print("distopt memory: --optimizer needs --model (a demo GPT preset): the balance "
+              "depends on the shapes of its matrices", file=sys.stderr)
+        return 2
+    if args.nodes is not None:
+        print("distopt memory: --optimizer shows one data-parallel group; drop --nodes (or "
+              "--optimizer), or give the shard group's size as --dp", file=sys.stderr)
+        return 2
+    from .ownership import predict_plan
+    from .train.model import GPT, gpt_config
+    from .train.recipes import hidden_matrices, muon_param_groups
+
+    try:
+        config = gpt_config(args.model, seq_len=256)
+    except ValueError as error:
+        print(f"distopt memory: {error}", file=sys.stderr)
+        return 2
+    dp = args.dp or 8
+    param_dtype = DTYPES[args.dtype]
+    grad_dtype = DTYPES[args.grad_dtype] if args.grad_dtype else (
+        torch.float32 if param_dtype != torch.float32 else param_dtype)
+    if args.store_param_remainders and param_dtype != torch.bfloat16:
+        print("distopt memory: --store-param-remainders needs bf16 params", file=sys.stderr)
+        return 2
+    with torch.device("meta"):  # shapes only
+        model = GPT(config).to(param_dtype)
+    if args.optimizer == "muon":
+        optimizer_cls, groups = torch.optim.Muon, muon_param_groups(model, lr=1.0)
+        matrices = hidden_matrices(model)[0]
+        what = (f"Muon for {len(matrices)} hidden matrices "
+                f"({sum(p.numel() for p in matrices):,} params), AdamW for the rest")
+        unit = "Newton-Schulz multiply-adds per iteration, max(m,n) min(m,n)^2 per m x n matrix"
+    else:
+        optimizer_cls, groups = torch.optim.Adafactor, None
+        what, unit = WHOLE_TENSOR_RECIPES["adafactor"], "elements"
+    plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
+                        bucket_size=args.bucket_size,
+                        store_param_remainders=args.store_param_remainders)
+    layout = plan.buffers[0].layout
+    whole = sum(bucket.whole_tensor for bucket in layout.buckets)
+    size = args.bucket_size or "distopt's default on NCCL"
+    print(f"--model {args.model} ({plan.num_params:,} params): {what}; {args.dtype} params, "
+          f"{dtype_name(grad_dtype)} grads, data-parallel size {dp}; {len(layout.buckets)} "
+          f"buckets ({whole} of params owned whole), bucket size {size}\n")
+    print(f"optimizer cost per rank ({unit}) and padding per rank (elements):")
+    for report in plan.balance():
+        print(report.format())
+        print(f"busiest rank: {report.max_cost:.4g}, {report.imbalance:.4f}x the mean "
+              f"(no assignment does better than {report.best_imbalance:.4f}x)")
+    print("\nbytes per param each rank holds = the table, with the recipe's mean optimizer state "
+          f"({plan.table.optimizer_state:.3f} B/param),\n+ the padding + the state of what the "
+          "rank owns beyond an even share\n(tests/test_balance.py checks these against "
+          "distopt.measure_state_bytes to the byte):")
+    print(plan.format())
+    busiest = max(plan.ranks, key=lambda r: r.total)
+    replicated = plan.table.total(dp, distributed=False)
+    print(f"\nbusiest rank {busiest.bytes_per_param:.3f} B/param = {busiest.total / 2**20:,.1f} "
+          f"MiB; the padding adds {plan.padding_bytes_per_param / plan.table_bytes_per_param:.2%}"
+          f" to the table; replicated (DDP + the same optimizers) {replicated:.3f} B/param")
     return 0
