@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .models import MODELS
+from .models import MODELS, build_model
+from .muon import MUON_SYSTEMS
 from .runner import RunConfig, merge_rounds, run_config
 from .systems import SPLIT_OVERLAP, SYSTEMS, theoretical_bytes_per_param
 
@@ -37,11 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4],
                    help="data-parallel sizes to run (default: 2 4)")
-    p.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS),
+    p.add_argument("--model", nargs="+", choices=MODELS, default=["gpt", "mlp"],
                    help="models to run (default: gpt mlp)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS + SPLIT_OVERLAP,
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS + SPLIT_OVERLAP + MUON_SYSTEMS,
                    default=list(SYSTEMS),
-                   help="configurations to run (default: all but the split-overlap ones)")
+                   help="configurations to run (default: all but the split-overlap and the "
+                        "Muon ones)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of every configuration, interleaved (default 3)")
@@ -62,6 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--numel", type=int, default=3_260_000,
                    help="elements of the --collectives tensor (default: the gpt model's)")
     return p
+
+
+def muon_state_bytes(model: str, seq_len: int) -> float:
+    """The Muon recipe's mean optimizer state per param on benchmark model ``model``."""
+    from .muon import muon_state_bytes as of_module
+
+    with torch.device("meta"):  # shapes only
+        return of_module(build_model(model, seq_len).module)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -119,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                     rounds[system].append(run_config(config))
             for system in args.systems:
                 result = merge_rounds(rounds[system])
-                result["theory_bytes_per_param"] = theoretical_bytes_per_param(system, nproc)
+                state = muon_state_bytes(model, args.seq_len) if system in MUON_SYSTEMS else 8
+                result["theory_bytes_per_param"] = theoretical_bytes_per_param(
+                    system, nproc, optimizer_state_bytes=state)
                 results.append(result)
 
     from . import report
@@ -127,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_ratios(results)
     print(report.format_table(results))
     print(report.format_phases(results))
+    print(report.format_muon(results))
     meta = {
         "argv": ["distopt", "bench", *(argv if argv is not None else sys.argv[1:])],
         "torch": torch.__version__,

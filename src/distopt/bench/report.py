@@ -7,6 +7,7 @@ import os
 import statistics
 from typing import Any
 
+from .muon import MUON_BASELINES, MUON_SYSTEMS
 from .runner import PHASES
 from .systems import LABELS, PEERS
 
@@ -22,12 +23,16 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         ok = [r for r in group if "error" not in r]
         by_name = {r["config"]["system"]: r for r in ok}
         peers = [r for r in ok if r["config"]["system"] in PEERS]
+        # distopt's Muon is measured against the Muon baselines, not against AdamW peers.
+        muon_peers = [r for r in ok if r["config"]["system"] in MUON_BASELINES]
         for r in ok:
             r["ratio_to_ddp"] = _paired_ratio(r, by_name.get("ddp"))
-            ratios = [_paired_ratio(r, p) for p in peers]
+            ratios = [_paired_ratio(r, p) for p in
+                      (muon_peers if r["config"]["system"] in MUON_SYSTEMS else peers)]
             r["ratio_to_fastest_peer"] = max(ratios) if ratios else None
-            if peers:
-                fastest = min(peers, key=lambda p: p["median_step_s"])
+            mine = muon_peers if r["config"]["system"] in MUON_SYSTEMS else peers
+            if mine:
+                fastest = min(mine, key=lambda p: p["median_step_s"])
                 r["fastest_peer"] = fastest["config"]["system"]
 
 
@@ -91,6 +96,26 @@ def format_phases(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_muon(results: list[dict[str, Any]]) -> str:
+    """The Muon configurations side by side: step time, bytes each rank sends per step, and
+    the Newton-Schulz runs of each rank per step (empty without them)."""
+    rows = [r for r in results if "error" not in r and r["config"]["system"] in MUON_SYSTEMS]
+    if not rows:
+        return ""
+    lines = [f"\n{'Muon configurations':<44}{'step ms':>9}{'/best':>7}{'wire MB':>9}"
+             f"{'B/param':>9}  Newton-Schulz runs per step on each rank"]
+    for r in rows:
+        c = r["config"]
+        name = f"{c['model']} d={c['nproc']} {LABELS[c['system']]}"
+        runs = ", ".join(f"{n:g}" for n in r["newton_schulz_per_step"])
+        lines.append(
+            f"{name:<44}{r['median_step_s'] * 1e3:>9.1f}"
+            f"{_ratio(r.get('ratio_to_fastest_peer')):>7}{r['wire_bytes_per_step'] / 1e6:>9.2f}"
+            f"{r['bytes_per_param']:>9.2f}  [{runs}] (sum {sum(r['newton_schulz_per_step']):g})"
+        )
+    return "\n".join(lines)
+
+
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -113,7 +138,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         ok = [r for r in group if "error" not in r]
         names = [LABELS[r["config"]["system"]].replace(", ", "\n") for r in ok]
         values = [r["median_step_s"] * 1e3 for r in ok]
-        colors = ["#9aa5b1" if r["config"]["system"] in PEERS else "#2b7bb9" for r in ok]
+        colors = ["#9aa5b1" if r["config"]["system"] in PEERS + MUON_BASELINES else "#2b7bb9"
+                  for r in ok]
         bars = ax.barh(range(len(ok)), values, color=colors)
         for bar, r in zip(bars, ok, strict=True):
             ratio = r.get("ratio_to_ddp")

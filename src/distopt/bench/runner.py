@@ -27,8 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import distopt
+
 from .models import build_model
-from .systems import PEERS, CollectiveCounter, build_system, wire_bytes
+from .muon import MUON_SYSTEMS, build_muon_system
+from .systems import CollectiveCounter, build_system, wire_bytes
 
 PHASES = ("forward", "backward", "wait_reduce", "step", "wait_gather")
 
@@ -135,10 +138,13 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
     bench_model = build_model(config.model, config.seq_len)
     module = bench_model.module.to(device)
     num_params = sum(p.numel() for p in module.parameters())
-    system = build_system(config.system, module, device, bucket_size=config.bucket_size)
-    is_distopt = config.system not in PEERS
+    build = build_muon_system if config.system in MUON_SYSTEMS else build_system
+    system = build(config.system, module, device, bucket_size=config.bucket_size)
+    # Configurations on distopt's DDP (gather-muon too) time its collectives' waits.
+    is_distopt = isinstance(system.model, distopt.DistributedDataParallel)
     counter = CollectiveCounter()
     counter.install()
+    newton_schulz = NewtonSchulzCounter()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if is_distopt:
         # distopt times its own collectives' waits; see collectives.CommStats.
@@ -167,6 +173,7 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
     for step in range(config.warmup + config.steps):
         if step == config.warmup:
             counter.reset()
+            newton_schulz.calls = 0
             if is_distopt:
                 system.model.comm_stats.reset()
         inputs = bench_model.batch(step, rank, config.batch_size, device)
@@ -179,7 +186,8 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
         m2 = mark()
         system.sync()
         m3 = mark()
-        system.step()
+        with newton_schulz:
+            system.step()
         m4 = mark()
         losses.append(float(loss.detach()))
         if step >= config.warmup:
@@ -204,6 +212,7 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
         "state_bytes": state,
         "calls": dict(counter.calls),
         "bytes": dict(counter.bytes),
+        "newton_schulz_calls": newton_schulz.calls,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "model_source": bench_model.source,
         "checksum": float(sum(p.detach().double().sum() for p in _full_params(system))),
@@ -218,6 +227,32 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
     if device.type == "cuda":
         result["max_cuda_bytes"] = torch.cuda.max_memory_allocated()
     return result
+
+
+class NewtonSchulzCounter:
+    """Counts torch Muon's Newton-Schulz runs in this process while inside its block (the Muon
+    configurations call the same function)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original: Any = None
+
+    def __enter__(self) -> NewtonSchulzCounter:
+        import torch.optim._muon as torch_muon
+
+        self._original = original = torch_muon._zeropower_via_newtonschulz
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        torch_muon._zeropower_via_newtonschulz = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.optim._muon as torch_muon
+
+        torch_muon._zeropower_via_newtonschulz = self._original
 
 
 def _full_params(system) -> list[torch.Tensor]:
@@ -262,6 +297,7 @@ def _summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         "calls_per_step": {op: c / steps for op, c in first["calls"].items()},
         "payload_bytes_per_step": payload,
         "wire_bytes_per_step": sum(wire_bytes(op, b, d) for op, b in payload.items()),
+        "newton_schulz_per_step": [r["newton_schulz_calls"] / steps for r in per_rank],
         "final_loss": first["losses"][-1],
         "checksum": first["checksum"],
     }

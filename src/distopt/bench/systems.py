@@ -34,6 +34,9 @@ LABELS = {
     "distopt-overlap-reduce": "distopt, reduce overlap only",
     "distopt-overlap-gather": "distopt, gather overlap only",
     "basic": "distopt BasicOptimizer",
+    "distopt-muon": "distopt Muon, owner computes",
+    "ddp-muon": "torch DDP + Muon, every rank",
+    "gather-muon": "ZeRO-1 Muon, gathered (Moonshot)",
 }
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}
@@ -273,7 +276,8 @@ def build_system(
     if name == "basic":
         return _Basic(module, bucket_size=bucket_size)
     raise ValueError(
-        f"unknown system {name!r}; choose from {', '.join(SYSTEMS + SPLIT_OVERLAP)}"
+        f"unknown system {name!r}; choose from {', '.join(SYSTEMS + SPLIT_OVERLAP)} (the Muon "
+        "ones: bench.muon.build_muon_system)"
     )
 
 
@@ -286,10 +290,12 @@ _DISTOPT_OVERLAPS = {
 }
 
 
-def theoretical_bytes_per_param(name: str, d: int) -> float:
-    """Persistent state per parameter for fp32 params and grads with Adam (docs/design.md)."""
-    fp32 = bytes_per_param_breakdown(torch.float32, torch.float32)
-    if name in ("ddp", "basic"):
+def theoretical_bytes_per_param(name: str, d: int, optimizer_state_bytes: float = 8) -> float:
+    """Persistent state per parameter for fp32 params and grads with Adam (docs/design.md), or
+    with ``optimizer_state_bytes`` of state per param (the Muon recipe's mean)."""
+    fp32 = bytes_per_param_breakdown(torch.float32, torch.float32,
+                                     optimizer_state_bytes=optimizer_state_bytes)
+    if name in ("ddp", "basic", "ddp-muon"):
         return fp32.total(d, distributed=False)
     if name == "zero":
         # params and grads replicated, Adam's moments sharded
