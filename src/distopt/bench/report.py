@@ -27,10 +27,9 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         muon_peers = [r for r in ok if r["config"]["system"] in MUON_BASELINES]
         for r in ok:
             r["ratio_to_ddp"] = _paired_ratio(r, by_name.get("ddp"))
-            ratios = [_paired_ratio(r, p) for p in
-                      (muon_peers if r["config"]["system"] in MUON_SYSTEMS else peers)]
-            r["ratio_to_fastest_peer"] = max(ratios) if ratios else None
             mine = muon_peers if r["config"]["system"] in MUON_SYSTEMS else peers
+            ratios = [_paired_ratio(r, p) for p in mine]
+            r["ratio_to_fastest_peer"] = max(ratios) if ratios else None
             if mine:
                 fastest = min(mine, key=lambda p: p["median_step_s"])
                 r["fastest_peer"] = fastest["config"]["system"]
