@@ -12,9 +12,10 @@ part may be depends on what the optimizer reads when it updates an element:
   parameter's RMS. Each of their params is owned whole by one rank, the buckets laid out so
   that no param crosses a shard boundary ([Note: whole-tensor layout] in whole_layout.py); the
   owner steps it alone, and the ordinary reduce-scatter and all-gather carry it: no collective
-  is added, and the bytes sent grow only by the padding of those buckets. Which rank owns which param balances a cost per param: for Muon
-  the multiply-adds of Newton-Schulz, for Adafactor (whose work is linear) the elements. A
-  user's own class joins with ``register_whole_tensor_optimizer``. On a hierarchical mesh
+  is added, and the bytes sent grow only by the padding of those buckets. Which rank owns
+  which param balances a cost per param: for Muon the multiply-adds of Newton-Schulz, for
+  Adafactor (whose work is linear) the elements. A user's own class joins with
+  ``register_whole_tensor_optimizer``. On a hierarchical mesh
   ([Note: hierarchical data parallelism] in parallel.py) the owners are ranks of the shard
   group, and each replica's owner steps the param, as each replica keeps its own state.
 * Anything else (LBFGS's line search over the whole model, SparseAdam's sparse grads) is
