@@ -435,16 +435,17 @@ class _BufferOptimizer(torch.optim.Optimizer):
         # inner optimizers step with, in the user's order.
         assert all(any(g is h for o in self.optimizers for h in o.param_groups)
                    for g in user_order)
-        param_groups_in_order = user_order
-        mains = [m for g in param_groups_in_order for m in g["params"]]
+        mains = [m for g in user_order for m in g["params"]]
         self._grads = [m.grad for m in mains]
         # Tensor parallelism adds the TP groups to every reduction and leaves TP-replicated
         # grads out of the sums on all but one TP rank; see [Note: TP grad statistics].
-        tp_groups, self._counted_grads = grad_statistics(
-            self.parallel.tp,
-            [self.piece_info(m)[0] for m in mains],
-            self._grads,
+        tp_groups, counted = grad_statistics(
+            self.parallel.tp, [self.piece_info(m)[0] for m in mains], mains
         )
+        # The main params whose grads global statistics count on this rank, and those grads
+        # (None with transient grads, which the bucket-by-bucket step reads from the mains).
+        self._counted_mains = dict.fromkeys(counted)
+        self._counted_grads = [m.grad for m in counted]
         if tp_groups and model_parallel_group is not None:
             raise ValueError(
                 "the model has DTensor (tensor-parallel) params, whose mesh already gives the "
@@ -456,7 +457,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these
         # aliases make torch's LR schedulers and step hooks act on it directly.
         self.defaults = self.optimizer.defaults
-        self.param_groups = param_groups_in_order
+        self.param_groups = user_order
         # One state for all inner optimizers: their params are disjoint, and checkpoints and
         # users read it in one place, as torch.optim's.
         self.state = self.optimizer.state
@@ -596,15 +597,6 @@ class _BufferOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _grads_of(mains: list[nn.Parameter]) -> list[torch.Tensor]:
         return [m.grad for m in mains]
-
-    @functools.cached_property
-    def _counted_mains(self) -> dict[nn.Parameter, None]:
-        """The main params whose grads global statistics count on this rank (``_counted_grads``
-        by main param, in the same order; see [Note: TP grad statistics])."""
-        mains = [m for g in self.param_groups for m in g["params"]]
-        _, counted = grad_statistics(self.parallel.tp, [self.piece_info(m)[0] for m in mains],
-                                     mains)
-        return dict.fromkeys(counted)
 
     def _step_only(self, mains: set[nn.Parameter]) -> None:
         """The inner steps over ``mains`` alone: the same as in a full step, since an
