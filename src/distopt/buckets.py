@@ -23,7 +23,7 @@ from torch import nn
 
 from . import collectives as comm
 from .dtensor import alias_local, local_tensor
-from .layout import BucketLayout, BufferLayout, Range, build_layout
+from .layout import BucketLayout, BufferLayout, Range
 from .whole_layout import build_mixed_layout
 
 
@@ -231,12 +231,11 @@ class ParamAndGradBuffer:
         self.dp_size = dp_size
         self.dp_rank = dp_rank
         numels = [local_tensor(p).numel() for p in params]
-        if whole_costs is not None and any(cost is not None for cost in whole_costs):
-            self.layout: BufferLayout = build_mixed_layout(
-                numels, whole_costs, bucket_size=bucket_size, dp_size=dp_size
-            )
-        else:
-            self.layout = build_layout(numels, bucket_size=bucket_size, dp_size=dp_size)
+        # Without whole-tensor params the mixed layout is build_layout's, bucket for bucket.
+        self.layout: BufferLayout = build_mixed_layout(
+            numels, whole_costs or [None] * len(params), bucket_size=bucket_size,
+            dp_size=dp_size,
+        )
         device = params[0].device
         # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
         self.param_data = torch.zeros(self.layout.numel, dtype=self.param_dtype, device=device)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import TARGET_BUCKETS, BufferLayout, build_layout, default_bucket_size
+from .layout import TARGET_BUCKETS, BufferLayout, default_bucket_size
 from .memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
 from .optimizer_kinds import whole_tensor_cost
 from .whole_layout import BalanceReport, balance_report, build_mixed_layout
@@ -289,10 +289,8 @@ def predict_plan(
     for dtype, plist in by_dtype.items():
         numels = [p.numel() for p in plist]
         whole = [costs.get(p) for p in plist]
-        if any(cost is not None for cost in whole):
-            layout = build_mixed_layout(numels, whole, bucket_size=bucket_size, dp_size=dp_size)
-        else:
-            layout = build_layout(numels, bucket_size=bucket_size, dp_size=dp_size)
+        # The DDP's buffer layout (ParamAndGradBuffer), element-wise where no cost is given.
+        layout = build_mixed_layout(numels, whole, bucket_size=bucket_size, dp_size=dp_size)
         buffers.append(BufferPlan(
             layout=layout,
             shapes=tuple(tuple(p.shape) for p in plist),
