@@ -5,7 +5,7 @@ Models: the demo GPT ``small`` (Muon recipe; and Adafactor for every param), onc
 buckets distopt picks on gloo and once with those it picks on NCCL, and an MLP whose twelve
 matrices all have different shapes. Each rank takes one step (torch creates optimizer state
 lazily), then ``measure_state_bytes`` walks its storages. See [Note: memory of whole-tensor
-ownership] in distopt/ownership.py for the accounting the assertions follow.
+ownership] in distopt/plan/ownership.py for the accounting the assertions follow.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.optim._muon as torch_muon
 from torch import nn
 
 import distopt
-from distopt.layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
-from distopt.ownership import plan_of, predict_plan, state_bytes
+from distopt.layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from distopt.plan.ownership import plan_of, predict_plan, state_bytes
 from distopt.train.config import OPTIMIZERS
 from distopt.train.model import GPT, gpt_config
 from distopt.train.recipes import muon_param_groups
@@ -191,7 +191,7 @@ def test_gpt_small_with_muon(results):
 
 
 def test_imbalance_within_the_bound_of_the_greedy(results):
-    """The owners are chosen greedily (whole_layout.py): each bucket's params, costliest first,
+    """The owners are chosen greedily (layout/whole.py): each bucket's params, costliest first,
     go to its part with the least cost, so the parts of a bucket differ by at most the costliest
     param c_max; the parts go to the ranks by least load so far, which keeps the spread of the
     ranks' totals within the largest spread of a bucket's parts; and the local search only

@@ -1,7 +1,7 @@
 """The cluster plan: memory per rank and bytes sent per step, inside a node and across nodes.
 
 Every expected number is worked out by hand in the comments from the ring model of
-[Note: cluster traffic model] (src/distopt/cluster_plan.py): ranks numbered node by node, each
+[Note: cluster traffic model] (src/distopt/plan/cluster.py): ranks numbered node by node, each
 collective a ring through its group's ranks in rank order, each rank sending all of its share
 of a collective to the next rank of its ring.
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import distopt
-from distopt.cluster_plan import cluster_plan, layout_plan
 from distopt.memory import bytes_per_param_breakdown
+from distopt.plan.cluster import cluster_plan, layout_plan
 
 FP32 = bytes_per_param_breakdown(torch.float32, torch.float32)  # params 4, grads 4, Adam 8
 BF16_FP32 = bytes_per_param_breakdown(torch.bfloat16, torch.float32)  # params 2, grads 4

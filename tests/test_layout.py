@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from distopt.layout import SHARD_ALIGN, Range, build_layout, default_bucket_size
+from distopt.layout.elementwise import SHARD_ALIGN, Range, build_layout, default_bucket_size
 
 
 def _pieces_by_param(layout, rank):

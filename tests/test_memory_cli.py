@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import distopt
+from distopt.cli.memory import main
 from distopt.dtypes import DTYPES
 from distopt.memory import BytesPerParam, bytes_per_param_breakdown
-from distopt.memory_cli import main
 
 
 @pytest.mark.parametrize(

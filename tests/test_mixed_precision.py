@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 import distopt
-from distopt import clip
+from distopt.optim import grad_stats as clip
 
 from dist_harness import case_result, run_cases
 from models import TT_USED, TT_VOCAB, TinyTransformer, markov_batch, mlp, rank_slice

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import distopt
-from distopt.optimizer_kinds import (
+from distopt.optim.kinds import (
     check_optimizer_cls,
     newton_schulz_shape_cost,
     numel_cost,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distopt.extras import BENCH_NEEDS, TRAIN_NEEDS, missing
+from distopt.cli.needs import BENCH_NEEDS, TRAIN_NEEDS, missing
 
 APPLICATION_PACKAGES = ("matplotlib", "tqdm", "numpy")
 
@@ -39,7 +39,7 @@ def test_import_distopt_loads_no_application_package():
     proc = _python(
         "import sys, torch\n"
         "before = set(sys.modules)\n"
-        "import distopt, distopt.cli, distopt.memory_cli\n"
+        "import distopt, distopt.cli, distopt.cli.memory\n"
         "print(' '.join(sorted(set(sys.modules) - before)))\n"
         "print('matplotlib' in sys.modules)\n"
     )

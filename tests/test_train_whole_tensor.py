@@ -3,7 +3,7 @@
 Each run trains the tiny GPT for 8 steps on 2 ranks without checkpoints (--no-save), and the
 summary must show the loss falling and each rank's bytes equal to the layout's arithmetic:
 the table with the recipe's optimizer state, plus the padding, plus the state of what the rank
-owns beyond an even share ([Note: memory of whole-tensor ownership] in distopt/ownership.py).
+owns beyond an even share ([Note: memory of whole-tensor ownership] in distopt/plan/ownership.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from .checkpoint import (
 )
 from .ddp import DistributedDataParallel
 from .memory import MemoryReport, measure_state_bytes, theoretical_bytes_per_param
+from .optim.kinds import register_whole_tensor_optimizer
 from .optimizer import BasicOptimizer, DistributedOptimizer, StepResult
-from .optimizer_kinds import register_whole_tensor_optimizer
 from .scaler import ConstantLossScaler, DynamicLossScaler
 
 __all__ = [

@@ -3,9 +3,9 @@
 One ``ParamAndGradBuffer`` holds every trainable parameter of one dtype. After construction each
 such parameter's ``.data`` (a DTensor's local shard) is a view into ``param_data`` and its
 ``main_grad`` (the one attribute distopt hangs on a parameter) is a view, of the same local
-shape, into ``grad_data``. Both buffers share one layout (see [Note: layout rule] in layout.py),
-so a bucket is the same range of both, and the collectives of a bucket run on one contiguous
-tensor without any copy.
+shape, into ``grad_data``. Both buffers share one layout (see [Note: layout rule] in
+layout/elementwise.py), so a bucket is the same range of both, and the collectives of a bucket
+run on one contiguous tensor without any copy.
 
 A ``Bucket`` owns its step: which of its grads have been written and which are still to come,
 its reduction and its gather in flight, and the region of grads this rank holds reduced. The
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as comm
-from .dtensor import alias_local, local_tensor
-from .layout import BucketLayout, BufferLayout, Range
-from .whole_layout import build_mixed_layout
+from .layout.elementwise import BucketLayout, BufferLayout, Range
+from .layout.whole import build_mixed_layout
+from .parallel.dtensor import alias_local, local_tensor
 
 
 class Bucket:
@@ -222,7 +222,7 @@ class ParamAndGradBuffer:
     ) -> None:
         """``whole_costs``: per param (in ``params``' order), None for element-wise shards or
         the cost its owner balances when it is owned whole by one rank; see
-        [Note: whole-tensor layout] in whole_layout.py. None: every param element-wise."""
+        [Note: whole-tensor layout] in layout/whole.py. None: every param element-wise."""
         if not params:
             raise ValueError("a buffer needs at least one parameter")
         self.params = params  # layout order

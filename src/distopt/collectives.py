@@ -40,7 +40,7 @@ in flight, freed when its reduction is waited for: the received chunks in the gr
 (the whole bucket with ``all_to_all_single``, (d - 1)/d of it on gloo) and an fp32 accumulator
 of one shard.
 
-On a hierarchical mesh (see [Note: hierarchical data parallelism] in parallel.py) the reduced
+On a hierarchical mesh (see [Note: hierarchical data parallelism] in parallel/groups.py) the reduced
 chunk is then averaged over the r replicas, and a plain all-reduce of it would sum in bf16 again
 (a ring rounds at each of its hops, and with one rank per shard group nothing was summed in fp32
 at all). With the option that second stage is ``all_reduce_avg_fp32_accum``: every replica
@@ -335,7 +335,7 @@ class _Composite:
 
 
 def _gloo_reduce_scatter_avg(shard, full, group, *, async_op: bool):
-    # See [Note: collectives on gloo]. The bucket's numel is a multiple of d (layout.py).
+    # See [Note: collectives on gloo]. A bucket's numel is a multiple of d (layout/elementwise.py).
     size, rank = group_size(group), group_rank(group)
     chunks = full.chunk(size)
     mine = chunks[rank]
@@ -366,7 +366,7 @@ def _average_in_fp32(shard: torch.Tensor, chunks: list[torch.Tensor]) -> None:
 
 def _all_to_all_reduce_scatter_fp32(shard, full, group, *, async_op: bool):
     # Row r of ``received`` is rank r's copy of this rank's chunk. The bucket's numel is a
-    # multiple of d (layout.py).
+    # multiple of d (layout/elementwise.py).
     size = group_size(group)
     received = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
     work = dist.all_to_all_single(received, full, group=group, async_op=True)

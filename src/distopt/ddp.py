@@ -50,11 +50,11 @@ from torch import nn
 
 from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer
-from .dtensor import is_dtensor, local_grad, local_tensor
-from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
 from .options import GradSyncOptions
-from .parallel import ParallelLayout, resolve_dp_groups
-from .tensor_parallel import TensorParallelMesh, check_params, stat_groups
+from .parallel.dtensor import is_dtensor, local_grad, local_tensor
+from .parallel.groups import ParallelGroups, resolve_dp_groups
+from .parallel.tensor_parallel import TensorParallelMesh, check_params, stat_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -136,7 +136,7 @@ class DistributedDataParallel(nn.Module):
         # The TP mesh is None without DTensor params; check_params raises (on every rank, before
         # any collective) on a DTensor layout distopt cannot compose with. See
         # [Note: DTensor params].
-        self.parallel = ParallelLayout.of(
+        self.parallel = ParallelGroups.of(
             dp_group, check_params(named, dp_group), replicate_group
         )
         # Over the TP groups too, so that every rank of the mesh raises, or none does.
@@ -202,7 +202,7 @@ class DistributedDataParallel(nn.Module):
     def own_whole(self, costs: dict[nn.Parameter, float]) -> None:
         """Lay the buffers out so that each param in ``costs`` is owned whole by one
         data-parallel rank, the owners balancing the summed costs; every other param keeps
-        element-wise shards. See [Note: whole-tensor layout] in whole_layout.py.
+        element-wise shards. See [Note: whole-tensor layout] in layout/whole.py.
 
         ``DistributedOptimizer`` calls this for the params of its whole-tensor optimizers
         (Muon, Adafactor; see [Note: optimizer kinds]); it is deterministic, so every rank

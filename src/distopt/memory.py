@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from .dtensor import local_tensor
 from .dtypes import DTYPES
+from .parallel.dtensor import local_tensor
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -49,7 +49,7 @@ class BytesPerParam:
     they exist only during the step, one bucket at a time, and cost nothing here)."""
     optimizer_state: float
     """The torch optimizer's state: 8 for Adam's two fp32 moments, 4 for SGD's momentum; with
-    several optimizers (Muon's 4 beside AdamW's 8), the model's mean (distopt.ownership)."""
+    several optimizers (Muon's 4 beside AdamW's 8), the model's mean (distopt.plan.ownership)."""
 
     def per_rank(self, dp_size: int, *, distributed: bool = True) -> dict[str, float]:
         """Each component's bytes per parameter on one of ``dp_size`` data-parallel ranks, by

@@ -40,20 +40,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import clip
 from .buckets import ParamAndGradBuffer
 from .ddp import DistributedDataParallel
-from .dtensor import is_dtensor, local_tensor
-from .layout import ShardPiece
-from .optimizer_kinds import (
+from .layout.elementwise import ShardPiece
+from .optim import grad_stats as clip
+from .optim.kinds import (
     check_optimizer_cls,
     needs_matrices,
     whole_tensor_cost,
 )
 from .options import StepOptions
-from .parallel import ParallelLayout, common_layout
+from .parallel.dtensor import is_dtensor, local_tensor
+from .parallel.groups import ParallelGroups, common_groups
+from .parallel.tensor_parallel import grad_statistics
 from .scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from .tensor_parallel import grad_statistics
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +332,7 @@ class _OwnedMainParams:
 # of the step around them: one grad sync, one loss-scaler verdict and one global clip norm over
 # all grads, one param gather, one StepResult. optimizer_kwargs go to optimizer_cls only; a
 # group of another class gives its options in the group, its class's defaults filling the
-# rest. The groups of whole-tensor classes ([Note: optimizer kinds] in optimizer_kinds.py)
+# rest. The groups of whole-tensor classes ([Note: optimizer kinds] in optim/kinds.py)
 # have their params owned whole (DistributedDataParallel.own_whole) and their main params
 # take each param's shape.
 
@@ -360,7 +360,7 @@ class _BufferOptimizer(torch.optim.Optimizer):
                 "loss_scaler must be distopt.DynamicLossScaler() or distopt.ConstantLossScaler(s)"
             )
         # The DP group and TP mesh every model chunk shares, checked once.
-        self.parallel: ParallelLayout = common_layout([m.parallel for m in models])
+        self.parallel: ParallelGroups = common_groups([m.parallel for m in models])
         _check_model_parallel_group(model_parallel_group, self.parallel.dp_group)
         if isinstance(loss_scaler, DynamicLossScaler):
             checked = [m for m in models if m.check_for_nan_in_grad]
@@ -733,7 +733,7 @@ class DistributedOptimizer(_BufferOptimizer):
             whose state is sharded element by element, or whole-tensor (``torch.optim.Muon``,
             ``torch.optim.Adafactor``, or one declared with
             ``distopt.register_whole_tensor_optimizer``), whose params are each owned whole by
-            one rank; see [Note: optimizer kinds] in optimizer_kinds.py.
+            one rank; see [Note: optimizer kinds] in optim/kinds.py.
         params: optional torch-style param groups over the module's params (a list of params,
             or of dicts with ``params`` and per-group options). None: one group with all
             trainable params. A group may name its own class under ``"optimizer"`` (Muon for

@@ -27,7 +27,7 @@ from torch import nn
 
 import distopt
 
-from ..ownership import mean_state_bytes
+from ..plan.ownership import mean_state_bytes
 from ..train.recipes import hidden_matrices
 from .systems import ADAMW, System, _Distopt, _TorchDDP
 

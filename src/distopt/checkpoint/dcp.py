@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..tensor_parallel import TensorParallelMesh
+from ..parallel.tensor_parallel import TensorParallelMesh
 from .format import OwnedPiece, piece_runs
 
 

@@ -64,10 +64,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dtensor import is_dtensor
-from ..layout import ShardPiece
+from ..layout.elementwise import ShardPiece
+from ..optim.kinds import whole_tensor_cost
 from ..optimizer import BasicOptimizer, DistributedOptimizer
-from ..optimizer_kinds import whole_tensor_cost
+from ..parallel.dtensor import is_dtensor
 from .files import CheckpointError
 
 STATE_DICT_FORMAT = "distopt.optimizer/1"

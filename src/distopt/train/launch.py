@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ..extras import TRAIN_NEEDS, require
+    from ..cli.needs import TRAIN_NEEDS, require
 
     require("distopt train", TRAIN_NEEDS)
     sys.exit(main())

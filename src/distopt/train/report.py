@@ -9,7 +9,7 @@ from typing import Any
 
 from ..dtypes import DTYPES
 from ..memory import bytes_per_param_breakdown
-from ..ownership import OwnershipPlan
+from ..plan.ownership import OwnershipPlan
 from .config import OPTIMIZERS, TrainConfig
 
 _STATE_BYTES = {"sgd": 4, "adagrad": 4, "rmsprop": 4}  # fp32 state per param; Adam-likes: 8
@@ -36,7 +36,7 @@ def write_summary(
     """``optimizer_state_bytes``: the model's mean state per param when it is not one
     optimizer's fixed figure (Muon beside AdamW, Adafactor); ``ownership``: the plan of a run
     whose params are owned whole, printed beside what the ranks measured (see
-    [Note: memory of whole-tensor ownership] in distopt/ownership.py)."""
+    [Note: memory of whole-tensor ownership] in distopt/plan/ownership.py)."""
     if optimizer_state_bytes is None:
         optimizer_state_bytes = state_bytes_per_element(config.optimizer)
 

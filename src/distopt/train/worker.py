@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 import distopt
 
-from .. import ownership
 from ..dtypes import DTYPES
-from ..optimizer_kinds import whole_tensor_cost
+from ..optim.kinds import whole_tensor_cost
+from ..plan import ownership
 from .config import OPTIMIZERS, TrainConfig, default_shard_size
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
@@ -250,7 +250,7 @@ class Trainer:
     def _whole_tensor_memory(self) -> dict[str, Any]:
         """With params owned whole (Muon, Adafactor): the model's mean optimizer state per
         param and the plan of what each rank holds; see [Note: memory of whole-tensor
-        ownership] in distopt/ownership.py."""
+        ownership] in distopt/plan/ownership.py."""
         classes = ownership.classes_of(self.opt)
         if not any(whole_tensor_cost(cls) is not None for cls in classes.values()):
             return {}

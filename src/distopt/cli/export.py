@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checkpoint import CheckpointError, export_checkpoint
-from .checkpoint.files import resolve
+from ..checkpoint import CheckpointError, export_checkpoint
+from ..checkpoint.files import resolve
 
 
 def main(argv: list[str]) -> int:

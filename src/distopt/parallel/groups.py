@@ -1,6 +1,6 @@
 """Which ranks a model is spread over: its data-parallel group and its tensor-parallel mesh.
 
-``DistributedDataParallel`` resolves both once, into a ``ParallelLayout``, and everything that
+``DistributedDataParallel`` resolves both once, into a ``ParallelGroups``, and everything that
 communicates (the optimizer, checkpoints) takes its groups from that layout instead of
 recomputing them from the params.
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from . import collectives as comm
+from .. import collectives as comm
 from .tensor_parallel import TensorParallelMesh, common_mesh
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def resolve_dp_groups(process_group: Any, device_mesh: DeviceMesh | None) -> tup
 
 
 @dataclass(frozen=True, slots=True)
-class ParallelLayout:
+class ParallelGroups:
     """This rank's place in the parallel layout of a model, seen from this rank.
 
     ``dp_group`` is None for a single process. ``tp`` is the mesh of the model's DTensor params,
@@ -104,7 +104,7 @@ class ParallelLayout:
 
     @classmethod
     def of(cls, dp_group: dist.ProcessGroup | None, tp: TensorParallelMesh | None,
-           replicate_group: dist.ProcessGroup | None = None) -> ParallelLayout:
+           replicate_group: dist.ProcessGroup | None = None) -> ParallelGroups:
         return cls(dp_group=dp_group, dp_size=comm.group_size(dp_group),
                    dp_rank=comm.group_rank(dp_group), tp=tp, replicate_group=replicate_group,
                    replicate_size=comm.group_size(replicate_group))
@@ -141,7 +141,7 @@ class ParallelLayout:
         return dist.group.WORLD
 
 
-def common_layout(layouts: Sequence[ParallelLayout]) -> ParallelLayout:
+def common_groups(layouts: Sequence[ParallelGroups]) -> ParallelGroups:
     """The one layout of several model chunks: one DP group, and one TP mesh, which chunks
     without DTensor params adopt."""
     if len({(id(layout.dp_group), id(layout.replicate_group)) for layout in layouts}) > 1:

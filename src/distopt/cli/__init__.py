@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .extras import BENCH_NEEDS, TRAIN_NEEDS, require
+from .needs import BENCH_NEEDS, TRAIN_NEEDS, require
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {}
@@ -29,8 +29,8 @@ register("train", "distopt.train.launch", "main", "train the demo GPT on several
          needs=TRAIN_NEEDS)
 register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO and FSDP2",
          needs=BENCH_NEEDS)
-register("memory", "distopt.memory_cli", "main", "bytes per parameter and GiB per rank")
-register("export", "distopt.export_cli", "main", "checkpoint -> plain PyTorch file")
+register("memory", "distopt.cli.memory", "main", "bytes per parameter and GiB per rank")
+register("export", "distopt.cli.export", "main", "checkpoint -> plain PyTorch file")
 
 
 def _usage() -> str:

@@ -4,7 +4,7 @@ Pure arithmetic, no torch.distributed: for ``nodes`` x ``gpus_per_node`` ranks a
 ``s``, the bytes per parameter one rank holds (``memory.bytes_per_param_breakdown`` at d = s) and
 the bytes per parameter it sends in one optimizer step, split into what stays inside a node and
 what crosses nodes, for sharding within groups of ``s`` ranks (a ("dp_replicate", "dp_shard")
-mesh; see [Note: hierarchical data parallelism] in parallel.py) and for the flat layout
+mesh; see [Note: hierarchical data parallelism] in parallel/groups.py) and for the flat layout
 (``s`` = every rank). ``distopt memory --nodes N --gpus-per-node G --shard-size S`` prints both.
 
 [Note: cluster traffic model]
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import BytesPerParam
+from ..memory import BytesPerParam
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,17 +6,18 @@ part may be depends on what the optimizer reads when it updates an element:
 
 * Element-wise optimizers (``ELEMENTWISE_OPTIMIZERS``: Adam, AdamW, SGD, ...) read only that
   element's grad and state, so they give the same result on any split of a parameter: each
-  rank owns an equal slice of every bucket, cut anywhere ([Note: layout rule] in layout.py).
+  rank owns an equal slice of every bucket, cut anywhere ([Note: layout rule] in
+  layout/elementwise.py).
 * Whole-tensor optimizers read the whole parameter: Muon orthogonalises each 2-D update with
   Newton-Schulz iterations, Adafactor keeps row and column statistics and scales by the
   parameter's RMS. Each of their params is owned whole by one rank, the buckets laid out so
-  that no param crosses a shard boundary ([Note: whole-tensor layout] in whole_layout.py); the
+  that no param crosses a shard boundary ([Note: whole-tensor layout] in layout/whole.py); the
   owner steps it alone, and the ordinary reduce-scatter and all-gather carry it: no collective
   is added, and the bytes sent grow only by the padding of those buckets. Which rank owns
   which param balances a cost per param: for Muon the multiply-adds of Newton-Schulz, for
   Adafactor (whose work is linear) the elements. A user's own class joins with
   ``register_whole_tensor_optimizer``. On a hierarchical mesh
-  ([Note: hierarchical data parallelism] in parallel.py) the owners are ranks of the shard
+  ([Note: hierarchical data parallelism] in parallel/groups.py) the owners are ranks of the shard
   group, and each replica's owner steps the param, as each replica keeps its own state.
 * Anything else (LBFGS's line search over the whole model, SparseAdam's sparse grads) is
   refused.
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .whole_layout import newton_schulz_cost
+from ..layout.whole import newton_schulz_cost
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,

@@ -1,5 +1,5 @@
 """What whole-tensor ownership costs a model on each data-parallel rank: the optimizer's work
-(the balance of whole_layout.py) and the bytes each rank holds, against the memory table.
+(the balance of layout/whole.py) and the bytes each rank holds, against the memory table.
 
 [Note: memory of whole-tensor ownership]
 The table of docs/design.md counts the bytes per parameter a rank holds when it owns 1/d of
@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import TARGET_BUCKETS, BufferLayout, default_bucket_size
-from .memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
-from .optimizer_kinds import whole_tensor_cost
-from .whole_layout import BalanceReport, balance_report, build_mixed_layout
+from ..layout.elementwise import TARGET_BUCKETS, BufferLayout, default_bucket_size
+from ..layout.whole import BalanceReport, balance_report, build_mixed_layout
+from ..memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
+from ..optim.kinds import whole_tensor_cost
 
 OptimizerClass = type[torch.optim.Optimizer]
 

@@ -2,8 +2,8 @@
 
 distopt keeps a DTensor param's local shard in its contiguous buffers and treats it as the
 parameter; these helpers are the only places that reach into a DTensor for it (see
-[Note: DTensor params] in tensor_parallel.py). Any other tensor passes through unchanged, so
-callers need not ask which kind they hold.
+[Note: DTensor params] in parallel/tensor_parallel.py). Any other tensor passes through
+unchanged, so callers need not ask which kind they hold.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Layouts in which chosen parameters are each owned whole by one data-parallel rank. Pure
-arithmetic like layout.py: no torch.distributed, no tensors.
+arithmetic like layout/elementwise.py: no torch.distributed, no tensors.
 
 [Note: whole-tensor layout]
 Some optimizers need each matrix whole: Muon orthogonalises every 2-D update with Newton-Schulz
@@ -58,7 +58,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import (
+from .elementwise import (
     SHARD_ALIGN,
     BucketLayout,
     BufferLayout,

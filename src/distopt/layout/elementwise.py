@@ -60,7 +60,7 @@ class ParamSlot:
     bucket: int
     bucket_range: Range
     buffer_range: Range
-    # The rank that owns the parameter whole (whole_layout.py); None where shards ignore
+    # The rank that owns the parameter whole (layout/whole.py); None where shards ignore
     # parameter boundaries ([Note: layout rule]).
     owner: int | None = None
 
@@ -86,7 +86,7 @@ class BucketLayout:
     param_indices: tuple[int, ...]  # in the order given to the layout function
     dp_size: int
     # Every parameter lies inside one rank's shard, with padding at the end of each shard;
-    # see [Note: whole-tensor layout] in whole_layout.py.
+    # see [Note: whole-tensor layout] in layout/whole.py.
     whole_tensor: bool = False
 
     @property

@@ -9,7 +9,7 @@ split by ZeRO across the DP ranks, while the params stay DTensors for the forwar
 
 [Note: DTensor params]
 * Buffers hold local shards. ``ParamAndGradBuffer`` lays out ``local_tensor(p)`` and makes the
-  DTensor's local tensor a view into ``param_data`` (``alias_local``, in dtensor.py);
+  DTensor's local tensor a view into ``param_data`` (``alias_local``, in parallel/dtensor.py);
   ``main_grad`` is a plain view of the same local shape. The hook adds
   ``local_grad(p, p.grad)`` into it: the local
   part of the DTensor grad, first redistributed to the param's placements when it differs

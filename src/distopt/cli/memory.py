@@ -9,9 +9,9 @@ The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_par
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
 cluster instead: memory per rank and the bytes each rank sends per step inside a node and
 across nodes, sharded within groups of ``--shard-size`` ranks beside the flat layout
-(``distopt.cluster_plan``; see [Note: cluster traffic model] there). With ``--optimizer muon``
+(``distopt.plan.cluster``; see [Note: cluster traffic model] there). With ``--optimizer muon``
 (or ``adafactor``) it shows what owning each matrix whole costs a model: the optimizer's work
-on each rank, the padding, and the bytes each rank holds (``distopt.ownership``).
+on each rank, the padding, and the bytes each rank holds (``distopt.plan.ownership``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import sys
 
 import torch
 
-from .cluster_plan import ClusterPlan, cluster_plan
-from .dtypes import DTYPES, dtype_name
-from .memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
+from ..dtypes import DTYPES, dtype_name
+from ..memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
+from ..plan.cluster import ClusterPlan, cluster_plan
 
 GIB = 2**30
 LABELS = {
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.optimizer is not None:
         return _whole_tensor(args)
     if args.model is not None:
-        from .train.model import GPT, gpt_config  # the preset's exact parameter count
+        from ..train.model import GPT, gpt_config  # the preset's exact parameter count
 
         try:
             config = gpt_config(args.model, seq_len=256)
@@ -248,7 +248,7 @@ def _add_whole_tensor_options(parser: argparse.ArgumentParser) -> None:
 
 def _whole_tensor(args: argparse.Namespace) -> int:
     """The balance and the bytes per rank of a demo GPT under a whole-tensor optimizer, by the
-    layout arithmetic the DDP runs (distopt.ownership.predict_plan)."""
+    layout arithmetic the DDP runs (distopt.plan.ownership.predict_plan)."""
     if args.model is None:
         print("distopt memory: --optimizer needs --model (a demo GPT preset): the balance "
               "depends on the shapes of its matrices", file=sys.stderr)
@@ -257,9 +257,9 @@ def _whole_tensor(args: argparse.Namespace) -> int:
         print("distopt memory: --optimizer shows one data-parallel group; drop --nodes (or "
               "--optimizer), or give the shard group's size as --dp", file=sys.stderr)
         return 2
-    from .ownership import predict_plan
-    from .train.model import GPT, gpt_config
-    from .train.recipes import hidden_matrices, muon_param_groups
+    from ..plan.ownership import predict_plan
+    from ..train.model import GPT, gpt_config
+    from ..train.recipes import hidden_matrices, muon_param_groups
 
     try:
         config = gpt_config(args.model, seq_len=256)
