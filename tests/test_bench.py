@@ -158,5 +158,5 @@ def test_distopt_configurations_set_the_overlaps_they_name(name, reduce, gather)
 
     system = build_system(name, nn.Linear(4, 4), torch.device("cpu"))
     assert system.name == name and name in LABELS
-    assert system.model.overlap_grad_reduce is reduce
-    assert system.optimizer.overlap_param_gather is gather
+    assert system.model.options.overlap_grad_reduce is reduce
+    assert system.optimizer.options.overlap_param_gather is gather

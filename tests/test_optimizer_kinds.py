@@ -138,25 +138,36 @@ def test_user_declared_class_owns_whole_params_and_steps_like_the_plain_class():
         assert torch.equal(a, b)
 
 
-def test_relayout_keeps_values_and_refuses_after_a_backward():
+def test_buffers_are_laid_out_once_for_the_optimizer_and_never_again():
+    """See [Note: layout planned once]: a forward leaves the layout open, the optimizer fixes
+    it with its owners, and anything that needs other owners afterwards is refused."""
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     ddp = distopt.DistributedDataParallel(model, bucket_size=40)
-    ddp(torch.randn(2, 5)).square().sum().backward()  # grads now sit in the buffers
-    with pytest.raises(RuntimeError, match="build the optimizer before the first backward"):
-        distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=[
-            {"params": [model[0].weight], "lr": 0.02}])
-    ddp.zero_grad_buffer()
+    ddp(torch.randn(2, 5))  # a forward alone lays nothing out
     opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=[
         {"params": [model[0].weight], "lr": 0.02}])
     assert ddp.whole_tensor_costs == {model[0].weight: 7 * 5 * 5}
     for p, value in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, value)
-        # Still a view into the (new) buffer, which the gathers write.
+        # A view into the buffer, which the gathers write.
         buffer = ddp.buffer_of[p].param_data
         assert p.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-    # An element-wise optimizer built on the same model lays it out flat again.
+    # An optimizer that needs other owners is refused: the layout is never redone.
     del opt
-    distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-3)
-    assert ddp.whole_tensor_costs == {}
+    with pytest.raises(ValueError, match="laid out once"):
+        distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-3)
+    assert ddp.whole_tensor_costs == {model[0].weight: 7 * 5 * 5}
+
+    # A backward before any optimizer lays the buffers out element-wise, so a whole-tensor
+    # optimizer built after it is refused, with the fix named.
+    model = _model()
+    ddp = distopt.DistributedDataParallel(model, bucket_size=40)
+    ddp(torch.randn(2, 5)).square().sum().backward()
     assert not any(b.layout.whole_tensor for b in ddp.buckets)
+    with pytest.raises(ValueError, match="build the optimizer right after"):
+        distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=[
+            {"params": [model[0].weight], "lr": 0.02}])
+    # An element-wise optimizer agrees with that layout and trains on the grads already there.
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-3)
+    assert opt.step().updated

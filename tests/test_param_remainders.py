@@ -23,7 +23,7 @@ from torch import nn
 
 import distopt
 from distopt.memory import bytes_per_param_breakdown
-from distopt.optimizer import bf16_of_fp32, join_fp32, split_fp32
+from distopt.optim.remainders import bf16_of_fp32, join_fp32, split_fp32
 
 from dist_harness import case_result, run_cases
 from models import mlp

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import distopt
 from distopt.memory import bytes_per_param_breakdown
-from distopt.optimizer import bf16_of_fp32
+from distopt.optim.remainders import bf16_of_fp32
 
 from dist_harness import case_result, run_cases
 from models import mlp

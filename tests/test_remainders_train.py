@@ -33,7 +33,7 @@ from test_param_remainders import OPTIMIZERS, _adversarial_init, _linear_loss, _
 from torch import nn
 
 import distopt
-from distopt.optimizer import bf16_of_fp32
+from distopt.optim.remainders import bf16_of_fp32
 
 from dist_harness import case_result, run_cases
 from models import TinyTransformer, markov_batch, rank_slice

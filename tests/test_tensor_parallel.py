@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import distopt
-from distopt.optimizer import bf16_of_fp32
+from distopt.optim.remainders import bf16_of_fp32
 from distopt.parallel.tensor_parallel import some_shard_is_empty
 
 from dist_harness import case_result, run_cases

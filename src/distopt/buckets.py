@@ -14,7 +14,6 @@ DDP wrapper only decides when each bucket acts (see [Note: bucket launch order] 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +22,6 @@ from torch import nn
 
 from . import collectives as comm
 from .layout.elementwise import BucketLayout, BufferLayout, Range
-from .layout.whole import build_mixed_layout
 from .parallel.dtensor import alias_local, local_tensor
 
 
@@ -208,34 +206,25 @@ class ParamAndGradBuffer:
     def __init__(
         self,
         params: list[nn.Parameter],
+        layout: BufferLayout,
         *,
         grad_dtype: torch.dtype,
-        bucket_size: int,
-        dp_size: int,
         dp_rank: int,
         group: dist.ProcessGroup | None,
         reduce_scatter: bool,
         stats: comm.CommStats | None = None,
         replicate_group: dist.ProcessGroup | None = None,
         fp32_accumulation: bool = False,
-        whole_costs: Sequence[float | None] | None = None,
     ) -> None:
-        """``whole_costs``: per param (in ``params``' order), None for element-wise shards or
-        the cost its owner balances when it is owned whole by one rank; see
-        [Note: whole-tensor layout] in layout/whole.py. None: every param element-wise."""
+        """``params`` in layout order, laid out by ``layout`` (from layout/planner.py)."""
         if not params:
             raise ValueError("a buffer needs at least one parameter")
         self.params = params  # layout order
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
-        self.dp_size = dp_size
+        self.dp_size = layout.dp_size
         self.dp_rank = dp_rank
-        numels = [local_tensor(p).numel() for p in params]
-        # Without whole-tensor params the mixed layout is build_layout's, bucket for bucket.
-        self.layout: BufferLayout = build_mixed_layout(
-            numels, whole_costs or [None] * len(params), bucket_size=bucket_size,
-            dp_size=dp_size,
-        )
+        self.layout = layout
         device = params[0].device
         # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
         self.param_data = torch.zeros(self.layout.numel, dtype=self.param_dtype, device=device)

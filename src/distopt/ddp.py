@@ -50,11 +50,13 @@ from torch import nn
 
 from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer
-from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
+from .layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
+from .module_params import trainable_named_params
 from .options import GradSyncOptions
 from .parallel.dtensor import is_dtensor, local_grad, local_tensor
 from .parallel.groups import ParallelGroups, resolve_dp_groups
-from .parallel.tensor_parallel import TensorParallelMesh, check_params, stat_groups
+from .parallel.tensor_parallel import TensorParallelMesh, check_params
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,8 +81,8 @@ class DistributedDataParallel(nn.Module):
             process when torch.distributed is not initialized).
         grad_dtype: dtype of the grad buffer and of the reduction; None means each
             parameter's own dtype.
-        bucket_size: elements per bucket; None picks ``layout.default_bucket_size`` (about a
-            quarter of the model, or half of it on gloo).
+        bucket_size: elements per bucket; None picks ``default_bucket_size`` of
+            layout/elementwise.py (about a quarter of the model, or half of it on gloo).
         overlap_grad_reduce: start each bucket's reduction during backward, as soon as its
             last grad is accumulated, instead of in ``finish_grad_sync``.
         use_distributed_optimizer: reduce-scatter buckets (for DistributedOptimizer); False
@@ -118,7 +120,8 @@ class DistributedDataParallel(nn.Module):
         device_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
-        named = _trainable_named_params(module)
+        named = trainable_named_params(
+            module, (DistributedDataParallel, nn.parallel.DistributedDataParallel))
         self.options = GradSyncOptions(
             grad_dtype=grad_dtype,
             bucket_size=bucket_size,
@@ -140,24 +143,24 @@ class DistributedDataParallel(nn.Module):
             dp_group, check_params(named, dp_group), replicate_group
         )
         # Over the TP groups too, so that every rank of the mesh raises, or none does.
-        self._nan_check_groups = [self.process_group, *stat_groups(self.tp_mesh)]
+        self._nan_check_groups = self.parallel.verdict_groups()
         self.comm_stats = comm.CommStats()
 
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
-        total = sum(local_tensor(p).numel() for p in self.params)
         target = TARGET_BUCKETS_GLOO if comm.is_gloo(self.process_group) else TARGET_BUCKETS
-        self.bucket_size = self.options.bucket_size or default_bucket_size(
-            self.dp_size, total, target_buckets=target
+        self.bucket_size = resolve_bucket_size(
+            self.options.bucket_size, self._param_specs({}), self.dp_size, target
         )
 
         # Torch DDP semantics: every replica starts from rank 0's weights.
         self._broadcast_from_first_rank(module)
 
+        # Laid out once, when first needed; see [Note: layout planned once] in layout/planner.py.
         self._whole_tensor_costs: dict[nn.Parameter, float] = {}
-        self._param_wait_hooks: list[Any] = []
-        self._build_buffers()
+        self._flat_buffers: list[ParamAndGradBuffer] | None = None
+        self._buckets: list[Bucket] = []  # in launch order; empty until laid out
         # Only these params need their DTensor grads turned into local ones in the hook.
         self._dtensor_params = frozenset(p for p in self.params if is_dtensor(p))
 
@@ -172,92 +175,86 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
         ]
 
-    def _build_buffers(self) -> None:
-        """(Re)build the buffers, buckets and launch order for ``_whole_tensor_costs``."""
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in reversed(self.params):  # reverse registration ~ the order backward runs
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self.flat_buffers: list[ParamAndGradBuffer] = [
-            self._make_buffer(plist, self.options.grad_dtype or dtype)
-            for dtype, plist in by_dtype.items()
-        ]
-        self.buffer_of: dict[nn.Parameter, ParamAndGradBuffer] = {
-            p: buf for buf in self.flat_buffers for p in buf.params
-        }
-        # One launch order over the buckets of all dtypes: by the backward position of the
-        # param that completes each bucket (its last), then of its first. See
-        # [Note: bucket launch order].
-        reverse_position = {p: i for i, p in enumerate(reversed(self.params))}
-        self.buckets: list[Bucket] = sorted(
-            (b for buf in self.flat_buffers for b in buf.buckets),
-            key=lambda b: (reverse_position[b.params[-1]], reverse_position[b.params[0]]),
-        )
-        for order, bucket in enumerate(self.buckets):
-            bucket.order = order
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        for hook in self._param_wait_hooks:
-            hook.remove()
-        self._param_wait_hooks = self._register_param_wait_hooks(self.module)
+    def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
+        return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p))
+                for p in self.params]
 
-    def own_whole(self, costs: dict[nn.Parameter, float]) -> None:
-        """Lay the buffers out so that each param in ``costs`` is owned whole by one
-        data-parallel rank, the owners balancing the summed costs; every other param keeps
-        element-wise shards. See [Note: whole-tensor layout] in layout/whole.py.
-
-        ``DistributedOptimizer`` calls this for the params of its whole-tensor optimizers
-        (Muon, Adafactor; see [Note: optimizer kinds]); it is deterministic, so every rank
-        lays out the same buffers without communicating. The params keep their values; call
-        it before the first backward (grads already in the buffers would be lost).
-        """
-        unknown = [p for p in costs if p not in self._param_index]
+    def build_buffers(self, whole_tensor_costs: dict[nn.Parameter, float]) -> None:
+        """Lay the buffers out, each param in ``whole_tensor_costs`` owned whole by one
+        data-parallel rank (the owners balancing the summed costs), every other param in
+        element-wise shards. The optimizer calls this with its whole-tensor params; it is
+        deterministic, so every rank lays out the same buffers without communicating. Done
+        once: see [Note: layout planned once] in layout/planner.py."""
+        unknown = [p for p in whole_tensor_costs if p not in self._param_index]
         if unknown:
             raise ValueError(
-                f"own_whole got {len(unknown)} tensor(s) that are not trainable parameters of "
-                "this model"
+                f"build_buffers got {len(unknown)} tensor(s) that are not trainable parameters "
+                "of this model"
             )
-        if costs == self._whole_tensor_costs:
+        if self._flat_buffers is not None:
+            if whole_tensor_costs != self._whole_tensor_costs:
+                raise ValueError(
+                    "the model's buffers are already laid out for other owners of whole "
+                    f"tensors ({len(self._whole_tensor_costs)} params owned whole, the "
+                    f"optimizer needs {len(whole_tensor_costs)}): they are laid out once, by "
+                    "the first optimizer, backward or read of ddp.flat_buffers; build the "
+                    "optimizer right after distopt.DistributedDataParallel(...), before the "
+                    "first backward, and one optimizer per DDP"
+                )
             return
-        if any(bucket.has_grads for bucket in self.buckets):
-            raise RuntimeError(
-                "the grad buffers already hold this step's grads, which a new layout would "
-                "lose: build the optimizer before the first backward, or call "
-                "optimizer.zero_grad() (or ddp.zero_grad_buffer()) first"
+        self._whole_tensor_costs = dict(whole_tensor_costs)
+        planned = plan_model_layout(
+            self._param_specs(self._whole_tensor_costs), grad_dtype=self.options.grad_dtype,
+            bucket_size=self.bucket_size, dp_size=self.dp_size,
+        )
+        self._flat_buffers = [
+            ParamAndGradBuffer(
+                [self.params[i] for i in buf.param_indices],
+                buf.layout,
+                grad_dtype=buf.grad_dtype,
+                dp_rank=self.dp_rank,
+                group=self.process_group,
+                replicate_group=self.parallel.replicate_group,
+                reduce_scatter=self.options.use_distributed_optimizer,
+                stats=self.comm_stats,
+                fp32_accumulation=self.options.reduces_with_fp32_accumulation(buf.grad_dtype),
             )
-        self.finish_param_sync()
-        for bucket in self.buckets:
-            bucket.wait_reduction()
-        self._whole_tensor_costs = dict(costs)
-        self._build_buffers()
-        self._reset_reductions()
+            for buf in planned.buffers
+        ]
+        self._buckets = [self._flat_buffers[b].buckets[k] for b, k in planned.launch_order]
+        for order, bucket in enumerate(self._buckets):
+            bucket.order = order
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._buffer_of = {p: buf for buf in self._flat_buffers for p in buf.params}
+        self._param_wait_hooks = self._register_param_wait_hooks(self.module)
+
+    def _laid_out(self) -> list[ParamAndGradBuffer]:
+        if self._flat_buffers is None:
+            self.build_buffers({})
+        assert self._flat_buffers is not None
+        return self._flat_buffers
+
+    @property
+    def flat_buffers(self) -> list[ParamAndGradBuffer]:
+        """One contiguous param and grad buffer per param dtype (lays them out if not yet)."""
+        return self._laid_out()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Every bucket of every buffer, in launch order (lays the buffers out if not yet)."""
+        self._laid_out()
+        return self._buckets
+
+    @property
+    def buffer_of(self) -> dict[nn.Parameter, ParamAndGradBuffer]:
+        """The buffer that holds each param (lays the buffers out if not yet)."""
+        self._laid_out()
+        return self._buffer_of
 
     @property
     def whole_tensor_costs(self) -> dict[nn.Parameter, float]:
         """The params owned whole by one rank, with the cost their owners balance."""
         return dict(self._whole_tensor_costs)
-
-    def _make_buffer(
-        self, params: list[nn.Parameter], grad_dtype: torch.dtype
-    ) -> ParamAndGradBuffer:
-        whole = self._whole_tensor_costs
-        return ParamAndGradBuffer(
-            params,
-            whole_costs=[whole.get(p) for p in params] if whole else None,
-            grad_dtype=grad_dtype,
-            bucket_size=self.bucket_size,
-            dp_size=self.dp_size,
-            dp_rank=self.dp_rank,
-            group=self.process_group,
-            replicate_group=self.parallel.replicate_group,
-            reduce_scatter=self.options.use_distributed_optimizer,
-            stats=self.comm_stats,
-            fp32_accumulation=self.options.reduces_with_fp32_accumulation(grad_dtype),
-        )
-
-    # The options as read-only attributes; ``self.options`` holds them.
-    overlap_grad_reduce = property(lambda self: self.options.overlap_grad_reduce)
-    use_distributed_optimizer = property(lambda self: self.options.use_distributed_optimizer)
-    find_unused_parameters = property(lambda self: self.options.find_unused_parameters)
-    check_for_nan_in_grad = property(lambda self: self.options.check_for_nan_in_grad)
 
     @classmethod
     def for_this_process(cls, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
@@ -309,6 +306,8 @@ class DistributedDataParallel(nn.Module):
         grad = param.grad
         if grad is None:
             return
+        if self._flat_buffers is None:  # a backward before any optimizer: element-wise layout
+            self.build_buffers({})
         bucket = self._bucket_of[param]
         if self.dp_size > 1 and self._reduction_started(bucket):
             param.grad = None  # so that the next backward, after zero_grad(), starts clean
@@ -342,20 +341,20 @@ class DistributedDataParallel(nn.Module):
 
     def _launch_ready_buckets(self) -> None:
         # Strictly in launch order; see [Note: bucket launch order].
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].ready:
             self._launch_next()
         # Second stages too, in the same order, as far as first stages have finished.
-        while self._next_replica < self._next_launch and self.buckets[
+        while self._next_replica < self._next_launch and self._buckets[
             self._next_replica
         ].advance_reduction(block=False):
             self._next_replica += 1
 
     def _launch_next(self) -> None:
-        self.buckets[self._next_launch].launch_reduction()
+        self._buckets[self._next_launch].launch_reduction()
         self._next_launch += 1
 
     def _reset_reductions(self) -> None:
-        for bucket in self.buckets:
+        for bucket in self._buckets:
             bucket.reset_reduction()
         self._next_launch = 0
         self._next_replica = 0  # the first bucket whose second stage is not started yet
@@ -374,9 +373,9 @@ class DistributedDataParallel(nn.Module):
         """
         if self._grad_sync_done:
             return
-        while self._next_launch < len(self.buckets):
+        while self._next_launch < len(self._buckets):
             self._launch_next()
-        for bucket in self.buckets:
+        for bucket in self._buckets:
             bucket.wait_reduction()
         unused: frozenset[nn.Parameter] = frozenset()
         if self.options.find_unused_parameters:
@@ -400,7 +399,7 @@ class DistributedDataParallel(nn.Module):
         """
         # Reductions launched but never waited for (a backward that raised before the step)
         # still write into the buffer and own their receive buffers: finish them first.
-        for bucket in self.buckets:
+        for bucket in self._buckets:
             bucket.wait_reduction()
             bucket.forget_grads()
         self._reset_reductions()
@@ -412,7 +411,7 @@ class DistributedDataParallel(nn.Module):
 
     def _raise_on_nonfinite_grad(self) -> None:
         first_bad = len(self.params)
-        for bucket in self.buckets:
+        for bucket in self._buckets:
             for param in bucket.nonfinite_params():
                 first_bad = min(first_bad, self._param_index[param])
         flag = torch.tensor([first_bad], dtype=torch.int64, device=self._device)
@@ -435,20 +434,20 @@ class DistributedDataParallel(nn.Module):
         waits for its own buckets in a forward pre-hook; see [Note: param gather].
         """
         self.finish_param_sync()
-        for bucket in reversed(self.buckets):
+        for bucket in reversed(self._buckets):
             bucket.start_gather(async_op=overlap)
         self._gathers_in_flight = overlap
 
     def finish_param_sync(self) -> None:
         """Wait for every param gather still in flight."""
         self._gathers_in_flight = False
-        for bucket in self.buckets:
+        for bucket in self._buckets:
             bucket.wait_gather()
 
     @property
     def param_gathers_in_flight(self) -> int:
         """How many buckets' param gathers are started and not yet waited for."""
-        return sum(bucket.gather_in_flight for bucket in self.buckets)
+        return sum(bucket.gather_in_flight for bucket in self._buckets)
 
     def _register_param_wait_hooks(self, module: nn.Module) -> list[Any]:
         hooks = []
@@ -481,33 +480,3 @@ class DistributedDataParallel(nn.Module):
             with torch.no_grad():
                 for tensor in tensors:
                     dist.broadcast(local_tensor(tensor.data), src=src, group=group)
-
-
-def _trainable_named_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Validate the module and return its trainable params (shared ones once)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
-    if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
-        raise TypeError(
-            f"the module is already wrapped in {type(module).__module__}."
-            f"{type(module).__name__}; pass the bare module to distopt.DistributedDataParallel"
-        )
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("the module has no trainable parameters (all are frozen or absent)")
-    devices = sorted({str(p.device) for _, p in named})
-    if len(devices) > 1:
-        raise ValueError(
-            f"parameters are on several devices ({', '.join(devices)}); distopt keeps one "
-            "contiguous buffer per dtype, so move the whole module to one device first "
-            "(module.to(device))"
-        )
-    for name, p in named:
-        if type(local_tensor(p.data)) is not torch.Tensor or p.is_sparse:
-            raise TypeError(
-                f"parameter '{name}' is a {type(p.data).__name__}; distopt buffers hold dense "
-                "local tensors only"
-            )
-        if not p.is_floating_point():
-            raise TypeError(f"parameter '{name}' has non-floating dtype {p.dtype}")
-    return named

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from .dtypes import DTYPES
+from .options import remainders_problem
 from .parallel.dtensor import local_tensor
 
 
@@ -92,10 +93,11 @@ def bytes_per_param_breakdown(
     a time, so bf16/fp16 grads get their fp32 copies only for that bucket's step (none kept).
     """
     grad_dtype = grad_dtype or param_dtype
-    if store_param_remainders and param_dtype != torch.bfloat16:
+    problem = remainders_problem({param_dtype}) if store_param_remainders else None
+    if problem:
         raise ValueError(
-            f"store_param_remainders=True needs bf16 params, got {param_dtype}; pass "
-            "param_dtype=torch.bfloat16 or drop the option"
+            f"store_param_remainders=True {problem}; pass param_dtype=torch.bfloat16 or drop "
+            "the option"
         )
     # The optimizer steps in fp32: low-precision params and grads get fp32 copies (or, for
     # bf16 params with remainders, the low half of one, and grads copied per bucket).

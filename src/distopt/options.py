@@ -9,17 +9,34 @@ record it belongs to, with its check beside it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_FP32_GRADS_REFUSED = (
-    "reduce_scatter_with_fp32_accumulation=True needs bf16 or fp16 grads (fp32 grads are summed "
-    "in fp32 already), but the grads would be fp32; pass grad_dtype=torch.bfloat16 (or "
-    "torch.float16), or drop the option"
-)
+
+
+# The rules that tie one option to dtypes, each written once: the library's records below,
+# ``distopt train``'s config and ``distopt memory`` all call them, and each names the option
+# in its own words (a keyword, or a flag) before the reason.
+
+def remainders_problem(param_dtypes: Iterable[torch.dtype]) -> str | None:
+    """Why ``store_param_remainders`` cannot complete params of these dtypes, or None."""
+    others = sorted(str(d) for d in set(param_dtypes) - {torch.bfloat16})
+    if not others:
+        return None
+    return ("needs bf16 params (the bf16 param is the high half of its fp32 master, the "
+            f"remainder the low half), but there are {', '.join(others)} params")
+
+
+def fp32_accumulation_problem(grad_dtypes: Iterable[torch.dtype]) -> str | None:
+    """Why ``reduce_scatter_with_fp32_accumulation`` has nothing to do for grads of these
+    dtypes (none bf16 or fp16: fp32 grads are summed in fp32 already), or None."""
+    if set(grad_dtypes) & set(LOW_PRECISION):
+        return None
+    return "needs bf16 or fp16 grads (fp32 grads are summed in fp32 already)"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,18 +78,23 @@ class GradSyncOptions:
                 "reduce_scatter_with_fp32_accumulation=True needs reduce-scattered buckets; "
                 "pass use_distributed_optimizer=True (DistributedOptimizer) or drop the option"
             )
-        if self.grad_dtype == torch.float32:
-            raise ValueError(_FP32_GRADS_REFUSED)
+        if self.grad_dtype is not None:
+            self._refuse_fp32_grads({self.grad_dtype})
 
     def check_param_dtypes(self, param_dtypes: set[torch.dtype]) -> None:
         """The check that needs the model: with ``grad_dtype=None`` grads take the params' dtypes,
         and fp32 accumulation needs some of them to be bf16 or fp16."""
-        if (
-            self.reduce_scatter_with_fp32_accumulation
-            and self.grad_dtype is None
-            and not param_dtypes & set(LOW_PRECISION)
-        ):
-            raise ValueError(_FP32_GRADS_REFUSED)
+        if self.reduce_scatter_with_fp32_accumulation and self.grad_dtype is None:
+            self._refuse_fp32_grads(param_dtypes)
+
+    @staticmethod
+    def _refuse_fp32_grads(grad_dtypes: set[torch.dtype]) -> None:
+        problem = fp32_accumulation_problem(grad_dtypes)
+        if problem:
+            raise ValueError(
+                f"reduce_scatter_with_fp32_accumulation=True {problem}, but the grads would be "
+                "fp32; pass grad_dtype=torch.bfloat16 (or torch.float16), or drop the option"
+            )
 
     def reduces_with_fp32_accumulation(self, grad_dtype: torch.dtype) -> bool:
         """Whether a buffer with grads of ``grad_dtype`` uses the fp32-accumulated
@@ -92,7 +114,7 @@ class StepOptions:
     """All-gather updated params in the background; the next forward waits per bucket."""
     store_param_remainders: bool = False
     """Keep int16 remainders instead of fp32 main params (bf16 params only); see
-    [Note: param remainders] in optimizer.py."""
+    [Note: param remainders] in optim/remainders.py."""
 
     def __post_init__(self) -> None:
         if self.clip_grad is not None and not self.clip_grad > 0:
@@ -102,10 +124,9 @@ class StepOptions:
 
     def check_param_dtypes(self, param_dtypes: set[torch.dtype]) -> None:
         """The check that needs the model: remainders complete bf16 params only."""
-        others = sorted(str(d) for d in param_dtypes - {torch.bfloat16})
-        if self.store_param_remainders and others:
+        problem = remainders_problem(param_dtypes) if self.store_param_remainders else None
+        if problem:
             raise ValueError(
-                "store_param_remainders=True needs bf16 params (the bf16 param is the high half "
-                f"of its fp32 master, the remainder the low half), but the model has {others} "
-                "params; train in bf16 (model.to(torch.bfloat16)) or drop the option"
+                f"store_param_remainders=True {problem}; train in bf16 "
+                "(model.to(torch.bfloat16)) or drop the option"
             )

@@ -57,8 +57,8 @@ def muon_state_bytes(module: nn.Module) -> float:
     """Mean optimizer state per param of the Muon recipe on ``module``: 4 B of momentum per
     matrix element, 8 B of AdamW moments per other element."""
     matrices, rest = _split(module)
-    return mean_state_bytes([(tuple(p.shape), torch.optim.Muon) for p in matrices]
-                            + [(tuple(p.shape), torch.optim.AdamW) for p in rest])
+    return mean_state_bytes([(tuple(p.shape), (torch.optim.Muon, {})) for p in matrices]
+                            + [(tuple(p.shape), (torch.optim.AdamW, {})) for p in rest])
 
 
 class _DistoptMuon(_Distopt):

@@ -33,15 +33,12 @@ The modules, each importing only modules listed before it:
     plain.py       ``load_plain_checkpoint``: a distopt run from a plain file
 
 [Note: one-way imports]
-This package builds on the optimizer (its pieces, param groups and parallel layout) and the
-optimizer never imports it, not even inside a function, so distopt's import graph has no cycle
-(tests/test_import_graph.py). ``opt.state_dict()`` and ``opt.load_state_dict()`` stay methods of
-the optimizer, as torch.optim's are, but their work is done here, with the same checks and the
-same install path as the other loaders: importing this package registers ``state_dict.py``
-with ``distopt.optimizer.register_state_dict_format``, and the two methods call whatever is
-registered. ``import distopt`` imports this package, so the methods always find it. Writing the
-format into the optimizer instead would pull FlatShard, the checks and the install path below
-it and split the checkpoint format across two layers.
+This package builds on the optimizer's shared class (``distopt.optim.base.BufferOptimizer``: its
+pieces, param groups and parallel groups), and the public classes in ``distopt.optimizer``
+build on this package: their ``state_dict()`` and ``load_state_dict()`` are methods, as
+torch.optim's are, whose work is done in ``state_dict.py`` with the same checks and install path
+as the other loaders. So the graph runs optim.base -> checkpoint -> optimizer, one way, and
+distopt's import graph has no cycle (tests/test_import_graph.py).
 
 One import is deferred on purpose: ``dcp.py`` imports torch.distributed.checkpoint, which is
 slow to import, so the functions that save, load or export import it when they run and ``import
@@ -51,16 +48,13 @@ back, so the deferral hides no cycle.
 
 import sys
 
-from ..optimizer import register_state_dict_format
-from . import format, state_dict
+from . import format
 from .export import export_checkpoint
 from .files import CheckpointError, has_checkpoint
 from .format import FlatShard, merge_state_dicts
 from .load import load_checkpoint
 from .plain import load_plain_checkpoint
 from .save import save_checkpoint
-
-register_state_dict_format(state_dict)
 
 # Pickles name a class by its module. FlatShard is pickled under its public name, so that a
 # state dict saved with torch.save survives moves inside this package, and the module that held

@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import collectives as comm
-from ..optimizer import BasicOptimizer, DistributedOptimizer
+from ..optim.base import BufferOptimizer
 from .files import CheckpointError
 from .format import Optimizer, check_whole_state_fits, group_class_paths, hyper_params, whole_names
 
@@ -32,7 +32,7 @@ Models = Any  # a DistributedDataParallel, its module, or a list of them (model 
 
 def check_pair(ddp: Models, opt: Any) -> None:
     """``ddp`` must be the model(s) ``opt`` was built over (the DDPs or their modules)."""
-    if not isinstance(opt, (DistributedOptimizer, BasicOptimizer)):
+    if not isinstance(opt, BufferOptimizer):
         raise TypeError(
             "opt must be a distopt.DistributedOptimizer or distopt.BasicOptimizer, got "
             f"{type(opt).__name__}; plain torch optimizers save with torch.save"

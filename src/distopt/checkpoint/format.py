@@ -65,14 +65,15 @@ import torch
 from torch import nn
 
 from ..layout.elementwise import ShardPiece
+from ..optim.base import BufferOptimizer
+from ..optim.groups import CLASS_KEY
 from ..optim.kinds import whole_tensor_cost
-from ..optimizer import BasicOptimizer, DistributedOptimizer
 from ..parallel.dtensor import is_dtensor
 from .files import CheckpointError
 
 STATE_DICT_FORMAT = "distopt.optimizer/1"
 
-Optimizer = DistributedOptimizer | BasicOptimizer
+Optimizer = BufferOptimizer
 """Either distopt optimizer: what every checkpoint function takes."""
 
 
@@ -137,9 +138,6 @@ def param_names(opt: Optimizer) -> dict[nn.Parameter, str]:
     return names
 
 
-CLASS_KEY = "optimizer"
-"""The param-group key that names the group's own optimizer class; see
-[Note: one optimizer, several classes] in optimizer.py."""
 
 
 def group_classes(opt: Optimizer) -> list[type[torch.optim.Optimizer]]:

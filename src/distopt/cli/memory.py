@@ -23,6 +23,7 @@ import torch
 
 from ..dtypes import DTYPES, dtype_name
 from ..memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
+from ..options import fp32_accumulation_problem, remainders_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
 
 GIB = 2**30
@@ -93,8 +94,9 @@ def _cluster_problem(args: argparse.Namespace) -> str | None:
     if args.shard_size is not None and world % args.shard_size:
         return (f"--shard-size {args.shard_size} does not divide the {world} ranks; pick a "
                 f"divisor, such as the GPUs of one node ({args.gpus_per_node or 8})")
-    if args.reduce_scatter_fp32_accumulation and (args.grad_dtype or "fp32") == "fp32":
-        return "--reduce-scatter-fp32-accumulation needs bf16 or fp16 grads; add --grad-dtype bf16"
+    problem = fp32_accumulation_problem({DTYPES[args.grad_dtype or "fp32"]})
+    if args.reduce_scatter_fp32_accumulation and problem:
+        return f"--reduce-scatter-fp32-accumulation {problem}; add --grad-dtype bf16"
     return None
 
 
@@ -270,8 +272,10 @@ def _whole_tensor(args: argparse.Namespace) -> int:
     param_dtype = DTYPES[args.dtype]
     grad_dtype = DTYPES[args.grad_dtype] if args.grad_dtype else (
         torch.float32 if param_dtype != torch.float32 else param_dtype)
-    if args.store_param_remainders and param_dtype != torch.bfloat16:
-        print("distopt memory: --store-param-remainders needs bf16 params", file=sys.stderr)
+    problem = remainders_problem({param_dtype}) if args.store_param_remainders else None
+    if problem:
+        print(f"distopt memory: --store-param-remainders {problem}; add --dtype bf16",
+              file=sys.stderr)
         return 2
     with torch.device("meta"):  # shapes only
         model = GPT(config).to(param_dtype)

@@ -1,10 +1,9 @@
 """Global gradient statistics over sharded grads: norm, clipping, zeros, inf/nan.
 
-Every function takes the grads this rank owns (disjoint across ranks, so each element is
-counted exactly once) and the groups over which the partial results must be summed. Each
-statistic is also available in two halves, a local part over some of the grads and the
-reduction over the groups, for a step that sees its grads one bucket at a time (see
-[Note: param remainders] in optimizer.py); both ways give the same bits.
+Each statistic comes in two halves: a local part over some of the grads this rank owns
+(disjoint across ranks, so each element is counted exactly once), which the step calls once
+per chunk, and the reduction over the groups, called once per step ([Note: step chunks] in
+optim/step.py).
 """
 
 from __future__ import annotations
@@ -40,22 +39,9 @@ def global_norm(
     return total_sq.sqrt_()
 
 
-def global_grad_norm(
-    grads: list[torch.Tensor], groups: Groups, device: torch.device, stats: CommStats | None = None
-) -> torch.Tensor:
-    """L2 norm of all grads on all ranks, as a 1-element fp32 tensor."""
-    return global_norm(grad_norms(grads), groups, device, stats)
-
-
 def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
     """``max_norm / (total_norm + 1e-6)`` capped at 1 (torch's rule), a 0-dim tensor."""
     return (max_norm / (total_norm + 1e-6)).clamp_(max=1.0).reshape(())
-
-
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale grads by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (torch's rule)."""
-    if grads:
-        torch._foreach_mul_(grads, clip_coefficient(max_norm, total_norm))
 
 
 def zero_counter(device: torch.device) -> torch.Tensor:
@@ -73,14 +59,6 @@ def total_zeros(total: torch.Tensor, groups: Groups, stats: CommStats | None = N
     """The zero count over all ranks from this rank's ``total``."""
     all_reduce_small(total, dist.ReduceOp.SUM, groups, stats)
     return int(total.item())
-
-
-def count_zeros(
-    grads: list[torch.Tensor], groups: Groups, device: torch.device, stats: CommStats | None = None
-) -> int:
-    total = zero_counter(device)
-    add_zeros(total, grads)
-    return total_zeros(total, groups, stats)
 
 
 def inverse_scale(inv_scale: float, device: torch.device) -> torch.Tensor:
@@ -106,16 +84,3 @@ def any_rank_found_inf(
     """Whether any rank raised its ``found_inf`` flag."""
     all_reduce_small(found_inf, dist.ReduceOp.MAX, groups, stats)
     return bool(found_inf.item() > 0)
-
-
-def unscale_and_check_(
-    grads: list[torch.Tensor],
-    inv_scale: float,
-    groups: Groups,
-    device: torch.device,
-    stats: CommStats | None = None,
-) -> bool:
-    """Multiply grads by ``inv_scale``; True when any rank saw an inf or nan."""
-    found_inf = inf_flag(device)
-    unscale_(grads, found_inf, inverse_scale(inv_scale, device))
-    return any_rank_found_inf(found_inf, groups, stats)

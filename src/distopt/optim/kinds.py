@@ -25,32 +25,22 @@ part may be depends on what the optimizer reads when it updates an element:
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from ..layout.whole import newton_schulz_cost
 
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.ASGD,
-    torch.optim.Rprop,
-    torch.optim.Adadelta,
-)
-"""Optimizers whose update of an element depends only on that element's grad and state, so
-they give the same result on any split of a parameter."""
-
 WholeTensorCost = Callable[[Sequence[int]], float]
 """The optimizer's work on one parameter of the given shape, in any unit common to the class."""
+
+StateBytes = Callable[[Sequence[int], Mapping[str, Any]], float]
+"""Bytes of fp32 state (step counters aside) the class keeps for one whole parameter of the
+given shape, under a param group's options."""
 
 
 def newton_schulz_shape_cost(shape: Sequence[int]) -> float:
@@ -65,46 +55,137 @@ def numel_cost(shape: Sequence[int]) -> float:
     return float(math.prod(shape))
 
 
-_WHOLE_TENSOR: dict[type[torch.optim.Optimizer], WholeTensorCost] = {
-    torch.optim.Muon: newton_schulz_shape_cost,
-    torch.optim.Adafactor: numel_cost,
+def per_element(
+    fp32_tensors: int, *optional: tuple[str, Callable[[Any], bool]]
+) -> StateBytes:
+    """State of ``fp32_tensors`` tensors shaped like the param, plus one more for each
+    ``(option, test)`` whose test passes on the group's value of that option."""
+
+    def state(shape: Sequence[int], options: Mapping[str, Any]) -> float:
+        extra = sum(1 for key, test in optional if key in options and test(options[key]))
+        return 4.0 * (fp32_tensors + extra) * math.prod(shape)
+
+    return state
+
+
+def adafactor_state(shape: Sequence[int], options: Mapping[str, Any]) -> float:
+    """Adafactor's row and column statistics of a matrix (of every matrix of a stacked
+    tensor), or the full second moment of a vector."""
+    if len(shape) < 2:
+        return 4.0 * math.prod(shape)
+    rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
+    return 4.0 * (rows + cols)
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerKind:
+    """How distopt shards one optimizer class, what its owners balance, what it keeps."""
+
+    state_bytes: StateBytes
+    whole_tensor_cost: WholeTensorCost | None = None
+    """None: element-wise shards; else each param is owned whole, and this is its cost."""
+    matrices_only: bool = False
+    """It steps 2-D matrices only (Muon)."""
+
+
+def _on(value: Any) -> bool:
+    return bool(value)
+
+
+_KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
+    torch.optim.SGD: OptimizerKind(per_element(0, ("momentum", _on))),
+    torch.optim.Adam: OptimizerKind(per_element(2, ("amsgrad", _on))),
+    torch.optim.AdamW: OptimizerKind(per_element(2, ("amsgrad", _on))),
+    torch.optim.Adagrad: OptimizerKind(per_element(1)),
+    torch.optim.RMSprop: OptimizerKind(
+        per_element(1, ("momentum", _on), ("centered", _on))),
+    torch.optim.Adamax: OptimizerKind(per_element(2)),
+    torch.optim.NAdam: OptimizerKind(per_element(2)),
+    torch.optim.RAdam: OptimizerKind(per_element(2)),
+    torch.optim.ASGD: OptimizerKind(per_element(1)),
+    torch.optim.Rprop: OptimizerKind(per_element(2)),
+    torch.optim.Adadelta: OptimizerKind(per_element(2)),
+    torch.optim.Muon: OptimizerKind(per_element(1), newton_schulz_shape_cost, matrices_only=True),
+    torch.optim.Adafactor: OptimizerKind(adafactor_state, numel_cost),
 }
+"""The one table of optimizer classes: every place that asks how a class shards, what its
+owners balance or how much state it keeps reads it through ``kind_of``."""
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls for cls, kind in _KINDS.items() if kind.whole_tensor_cost is None
+)
+"""Optimizers whose update of an element depends only on that element's grad and state, so
+they give the same result on any split of a parameter."""
 
 Cls = TypeVar("Cls", bound=type[torch.optim.Optimizer])
 
 
 def register_whole_tensor_optimizer(
-    optimizer_cls: Cls, cost: WholeTensorCost | None = None
+    optimizer_cls: Cls, cost: WholeTensorCost | None = None,
+    state_bytes: StateBytes | None = None,
 ) -> Cls:
     """Declare that ``optimizer_cls`` (and its subclasses) must see each parameter whole.
 
     distopt then has each param of its groups owned whole by one data-parallel rank, the owners
-    chosen to balance ``cost(shape)`` summed per rank (default: the number of elements). Returns
-    the class, so that it also works as a decorator. See [Note: optimizer kinds].
+    chosen to balance ``cost(shape)`` summed per rank (default: the number of elements).
+    ``state_bytes(shape, group_options)``, for memory reports, defaults to two fp32 tensors
+    shaped like the param (Adam's). Returns the class, so that it also works as a decorator.
+    See [Note: optimizer kinds].
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(
             f"register_whole_tensor_optimizer takes a torch.optim.Optimizer subclass, got "
             f"{optimizer_cls!r}"
         )
-    _WHOLE_TENSOR[optimizer_cls] = numel_cost if cost is None else cost
+    _KINDS[optimizer_cls] = OptimizerKind(
+        state_bytes or per_element(2), numel_cost if cost is None else cost
+    )
     return optimizer_cls
 
 
-def whole_tensor_cost(optimizer_cls: type[torch.optim.Optimizer]) -> WholeTensorCost | None:
-    """The cost function of a whole-tensor class, or None for an element-wise one. The nearest
-    declared class in its MRO decides, so a subclass of AdamW declared whole-tensor is one."""
+def kind_of(optimizer_cls: type[torch.optim.Optimizer]) -> OptimizerKind | None:
+    """The table's entry for a class: the nearest declared class in its MRO decides (so a
+    subclass of AdamW declared whole-tensor is one); None for a class distopt cannot shard."""
     for klass in optimizer_cls.__mro__:
-        if klass in _WHOLE_TENSOR:
-            return _WHOLE_TENSOR[klass]
-        if klass in ELEMENTWISE_OPTIMIZERS:
-            return None
+        if klass in _KINDS:
+            return _KINDS[klass]
     return None
+
+
+def whole_tensor_cost(optimizer_cls: type[torch.optim.Optimizer]) -> WholeTensorCost | None:
+    """The cost function of a whole-tensor class, or None for an element-wise one."""
+    kind = kind_of(optimizer_cls)
+    return None if kind is None else kind.whole_tensor_cost
 
 
 def needs_matrices(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
     """Whether the class steps 2-D matrices only (Muon)."""
-    return issubclass(optimizer_cls, torch.optim.Muon)
+    kind = kind_of(optimizer_cls)
+    return kind is not None and kind.matrices_only
+
+
+def state_bytes(
+    optimizer_cls: type[torch.optim.Optimizer] | None,
+    shape: Sequence[int],
+    options: Mapping[str, Any] | None = None,
+) -> float:
+    """Bytes of fp32 state (step counters aside) ``optimizer_cls`` keeps for a param of
+    ``shape`` (a whole param, or an element-wise piece of it) under a group's ``options``
+    (None: the class's defaults). None (a param no group steps) keeps nothing."""
+    if optimizer_cls is None:
+        return 0.0
+    kind = kind_of(optimizer_cls)
+    if kind is None:
+        raise TypeError(f"{optimizer_cls.__name__} is not an optimizer class distopt shards")
+    if options is None:
+        options = _defaults(optimizer_cls)
+    return kind.state_bytes(shape, options)
+
+
+def _defaults(optimizer_cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+    parameters = inspect.signature(optimizer_cls.__init__).parameters
+    return {name: p.default for name, p in parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def check_optimizer_cls(optimizer_cls: Any, where: str = "optimizer_cls") -> None:
@@ -118,7 +199,7 @@ def check_optimizer_cls(optimizer_cls: Any, where: str = "optimizer_cls") -> Non
         optimizer_cls, ELEMENTWISE_OPTIMIZERS
     ):
         elementwise = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        whole = ", ".join(sorted(c.__name__ for c in _WHOLE_TENSOR))
+        whole = ", ".join(sorted(c.__name__ for c, k in _KINDS.items() if k.whole_tensor_cost))
         raise TypeError(
             f"{where} {optimizer_cls.__name__} is neither element-wise nor declared "
             "whole-tensor, so "

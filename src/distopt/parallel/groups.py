@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from .. import collectives as comm
-from .tensor_parallel import TensorParallelMesh, common_mesh
+from .tensor_parallel import TensorParallelMesh, common_mesh, stat_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -113,6 +113,12 @@ class ParallelGroups:
     def data_parallel_groups(self) -> list[dist.ProcessGroup | None]:
         """Every group of data-parallel ranks: the shard group, then the replicate group."""
         return [self.dp_group, self.replicate_group]
+
+    def verdict_groups(self, *, sharded: bool = True) -> list[dist.ProcessGroup | None]:
+        """The groups over which a verdict on the reduced grads this rank holds (an inf, a
+        nan, a norm) is agreed: the shard group when its ranks hold different shards, then the
+        TP groups. Replicas hold the same reduced grads, so they agree without their group."""
+        return ([self.dp_group] if sharded else []) + stat_groups(self.tp)
 
     @property
     def tp_size(self) -> int:

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from .dtensor import is_dtensor
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -188,17 +189,15 @@ def stat_groups(tp: TensorParallelMesh | None) -> list[dist.ProcessGroup]:
     return list(tp.groups) if tp is not None else []
 
 
-def grad_statistics(
+def counted_grads(
     tp: TensorParallelMesh | None,
     model_params: Sequence[nn.Parameter],
-    grads: list[torch.Tensor],
-) -> tuple[list[dist.ProcessGroup], list[torch.Tensor]]:
-    """The extra groups global grad statistics reduce over, and the grads this rank counts.
-
-    ``grads[i]`` belongs to ``model_params[i]``. Without TP: no extra group, every grad (the
-    same list). See [Note: TP grad statistics].
+    grads: list[T],
+) -> list[T]:
+    """The grads this rank counts in global grad statistics; ``grads[i]`` belongs to
+    ``model_params[i]``. Without TP: every grad (the same list). See
+    [Note: TP grad statistics].
     """
     if tp is None:
-        return [], grads
-    counted = [g for p, g in zip(model_params, grads, strict=True) if tp.counts_once(p)]
-    return stat_groups(tp), counted
+        return grads
+    return [g for p, g in zip(model_params, grads, strict=True) if tp.counts_once(p)]

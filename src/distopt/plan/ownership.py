@@ -34,51 +34,34 @@ The state is counted once every param has been stepped (torch creates it lazily)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..layout.elementwise import TARGET_BUCKETS, BufferLayout, default_bucket_size
-from ..layout.whole import BalanceReport, balance_report, build_mixed_layout
+from ..layout.elementwise import TARGET_BUCKETS, BufferLayout
+from ..layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
+from ..layout.whole import BalanceReport, balance_report
 from ..memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
-from ..optim.kinds import whole_tensor_cost
+from ..optim.groups import CLASS_KEY, group_class
+from ..optim.kinds import check_optimizer_cls, state_bytes, whole_tensor_cost
+from ..parallel.dtensor import local_tensor
 
 OptimizerClass = type[torch.optim.Optimizer]
+Stepper = tuple[OptimizerClass, Mapping[str, Any]]
+"""What steps a param: an optimizer class and its group's options."""
 
 
-def state_bytes(
-    optimizer_cls: OptimizerClass | None, shape: Sequence[int], *, elementwise_bytes: float = 8
-) -> float:
-    """Bytes of state (step counters aside) that ``optimizer_cls`` keeps for one whole param of
-    ``shape`` stepped in fp32: Muon its momentum, Adafactor the row and column statistics of a
-    matrix (of every matrix of a stacked tensor) or the full second moment of a vector; an
-    element-wise optimizer ``elementwise_bytes`` per element (8 for Adam's two moments, 4 for
-    SGD's momentum). None (a param no group steps) keeps nothing."""
-    numel = math.prod(shape)
-    if optimizer_cls is None:
-        return 0.0
-    if issubclass(optimizer_cls, torch.optim.Muon):
-        return 4.0 * numel
-    if issubclass(optimizer_cls, torch.optim.Adafactor):
-        if len(shape) < 2:
-            return 4.0 * numel
-        rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
-        return 4.0 * (rows + cols)
-    return elementwise_bytes * numel
-
-
-def mean_state_bytes(
-    params: Iterable[tuple[Sequence[int], OptimizerClass | None]], *, elementwise_bytes: float = 8
-) -> float:
+def mean_state_bytes(params: Iterable[tuple[Sequence[int], Stepper | None]]) -> float:
     """The model's optimizer state per parameter: every param's ``state_bytes`` over all its
-    elements; ``params`` are (shape, optimizer class) pairs. See
+    elements; ``params`` are (shape, (optimizer class, group options)) pairs. See
     [Note: memory of whole-tensor ownership]."""
     total = numel = 0.0
-    for shape, cls in params:
-        total += state_bytes(cls, shape, elementwise_bytes=elementwise_bytes)
+    for shape, stepper in params:
+        if stepper is not None:
+            total += state_bytes(stepper[0], shape, stepper[1])
         numel += math.prod(shape)
     return total / numel if numel else 0.0
 
@@ -90,7 +73,8 @@ class BufferPlan:
 
     layout: BufferLayout
     shapes: tuple[tuple[int, ...], ...]
-    classes: tuple[OptimizerClass | None, ...]
+    steppers: tuple[Stepper | None, ...]
+    """The optimizer class and group options that step each param (None: no group)."""
     whole_costs: tuple[float | None, ...]
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
@@ -161,7 +145,6 @@ def _plan(
     dp_size: int,
     *,
     store_param_remainders: bool,
-    elementwise_bytes: float,
 ) -> OwnershipPlan:
     num_params = sum(math.prod(shape) for buf in buffers for shape in buf.shapes)
     padding = sum(buf.layout.numel for buf in buffers) - num_params
@@ -184,21 +167,19 @@ def _plan(
             held["main_grads"] += breakdown.main_grads * shard
             for piece in layout.shard_pieces(rank):
                 index = piece.param_index
-                cls, shape = buf.classes[index], buf.shapes[index]
-                if layout.params[index].owner is not None:  # owned whole
-                    held["optimizer_state"] += state_bytes(
-                        cls, shape, elementwise_bytes=elementwise_bytes)
-                else:
-                    held["optimizer_state"] += state_bytes(
-                        cls, (piece.param_range.size,), elementwise_bytes=elementwise_bytes)
+                stepper = buf.steppers[index]
+                if stepper is None:
+                    continue
+                whole = layout.params[index].owner is not None
+                shape = buf.shapes[index] if whole else (piece.param_range.size,)
+                held["optimizer_state"] += state_bytes(stepper[0], shape, stepper[1])
     # The table: one buffer's dtypes (a model of several dtypes gets the first one's).
     first = buffers[0]
     table = bytes_per_param_breakdown(
         first.param_dtype, first.grad_dtype, store_param_remainders=store_param_remainders,
         optimizer_state_bytes=mean_state_bytes(
-            ((shape, cls) for buf in buffers for shape, cls in zip(buf.shapes, buf.classes,
-                                                                    strict=True)),
-            elementwise_bytes=elementwise_bytes,
+            (shape, stepper) for buf in buffers
+            for shape, stepper in zip(buf.shapes, buf.steppers, strict=True)
         ),
     )
     reports = tuple(
@@ -209,49 +190,41 @@ def _plan(
                          ranks=reports, buffers=tuple(buffers))
 
 
-def _group_classes(
-    param_groups: Sequence[dict[str, Any]], optimizer_cls: OptimizerClass,
-) -> dict[nn.Parameter, OptimizerClass]:
-    return {p: group.get("optimizer", optimizer_cls)
-            for group in param_groups for p in group["params"]}
-
-
-def classes_of(optimizer: Any) -> dict[nn.Parameter, OptimizerClass]:
-    """The optimizer class that steps each model param of a distopt optimizer (the class its
-    group names under "optimizer", or the optimizer's own)."""
+def steppers_of(optimizer: Any) -> dict[nn.Parameter, Stepper]:
+    """The optimizer class and group options that step each model param of a distopt
+    optimizer (the groups hold every option, torch having filled in the defaults)."""
     default_cls = type(optimizer.optimizer)
     return {
-        p: group.get("optimizer", default_cls)
+        p: (group_class(group, default_cls), group)
         for params, group in zip(optimizer.model_param_groups, optimizer.param_groups,
                                  strict=True)
         for p in params
     }
 
 
-def plan_of(optimizer: Any, *, elementwise_bytes: float = 8) -> OwnershipPlan:
+def plan_of(optimizer: Any) -> OwnershipPlan:
     """The plan of a ``distopt.DistributedOptimizer``'s own buffers, as its models laid them
-    out; ``elementwise_bytes``: the state per element of its element-wise classes."""
+    out."""
     if not optimizer.sharded:
         raise ValueError("plan_of needs a DistributedOptimizer (sharded state); a "
                          "BasicOptimizer's ranks hold everything, as the table's replicated "
                          "column says")
-    classes = classes_of(optimizer)
+    steppers = steppers_of(optimizer)
     buffers = []
     for model in optimizer.models:
         whole = model.whole_tensor_costs
         for buf in model.flat_buffers:
             buffers.append(BufferPlan(
                 layout=buf.layout,
-                shapes=tuple(tuple(p.shape) for p in buf.params),
-                classes=tuple(classes.get(p) for p in buf.params),
+                shapes=tuple(tuple(local_tensor(p).shape) for p in buf.params),
+                steppers=tuple(steppers.get(p) for p in buf.params),
                 whole_costs=tuple(whole.get(p) for p in buf.params),
                 param_dtype=buf.param_dtype,
                 grad_dtype=buf.grad_dtype,
             ))
     # The layout's ranks: the shard group's, on a hierarchical mesh.
     return _plan(buffers, buffers[0].layout.dp_size,
-                 store_param_remainders=optimizer.options.store_param_remainders,
-                 elementwise_bytes=elementwise_bytes)
+                 store_param_remainders=optimizer.options.store_param_remainders)
 
 
 def predict_plan(
@@ -264,49 +237,51 @@ def predict_plan(
     bucket_size: int | None = None,
     target_buckets: int = TARGET_BUCKETS,
     store_param_remainders: bool = False,
-    elementwise_bytes: float = 8,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
 ) -> OwnershipPlan:
     """The plan ``DistributedDataParallel(module, grad_dtype=..., bucket_size=...)`` and
-    ``DistributedOptimizer(ddp, optimizer_cls, params=...)`` would give on ``dp_size`` ranks,
-    without building either: the same layout arithmetic on the module's shapes (a module on
-    the meta device will do). ``target_buckets``: the DDP's default bucket count, 4
-    (``layout.TARGET_BUCKETS``) on NCCL, 2 on gloo (``layout.TARGET_BUCKETS_GLOO``)."""
+    ``DistributedOptimizer(ddp, optimizer_cls, params=..., **optimizer_kwargs)`` would give on
+    ``dp_size`` ranks, without building either: the DDP's own planner on the module's local
+    shapes (a module on the meta device will do). ``target_buckets``: the DDP's default
+    bucket count, 4 (``TARGET_BUCKETS``) on NCCL, 2 on gloo (``TARGET_BUCKETS_GLOO``)."""
     trainable = [p for p in module.parameters() if p.requires_grad]
     groups = [{"params": trainable}] if params is None else list(params)
-    classes = _group_classes(groups, optimizer_cls)
-    costs: dict[nn.Parameter, float] = {}
-    for p, cls in classes.items():
-        cost = whole_tensor_cost(cls)
-        if cost is not None:
-            costs[p] = cost(tuple(p.shape))
-    total = sum(p.numel() for p in trainable)
-    bucket_size = bucket_size or default_bucket_size(dp_size, total,
-                                                     target_buckets=target_buckets)
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in reversed(trainable):  # the DDP's order: reverse registration, one buffer a dtype
-        by_dtype.setdefault(p.dtype, []).append(p)
+    classes = [group_class(g, optimizer_cls) for g in groups]
+    for index, cls in enumerate(classes):
+        check_optimizer_cls(cls, where=f'param group {index}\'s "{CLASS_KEY}"')
+    steppers: dict[nn.Parameter, Stepper] = {}
+    for group, cls in zip(groups, classes, strict=True):
+        given = dict(optimizer_kwargs or {}) if cls is optimizer_cls else {}
+        options = {**given, **{k: v for k, v in group.items() if k != "params"}}
+        for p in group["params"]:
+            steppers[p] = (cls, options)
+    specs = []
+    for p in trainable:
+        shape = tuple(local_tensor(p).shape)
+        stepper = steppers.get(p)
+        cost = None if stepper is None else whole_tensor_cost(stepper[0])
+        specs.append(ParamSpec(shape, p.dtype, None if cost is None else cost(shape)))
+    bucket_size = resolve_bucket_size(bucket_size, specs, dp_size, target_buckets)
+    planned = plan_model_layout(specs, grad_dtype=grad_dtype, bucket_size=bucket_size,
+                                dp_size=dp_size)
     buffers = []
-    for dtype, plist in by_dtype.items():
-        numels = [p.numel() for p in plist]
-        whole = [costs.get(p) for p in plist]
-        # The DDP's buffer layout (ParamAndGradBuffer), element-wise where no cost is given.
-        layout = build_mixed_layout(numels, whole, bucket_size=bucket_size, dp_size=dp_size)
+    for buf in planned.buffers:
+        plist = [trainable[i] for i in buf.param_indices]
         buffers.append(BufferPlan(
-            layout=layout,
-            shapes=tuple(tuple(p.shape) for p in plist),
-            classes=tuple(classes.get(p) for p in plist),
-            whole_costs=tuple(whole),
-            param_dtype=dtype,
-            grad_dtype=grad_dtype or dtype,
+            layout=buf.layout,
+            shapes=tuple(tuple(local_tensor(p).shape) for p in plist),
+            steppers=tuple(steppers.get(p) for p in plist),
+            whole_costs=tuple(specs[i].whole_cost for i in buf.param_indices),
+            param_dtype=buf.param_dtype,
+            grad_dtype=buf.grad_dtype,
         ))
-    return _plan(buffers, dp_size, store_param_remainders=store_param_remainders,
-                 elementwise_bytes=elementwise_bytes)
+    return _plan(buffers, dp_size, store_param_remainders=store_param_remainders)
 
 
 __all__ = [
     "BufferPlan",
     "OwnershipPlan",
-    "classes_of",
+    "steppers_of",
     "mean_state_bytes",
     "plan_of",
     "predict_plan",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..dtypes import DTYPES
+from ..options import fp32_accumulation_problem, remainders_problem
 from .model import MODEL_PRESETS
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -150,11 +151,13 @@ class TrainConfig:
             problems.append(f"--shard-size must be >= 1, got {self.shard_size}")
         if self.reduce_scatter_fp32_accumulation:
             problems += self._fp32_accumulation_problems()
-        if self.store_param_remainders and (self.dtype != "bf16" or self.no_shard):
-            problems.append(
-                "--store-param-remainders needs --dtype bf16 and the sharded optimizer (no "
-                f"--no-shard), got --dtype {self.dtype}{' --no-shard' if self.no_shard else ''}"
-            )
+        if self.store_param_remainders:
+            if remainders_problem({DTYPES.get(self.dtype, torch.float32)}):
+                problems.append(f"--store-param-remainders needs --dtype bf16, got --dtype "
+                                f"{self.dtype}")
+            if self.no_shard:
+                problems.append("--store-param-remainders needs the sharded optimizer; drop "
+                                "--no-shard")
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
         if problems:
@@ -164,7 +167,7 @@ class TrainConfig:
         # The library raises the same; here it is one line before any rank starts.
         flag = "--reduce-scatter-fp32-accumulation"
         problems = []
-        if self.grad_dtype not in ("bf16", "fp16"):
+        if fp32_accumulation_problem({DTYPES.get(self.grad_dtype, torch.float32)}):
             problems.append(f"{flag} needs --grad-dtype bf16 or fp16, got {self.grad_dtype}")
         if self.no_shard:
             problems.append(f"{flag} needs the sharded optimizer; drop --no-shard")

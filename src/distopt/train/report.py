@@ -12,14 +12,6 @@ from ..memory import bytes_per_param_breakdown
 from ..plan.ownership import OwnershipPlan
 from .config import OPTIMIZERS, TrainConfig
 
-_STATE_BYTES = {"sgd": 4, "adagrad": 4, "rmsprop": 4}  # fp32 state per param; Adam-likes: 8
-
-
-def state_bytes_per_element(optimizer: str) -> int:
-    """fp32 state per element of ``--optimizer NAME``'s element-wise class (for muon: of the
-    AdamW that steps the params Muon does not)."""
-    return _STATE_BYTES.get(optimizer, 8)
-
 
 def write_summary(
     out: Path,
@@ -30,15 +22,13 @@ def write_summary(
     *,
     num_files: tuple[int, int],
     shard_size: int | None = None,
-    optimizer_state_bytes: float | None = None,
+    optimizer_state_bytes: float,
     ownership: OwnershipPlan | None = None,
 ) -> dict[str, Any]:
-    """``optimizer_state_bytes``: the model's mean state per param when it is not one
-    optimizer's fixed figure (Muon beside AdamW, Adafactor); ``ownership``: the plan of a run
-    whose params are owned whole, printed beside what the ranks measured (see
-    [Note: memory of whole-tensor ownership] in distopt/plan/ownership.py)."""
-    if optimizer_state_bytes is None:
-        optimizer_state_bytes = state_bytes_per_element(config.optimizer)
+    """``optimizer_state_bytes``: the model's mean state per param (from the table of
+    optimizer classes); ``ownership``: the plan of a run whose params are owned whole, printed
+    beside what the ranks measured (see [Note: memory of whole-tensor ownership] in
+    distopt/plan/ownership.py)."""
 
     def breakdown(remainders: bool):
         return bytes_per_param_breakdown(
@@ -159,4 +149,4 @@ def write_loss_plot(path: Path, history: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
-__all__ = ["state_bytes_per_element", "write_loss_plot", "write_summary"]
+__all__ = ["write_loss_plot", "write_summary"]

@@ -28,7 +28,7 @@ from .config import OPTIMIZERS, TrainConfig, default_shard_size
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
 from .recipes import param_groups
-from .report import state_bytes_per_element, write_loss_plot, write_summary
+from .report import write_loss_plot, write_summary
 
 # Test hook for the fault-tolerance test: the rank named here kills itself with SIGKILL at
 # this step of the first attempt, exactly like a crashed or preempted process.
@@ -243,23 +243,20 @@ class Trainer:
                                     shard_size=self.ddp.dp_size,
                                     num_files=(self.corpus.num_files_train,
                                                self.corpus.num_files_heldout),
-                                    **self._whole_tensor_memory())
+                                    **self._state_memory())
             write_loss_plot(self.out / "loss.png", self.history)
         return summary or {}
 
-    def _whole_tensor_memory(self) -> dict[str, Any]:
-        """With params owned whole (Muon, Adafactor): the model's mean optimizer state per
-        param and the plan of what each rank holds; see [Note: memory of whole-tensor
-        ownership] in distopt/plan/ownership.py."""
-        classes = ownership.classes_of(self.opt)
-        if not any(whole_tensor_cost(cls) is not None for cls in classes.values()):
-            return {}
-        per_element = state_bytes_per_element(self.config.optimizer)
+    def _state_memory(self) -> dict[str, Any]:
+        """The model's mean optimizer state per param, from the table of optimizer classes,
+        and with params owned whole (Muon, Adafactor) the plan of what each rank holds; see
+        [Note: memory of whole-tensor ownership] in distopt/plan/ownership.py."""
+        steppers = ownership.steppers_of(self.opt)
         memory: dict[str, Any] = {"optimizer_state_bytes": ownership.mean_state_bytes(
-            ((tuple(p.shape), cls) for p, cls in classes.items()),
-            elementwise_bytes=per_element)}
-        if self.opt.sharded:
-            memory["ownership"] = ownership.plan_of(self.opt, elementwise_bytes=per_element)
+            (tuple(p.shape), steppers.get(p)) for p in self.ddp.params)}
+        owned_whole = any(whole_tensor_cost(cls) is not None for cls, _ in steppers.values())
+        if owned_whole and self.opt.sharded:
+            memory["ownership"] = ownership.plan_of(self.opt)
         return memory
 
 

@@ -1,0 +1,111 @@
+"""The one planner of a model's flat buffers: the DDP lays its buffers out with it, and every
+prediction (``distopt memory``, ``plan.ownership.predict_plan``) calls it on the same inputs.
+
+[Note: layout planned once]
+A model's layout depends on its trainable params (their local shapes, which for a DTensor are
+its shard's, and dtypes, in registration order), the grad dtype, the bucket size, the
+data-parallel size, and which params an optimizer needs whole with the cost their owners
+balance ([Note: whole-tensor layout] in layout/whole.py). The last input belongs to the
+optimizer, which is built after the DDP, so the DDP lays its buffers out once, when the first
+of these needs them: the optimizer's construction (with its owners), a backward's first grad,
+or a read of ``ddp.flat_buffers`` (element-wise). Until then the params are the module's own
+tensors and a forward runs as usual. A layout is never redone: an optimizer that needs other
+owners than the buffers have raises, naming the fix. Params are grouped into one buffer per
+dtype in reverse registration order (about the order backward produces grads), and the buckets
+of all buffers are launched in one order, that of the param that completes each bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .elementwise import TARGET_BUCKETS, BufferLayout, default_bucket_size
+from .whole import build_mixed_layout
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """What the layout needs of one trainable param."""
+
+    shape: tuple[int, ...]
+    """Its local shape: a DTensor's shard on this rank, else the param's shape."""
+    dtype: torch.dtype
+    whole_cost: float | None = None
+    """The cost its owner balances when one rank owns it whole; None: element-wise shards."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBuffer:
+    """One flat buffer: the params of one dtype, in layout order, and their layout."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    param_indices: tuple[int, ...]
+    """Positions in the planner's ``specs`` (registration order), in layout order."""
+    layout: BufferLayout
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """Every buffer of a model and the order in which their buckets launch."""
+
+    bucket_size: int
+    buffers: tuple[PlannedBuffer, ...]
+    launch_order: tuple[tuple[int, int], ...]
+    """(buffer, bucket) pairs in launch order; see [Note: bucket launch order] in ddp.py."""
+
+
+def resolve_bucket_size(
+    bucket_size: int | None, specs: Sequence[ParamSpec], dp_size: int,
+    target_buckets: int = TARGET_BUCKETS,
+) -> int:
+    """The bucket size given, or the default for the model's local elements."""
+    if bucket_size:
+        return bucket_size
+    total = sum(spec.numel for spec in specs)
+    return default_bucket_size(dp_size, total, target_buckets=target_buckets)
+
+
+def plan_model_layout(
+    specs: Sequence[ParamSpec],
+    *,
+    grad_dtype: torch.dtype | None,
+    bucket_size: int,
+    dp_size: int,
+) -> ModelLayout:
+    """Lay a model's params out; see [Note: layout planned once]. ``grad_dtype`` None: each
+    buffer's grads in its params' dtype."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index in reversed(range(len(specs))):  # reverse registration ~ the order backward runs
+        by_dtype.setdefault(specs[index].dtype, []).append(index)
+    buffers = []
+    for dtype, indices in by_dtype.items():
+        layout = build_mixed_layout(
+            [specs[i].numel for i in indices],
+            [specs[i].whole_cost for i in indices],
+            bucket_size=bucket_size,
+            dp_size=dp_size,
+        )
+        buffers.append(PlannedBuffer(dtype, grad_dtype or dtype, tuple(indices), layout))
+    # One launch order over the buckets of all dtypes: by the backward position of the param
+    # that completes each bucket (its last), then of its first.
+    def backward_position(buffer: PlannedBuffer, layout_index: int) -> int:
+        return len(specs) - 1 - buffer.param_indices[layout_index]
+
+    keyed = []
+    for b, buffer in enumerate(buffers):
+        for k, bucket in enumerate(buffer.layout.buckets):
+            first, last = bucket.param_indices[0], bucket.param_indices[-1]
+            key = (backward_position(buffer, last), backward_position(buffer, first))
+            keyed.append((key, (b, k)))
+    launch_order = tuple(pair for _, pair in sorted(keyed))
+    return ModelLayout(bucket_size=bucket_size, buffers=tuple(buffers),
+                       launch_order=launch_order)

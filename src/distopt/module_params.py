@@ -1,0 +1,41 @@
+"""The trainable params of a module to be wrapped, checked before anything is built from them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .parallel.dtensor import local_tensor
+
+
+def trainable_named_params(
+    module: nn.Module, wrappers: tuple[type[nn.Module], ...]
+) -> list[tuple[str, nn.Parameter]]:
+    """Validate the module and return its trainable params (shared ones once); a module that
+    is one of ``wrappers`` already is refused."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(module, wrappers):
+        raise TypeError(
+            f"the module is already wrapped in {type(module).__module__}."
+            f"{type(module).__name__}; pass the bare module to distopt.DistributedDataParallel"
+        )
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the module has no trainable parameters (all are frozen or absent)")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on several devices ({', '.join(devices)}); distopt keeps one "
+            "contiguous buffer per dtype, so move the whole module to one device first "
+            "(module.to(device))"
+        )
+    for name, p in named:
+        if type(local_tensor(p.data)) is not torch.Tensor or p.is_sparse:
+            raise TypeError(
+                f"parameter '{name}' is a {type(p.data).__name__}; distopt buffers hold dense "
+                "local tensors only"
+            )
+        if not p.is_floating_point():
+            raise TypeError(f"parameter '{name}' has non-floating dtype {p.dtype}")
+    return named

@@ -1,0 +1,315 @@
+"""The optimizer class that DistributedOptimizer and BasicOptimizer share.
+
+Construction wires the parts (see docs/design.md, "Who calls whom"): the param groups and one
+inner torch optimizer per class (optim/groups.py), the DDP's buffers laid out for the owners of
+whole tensors (layout/planner.py), the fp32 main params of this rank's part
+(optim/main_params.py), the groups that grad statistics reduce over (with tensor parallelism,
+parallel/tensor_parallel.py) and the step pipeline (optim/step.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ddp import DistributedDataParallel
+from ..layout.elementwise import ShardPiece
+from ..options import StepOptions
+from ..parallel.groups import ParallelGroups, common_groups
+from ..parallel.tensor_parallel import counted_grads
+from ..scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from .groups import (
+    build_inner_optimizers,
+    group_class,
+    normalize_param_groups,
+    whole_tensor_costs,
+)
+from .kinds import check_optimizer_cls
+from .main_params import ShardMainParams
+from .step import BucketByBucket, StepPipeline, StepResult, WholeShard
+
+
+class BufferOptimizer(torch.optim.Optimizer):
+    """What DistributedOptimizer and BasicOptimizer share: main params over a DDP's buffers,
+    the inner torch optimizers and the step. Not constructed directly; see distopt.optimizer."""
+
+    _sharded: bool
+
+    def __init__(
+        self,
+        models: Sequence[DistributedDataParallel],
+        optimizer_cls: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None,
+        options: StepOptions,
+        loss_scaler: LossScaler | None,
+        model_parallel_group: dist.ProcessGroup | None,
+        optimizer_kwargs: dict[str, Any],
+    ) -> None:
+        check_optimizer_cls(optimizer_cls)
+        if loss_scaler is not None and not isinstance(
+            loss_scaler, (ConstantLossScaler, DynamicLossScaler)
+        ):
+            raise TypeError(
+                "loss_scaler must be distopt.DynamicLossScaler() or distopt.ConstantLossScaler(s)"
+            )
+        # The DP group and TP mesh every model chunk shares, checked once.
+        self.parallel: ParallelGroups = common_groups([m.parallel for m in models])
+        _check_model_parallel_group(model_parallel_group, self.parallel.dp_group)
+        if isinstance(loss_scaler, DynamicLossScaler):
+            checked = [m for m in models if m.options.check_for_nan_in_grad]
+            if checked:
+                raise ValueError(
+                    "a DynamicLossScaler skips the steps whose grads overflow, but the model was "
+                    "built with check_for_nan_in_grad=True, which raises on them instead: drop "
+                    "one of the two (check_for_nan_in_grad is meant for bf16/fp32 training)"
+                )
+        self.models = list(models)
+        self.options = options
+        self.loss_scaler = loss_scaler
+        self.model_parallel_group = model_parallel_group
+        # Groups over which the inf flag, the grad norm and the zero count are reduced: the
+        # DDP's verdict groups (the DP group when each rank owns a shard, the TP groups), then
+        # the model-parallel group, whose ranks hold other parts of the model. Each grad
+        # element must be owned by exactly one rank of all.
+        self._reduce_groups = self.parallel.verdict_groups(sharded=self._sharded)
+        if model_parallel_group is not None:
+            self._reduce_groups.append(model_parallel_group)
+        self._device = self.models[0].params[0].device
+
+        param_groups = normalize_param_groups(params, self.models)
+        # The model params of each group as given: checkpoints name the groups by them, since
+        # the inner groups hold only this rank's pieces.
+        self.model_param_groups: list[list[nn.Parameter]] = [g["params"] for g in param_groups]
+        self.default_param_groups = params is None
+        options.check_param_dtypes({p.dtype for m in models for p in m.params})
+        group_classes = [group_class(g, optimizer_cls) for g in param_groups]
+        whole_costs = whole_tensor_costs(param_groups, group_classes, self.models)
+        # The buffers are laid out once, now that the owners of whole tensors are known; see
+        # [Note: layout planned once] in layout/planner.py.
+        for model in self.models:
+            model.build_buffers(
+                {p: c for p, c in whole_costs.items() if p in model.param_names}
+                if self._sharded else {}
+            )
+        whole_params = frozenset(whole_costs)
+        self._owned = [
+            ShardMainParams(buf, sharded=self._sharded,
+                             store_remainders=options.store_param_remainders,
+                             whole_params=whole_params)
+            for model in self.models
+            for buf in model.flat_buffers
+        ]
+        pieces_of: dict[nn.Parameter, list[nn.Parameter]] = {}
+        self._piece_owner: dict[nn.Parameter, tuple[ShardMainParams, ShardPiece]] = {}
+        for owned in self._owned:
+            for piece, main in zip(owned.pieces, owned.main_params, strict=True):
+                pieces_of.setdefault(owned.model_param(piece), []).append(main)
+                self._piece_owner[main] = (owned, piece)
+        self._pieces_of = pieces_of
+
+        # One inner torch optimizer per class; see [Note: one optimizer, several classes].
+        user_order = []
+        for group in param_groups:
+            inner = {k: v for k, v in group.items() if k != "params"}
+            inner["params"] = [m for p in group["params"] for m in pieces_of.get(p, [])]
+            user_order.append(inner)
+        self.optimizers, self.optimizer = build_inner_optimizers(
+            user_order, group_classes, optimizer_cls, optimizer_kwargs, self._device
+        )
+        mains = [m for g in user_order for m in g["params"]]
+        # Tensor parallelism leaves TP-replicated grads out of the sums on all but one TP rank;
+        # see [Note: TP grad statistics].
+        counted = counted_grads(self.parallel.tp, [self.piece_info(m)[0] for m in mains], mains)
+        if self.parallel.tp is not None and model_parallel_group is not None:
+            raise ValueError(
+                "the model has DTensor (tensor-parallel) params, whose mesh already gives the "
+                "groups that grad statistics reduce over; drop model_parallel_group (passing the "
+                "TP group too would count every element twice)"
+            )
+        source = (BucketByBucket(self._owned) if options.store_param_remainders
+                  else WholeShard(self._owned, mains))
+        self._pipeline = StepPipeline(
+            source=source, optimizers=self.optimizers, param_groups=user_order,
+            counted=dict.fromkeys(counted), reduce_groups=self._reduce_groups,
+            device=self._device, stats=self.models[0].comm_stats,
+            clip_grad=options.clip_grad, log_num_zeros=options.log_num_zeros,
+        )
+
+        # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these
+        # aliases make torch's LR schedulers and step hooks act on it directly.
+        self.defaults = self.optimizer.defaults
+        self.param_groups = user_order
+        # One state for all inner optimizers: their params are disjoint, and checkpoints and
+        # users read it in one place, as torch.optim's.
+        self.state = self.optimizer.state
+        for inner in self.optimizers:
+            inner.state = self.state
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    # ------------------------------------------------------------------ training API
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the loss scale, if any."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grad buffers (the buffers stay allocated whatever ``set_to_none`` says)."""
+        for model in self.models:
+            model.zero_grad_buffer()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError(
+                "distopt optimizers take no closure: run forward and backward, then call step()"
+            )
+        for model in self.models:
+            model.finish_grad_sync()
+            model.finish_param_sync()
+        unused = {main for model in self.models for param in model.unused_params
+                  for main in self._pieces_of.get(param, ())}
+        result = self._pipeline.run(self.loss_scaler, unused)
+        if result.updated:
+            self._gather_params()
+        return result
+
+    def _gather_params(self) -> None:
+        """Bring every rank's model params up to date (nothing to do when replicated)."""
+
+    def sync_model_params(self) -> None:
+        """Make every rank's model params the cast of the fp32 main params (after loading them).
+
+        Collective over the data-parallel group when the state is sharded.
+        """
+        for model in self.models:
+            model.finish_param_sync()
+        for owned in self._owned:
+            owned.copy_params_out()
+        if self._sharded:
+            for model in self.models:
+                model.start_param_sync(overlap=False)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "distopt optimizers fix their param groups at construction: pass every group in "
+            "params=[...] when building the optimizer"
+        )
+
+    @property
+    def main_params(self) -> list[nn.Parameter]:
+        """The fp32 pieces the inner optimizer updates, in param-group order."""
+        return [m for g in self.param_groups for m in g["params"]]
+
+    def piece_info(self, main: nn.Parameter) -> tuple[nn.Parameter, ShardPiece]:
+        """The model param a piece belongs to, and where the piece lies in it."""
+        owned, piece = self._piece_owner[main]
+        return owned.model_param(piece), piece
+
+    # ------------------------------------------------------------------ what checkpoints read
+    # Besides main_params and piece_info above: models, model_param_groups,
+    # default_param_groups, optimizer, loss_scaler, parallel, options, sync_model_params() and
+    # main_params_materialized().
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank owns a shard of the main params and the state (ZeRO), rather than
+        all of them."""
+        return self._sharded
+
+    def pieces(self) -> list[tuple[nn.Parameter, ShardPiece, nn.Parameter]]:
+        """``(model param, piece, fp32 main param)`` of every piece this rank owns, in
+        param-group order (with ``store_param_remainders`` the main params hold their values
+        only inside ``main_params_materialized()``)."""
+        return [(*self.piece_info(main), main) for main in self.main_params]
+
+    @contextlib.contextmanager
+    def main_params_materialized(self) -> Iterator[None]:
+        """Inside the block every main param holds its fp32 master values, to be read or
+        written (checkpoints do both). With ``store_param_remainders`` they are rebuilt for
+        the block (a transient of this rank's whole shard) and split back into this rank's
+        shard of the params and the remainders after it; see [Note: param remainders]."""
+        if not self.options.store_param_remainders:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for owned in self._owned:
+                for bucket in range(owned.num_buckets):
+                    stack.enter_context(owned.bucket_masters(bucket))
+            yield
+
+    def main_param_values(self) -> list[torch.Tensor]:
+        """The fp32 master values of every main param, in ``main_params`` order: the main
+        params themselves, or, with ``store_param_remainders``, rebuilt from the bf16 params
+        and the remainders (new tensors)."""
+        values = []
+        for main in self.main_params:
+            owned, piece = self._piece_owner[main]
+            values.append(owned.main_value(main, piece))
+        return values
+
+    def main_param_storage(self) -> list[torch.Tensor]:
+        """The tensors that keep the main params between steps (what memory counts): the
+        main params, or the int16 remainders."""
+        if self.options.store_param_remainders:
+            return [owned.remainders for owned in self._owned]
+        return self.main_params
+
+    def param_group_of(self, main: nn.Parameter) -> dict[str, Any]:
+        """The param group (of ``param_groups``) that holds the main param ``main``."""
+        return self._group_by_main[main]
+
+    @functools.cached_property
+    def _group_by_main(self) -> dict[nn.Parameter, dict[str, Any]]:
+        # The groups are fixed at construction (add_param_group raises), so this never changes.
+        return {main: group for group in self.param_groups for main in group["params"]}
+
+
+def as_model_list(model: Any, who: str) -> list[DistributedDataParallel]:
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not models:
+        raise ValueError(f"{who} needs at least one model")
+    for m in models:
+        if not isinstance(m, DistributedDataParallel):
+            raise TypeError(
+                f"{who} takes distopt.DistributedDataParallel models, got {type(m).__name__}: "
+                "wrap the module first, ddp = distopt.DistributedDataParallel(module)"
+            )
+    return models
+
+
+def _check_model_parallel_group(group: Any, dp_group: dist.ProcessGroup | None) -> None:
+    if group is None:
+        return
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "model_parallel_group must be None or a torch.distributed.ProcessGroup that this "
+            f"rank belongs to (from dist.new_group), got {group!r}"
+        )
+    # A data-parallel group and a model-parallel group through this rank meet only in it;
+    # any other shared rank would hold the same grads twice and be counted twice.
+    mp_ranks = set(dist.get_process_group_ranks(group))
+    dp_ranks = set(dist.get_process_group_ranks(dp_group)) if dp_group is not None else set()
+    shared = sorted((mp_ranks & dp_ranks) - {dist.get_rank()})
+    if shared:
+        raise ValueError(
+            f"model_parallel_group shares ranks {shared} with the data-parallel group; the two "
+            "must cross only at this rank (data-parallel replicas hold the same grads, which "
+            "would be counted once per replica): pass the group of ranks that hold the other "
+            "parts of the model"
+        )

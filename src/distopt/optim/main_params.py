@@ -1,0 +1,185 @@
+"""The fp32 main params of the part of one flat buffer that a rank owns.
+
+One ``nn.Parameter`` per ``ShardPiece`` (a param's overlap with the rank's shard of a bucket):
+a view into the model's param buffer (fp32 params), into ``shard_fp32`` [owned numel] (other
+dtypes), or, with ``store_param_remainders``, a placeholder that holds the fp32 masters only
+inside ``bucket_masters`` (see [Note: param remainders] in optim/remainders.py). Their grads
+are views of the reduced grads (fp32), of ``grad_fp32`` [owned numel], or transient copies of
+one bucket. The step (optim/step.py) reads them through these methods alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..buckets import ParamAndGradBuffer
+from ..layout.elementwise import ShardPiece
+from ..parallel.dtensor import local_tensor
+from .remainders import join_fp32, split_fp32
+
+
+class ShardMainParams:
+    """The fp32 main params of the part of one buffer that this rank owns, as pieces."""
+
+    def __init__(
+        self,
+        buffer: ParamAndGradBuffer,
+        *,
+        sharded: bool,
+        store_remainders: bool = False,
+        whole_params: frozenset[nn.Parameter] = frozenset(),
+    ) -> None:
+        """``whole_params``: the params a whole-tensor optimizer steps; their pieces are whole
+        (the layout makes sure of it) and their main params take the param's own shape. See
+        [Note: optimizer kinds]."""
+        self.buffer = buffer
+        layout = buffer.layout
+        pieces = layout.shard_pieces(buffer.dp_rank) if sharded else layout.whole_pieces()
+        # Per bucket, the owned regions of the model buffers and their offset in the fp32 copies.
+        self.param_regions = [b.param_shard if sharded else b.param_data for b in buffer.buckets]
+        self.grad_regions = [b.grad_shard if sharded else b.grad_data for b in buffer.buckets]
+        offsets, total = [], 0
+        for region in self.param_regions:
+            offsets.append(total)
+            total += region.numel()
+
+        fp32 = torch.float32
+        device = buffer.param_data.device
+        # Separate fp32 copies only where the model's dtype is not fp32 (docs/design.md, Memory).
+        self.shard_fp32 = None
+        self.remainders = None  # with store_remainders; see [Note: param remainders]
+        if store_remainders:
+            self.remainders = torch.zeros(total, dtype=torch.int16, device=device)
+        elif buffer.param_dtype != fp32:
+            self.shard_fp32 = torch.empty(total, dtype=fp32, device=device)
+        # With remainders, bf16/fp16 grads get fp32 copies one bucket at a time during the
+        # step, like the masters; see [Note: param remainders].
+        self.transient_grads = store_remainders and buffer.grad_dtype != fp32
+        self.grad_fp32 = None
+        if buffer.grad_dtype != fp32 and not self.transient_grads:
+            self.grad_fp32 = torch.empty(total, dtype=fp32, device=device)
+        self._main_segments = self._segments(self.shard_fp32, offsets, self.param_regions)
+        self._grad_segments = self._segments(self.grad_fp32, offsets, self.grad_regions)
+        self._remainder_segments = (
+            self._segments(self.remainders, offsets, self.param_regions)
+            if self.remainders is not None else []
+        )
+        self.copy_params_in()
+
+        self.pieces: list[ShardPiece] = pieces
+        self.main_params: list[nn.Parameter] = []
+        # What a main param holds between steps with remainders: one scalar, seen as its shape.
+        self._placeholder = (
+            torch.zeros(1, dtype=fp32, device=device) if self.remainders is not None else None
+        )
+        for piece in pieces:
+            grad = self._grad_segments[piece.bucket]
+            lo, hi = piece.local_range.start, piece.local_range.end
+            shape = self._main_shape(piece, whole_params)
+            if self.remainders is None:
+                main = self._main_segments[piece.bucket][lo:hi].view(shape)  # aliases fp32 copy
+            else:
+                main = self._placeholder.expand(shape)
+            param = nn.Parameter(main, requires_grad=True)
+            if not self.transient_grads:
+                param.grad = grad[lo:hi].view(shape)
+            self.main_params.append(param)
+        # The (main param, piece) pairs of each bucket, for steps one bucket at a time.
+        self._bucket_mains: list[list[tuple[nn.Parameter, ShardPiece]]] = [
+            [] for _ in self.param_regions
+        ]
+        for main, piece in zip(self.main_params, pieces, strict=True):
+            self._bucket_mains[piece.bucket].append((main, piece))
+
+    @staticmethod
+    def _segments(
+        flat: torch.Tensor | None, offsets: list[int], regions: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if flat is None:
+            return regions
+        return [flat[o : o + r.numel()] for o, r in zip(offsets, regions, strict=True)]
+
+    def _main_shape(
+        self, piece: ShardPiece, whole_params: frozenset[nn.Parameter]
+    ) -> tuple[int, ...]:
+        local = local_tensor(self.model_param(piece))
+        if self.model_param(piece) not in whole_params:
+            return (piece.param_range.size,)
+        if piece.param_range.size != local.numel():
+            raise AssertionError(
+                "a whole-tensor param is split across ranks; the buffers were not laid out "
+                "for its optimizer (see [Note: layout planned once] in layout/planner.py)"
+            )
+        return tuple(local.shape)
+
+    def model_param(self, piece: ShardPiece) -> nn.Parameter:
+        return self.buffer.params[piece.param_index]
+
+    def copy_params_in(self) -> None:
+        """Model params -> fp32 main params (at construction)."""
+        if self.shard_fp32 is not None:
+            torch._foreach_copy_(self._main_segments, self.param_regions)
+
+    def copy_grads_in(self) -> None:
+        """Reduced grads -> fp32 main grads, one copy per bucket."""
+        if self.grad_fp32 is not None:
+            torch._foreach_copy_(self._grad_segments, self.grad_regions)
+
+    def copy_params_out(self) -> None:
+        """Updated fp32 main params -> this rank's region of the model's param buffer (with
+        remainders the step has written it already)."""
+        if self.shard_fp32 is not None:
+            torch._foreach_copy_(self.param_regions, self._main_segments)
+
+    # ------------------------------------------------------------------ remainders
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.param_regions)
+
+    @contextlib.contextmanager
+    def bucket_masters(self, bucket: int) -> Iterator[list[nn.Parameter]]:
+        """With remainders: the bucket's main params hold its fp32 masters (one transient
+        bucket shard) inside the block, and are split back after it."""
+        mains = self._bucket_mains[bucket]
+        master = join_fp32(self.param_regions[bucket], self._remainder_segments[bucket])
+        for main, piece in mains:
+            lo, hi = piece.local_range.start, piece.local_range.end
+            main.data = master[lo:hi].view(main.shape)
+        try:
+            yield [main for main, _ in mains]
+        finally:
+            split_fp32(master, self.param_regions[bucket], self._remainder_segments[bucket])
+            for main, _ in mains:
+                main.data = self._placeholder.expand(main.shape)
+
+    @contextlib.contextmanager
+    def bucket_grads(self, bucket: int) -> Iterator[tuple[list[nn.Parameter], bool]]:
+        """The bucket's main params with their fp32 main grads as ``.grad`` inside the block,
+        and whether those grads are new copies of the reduced grads. With transient grads they
+        are (one transient bucket shard, dropped after the block); otherwise they are the
+        persistent main grads."""
+        mains = self._bucket_mains[bucket]
+        if not self.transient_grads:
+            yield [main for main, _ in mains], False
+            return
+        grad = self.grad_regions[bucket].float()
+        for main, piece in mains:
+            main.grad = grad[piece.local_range.start : piece.local_range.end].view(main.shape)
+        try:
+            yield [main for main, _ in mains], True
+        finally:
+            for main, _ in mains:
+                main.grad = None
+
+    def main_value(self, main: nn.Parameter, piece: ShardPiece) -> torch.Tensor:
+        """The fp32 master values of a piece: the main param, or rebuilt from remainders."""
+        if self.remainders is None:
+            return main.detach()
+        lo, hi = piece.local_range.start, piece.local_range.end
+        return join_fp32(self.param_regions[piece.bucket][lo:hi],
+                         self._remainder_segments[piece.bucket][lo:hi]).view(main.shape)

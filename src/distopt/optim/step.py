@@ -1,0 +1,227 @@
+"""The step of a distopt optimizer, after the grad sync: one pipeline over step chunks.
+
+[Note: step chunks]
+A step must know two things of ALL grads before it changes any param: whether some rank saw an
+inf or nan (the loss scaler's verdict) and the global norm (the clip coefficient). So it runs
+in two passes over the main params, each pass chunk by chunk:
+
+1. statistics: each chunk's fp32 grads are unscaled (with a loss scaler; an inf raises the
+   flag) and their norms taken; then one reduction each for the verdict and the norm.
+2. update: each chunk's grads are clipped by the global coefficient, their zeros counted, and
+   the inner torch optimizers step the chunk's main params.
+
+A chunk source says what a chunk is:
+
+* ``WholeShard``: every main param at once, one chunk. The fp32 main grads are persistent (the
+  reduced grads themselves, or one copy per step), so pass 1 unscales them for good, and pass 2
+  steps every inner optimizer once.
+* ``BucketByBucket``: one bucket's shard at a time, for state that exists only during the step:
+  with ``store_param_remainders`` the fp32 masters (and, for bf16/fp16 grads, the fp32 main
+  grads) are built for one bucket, stepped and dropped (see [Note: param remainders]). Fresh
+  grad copies are made in both passes and unscaled in both (the same bits each time).
+
+Both sources give the same bits: unscaling and clipping are element-wise, the norms are summed
+in one fixed order (the counted main params', whatever the chunks), zero counts are exact, and
+an element-wise or whole-tensor optimizer updates each element, or each param, alone, so
+stepping a chunk is stepping its params within the whole. Params no rank computed a grad for
+(``find_unused_parameters``) are left out of the inner step, as torch.optim skips ``.grad``
+None; that is the one way the step skips a param. The next state format or precision is a new
+chunk source, not another copy of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives import CommStats
+from ..scaler import LossScaler
+from . import grad_stats
+from .main_params import ShardMainParams
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What ``step()`` did: whether params changed, the global grad norm (before clipping;
+    computed when ``clip_grad`` is set) and the zero elements of the clipped grads (counted
+    when ``log_num_zeros`` is set).
+
+    A step skipped by the loss scaler (inf or nan in the grads on some rank) has
+    ``updated=False`` and neither figure: params, optimizer state and step counts are untouched.
+    """
+
+    updated: bool
+    grad_norm: float | None = None
+    num_zeros: int | None = None
+
+
+class ChunkSource(Protocol):
+    """Where a step's main params and their fp32 grads come from; see [Note: step chunks]."""
+
+    def begin(self) -> None:
+        """Before pass 1."""
+
+    def grad_chunks(self) -> Iterator[contextlib.AbstractContextManager[list[nn.Parameter]]]:
+        """Pass 1: each chunk's main params, their fp32 grads as ``.grad`` inside the block."""
+
+    def step_chunks(
+        self,
+    ) -> Iterator[contextlib.AbstractContextManager[tuple[list[nn.Parameter], bool]]]:
+        """Pass 2: each chunk's main params, holding the fp32 masters and grads inside the
+        block, and whether those grads are fresh copies (unscaled again)."""
+
+    def end(self) -> None:
+        """After pass 2: the updated masters into this rank's part of the model params."""
+
+
+class WholeShard:
+    """Every main param at once, with persistent fp32 grads."""
+
+    def __init__(self, owned: Sequence[ShardMainParams], mains: list[nn.Parameter]) -> None:
+        self.owned = owned
+        self.mains = mains
+
+    def begin(self) -> None:
+        for owned in self.owned:
+            owned.copy_grads_in()
+
+    def grad_chunks(self) -> Iterator[contextlib.AbstractContextManager[list[nn.Parameter]]]:
+        yield contextlib.nullcontext(self.mains)
+
+    def step_chunks(
+        self,
+    ) -> Iterator[contextlib.AbstractContextManager[tuple[list[nn.Parameter], bool]]]:
+        yield contextlib.nullcontext((self.mains, False))
+
+    def end(self) -> None:
+        for owned in self.owned:
+            owned.copy_params_out()
+
+
+class BucketByBucket:
+    """One bucket's shard at a time, its masters (and grads) built for the chunk alone."""
+
+    def __init__(self, owned: Sequence[ShardMainParams]) -> None:
+        self.buckets = [(o, b) for o in owned for b in range(o.num_buckets)]
+
+    def begin(self) -> None:
+        pass
+
+    def grad_chunks(self) -> Iterator[contextlib.AbstractContextManager[list[nn.Parameter]]]:
+        for owned, bucket in self.buckets:
+            yield _first(owned.bucket_grads(bucket))
+
+    def step_chunks(
+        self,
+    ) -> Iterator[contextlib.AbstractContextManager[tuple[list[nn.Parameter], bool]]]:
+        for owned, bucket in self.buckets:
+            yield _masters_and_grads(owned, bucket)
+
+    def end(self) -> None:
+        pass  # the chunks wrote their params back as they closed
+
+
+@contextlib.contextmanager
+def _first(grads: Any) -> Iterator[list[nn.Parameter]]:
+    with grads as (mains, _fresh):
+        yield mains
+
+
+@contextlib.contextmanager
+def _masters_and_grads(
+    owned: ShardMainParams, bucket: int
+) -> Iterator[tuple[list[nn.Parameter], bool]]:
+    with owned.bucket_masters(bucket) as mains, owned.bucket_grads(bucket) as (_, fresh):
+        yield mains, fresh
+
+
+@dataclass(kw_only=True, slots=True)
+class StepPipeline:
+    """The two passes of [Note: step chunks] over one optimizer's main params."""
+
+    source: ChunkSource
+    optimizers: list[torch.optim.Optimizer]
+    param_groups: list[dict[str, Any]]
+    counted: dict[nn.Parameter, None]
+    """The main params whose grads global statistics count on this rank, in the sum's order."""
+    reduce_groups: list[dist.ProcessGroup | None]
+    device: torch.device
+    stats: CommStats | None
+    clip_grad: float | None
+    log_num_zeros: bool
+
+    def run(self, loss_scaler: LossScaler | None, unused: set[nn.Parameter]) -> StepResult:
+        """One step over grads already synced; ``unused``: main params no rank computed a
+        grad for, left out of the update."""
+        groups, device, stats = self.reduce_groups, self.device, self.stats
+        counted = self.counted
+        inv_scale = None
+        if loss_scaler is not None:
+            inv_scale = grad_stats.inverse_scale(1.0 / loss_scaler.scale, device)
+
+        self.source.begin()
+        norms: dict[nn.Parameter, torch.Tensor] = {}
+        if inv_scale is not None or self.clip_grad is not None:
+            found_inf = grad_stats.inf_flag(device)
+            for chunk in self.source.grad_chunks():
+                with chunk as mains:
+                    if inv_scale is not None:
+                        grad_stats.unscale_(_grads(mains), found_inf, inv_scale)
+                    if self.clip_grad is not None:
+                        mine = [m for m in mains if m in counted]
+                        norms.update(zip(mine, grad_stats.grad_norms(_grads(mine)), strict=True))
+            if loss_scaler is not None:
+                found = grad_stats.any_rank_found_inf(found_inf, groups, stats)
+                loss_scaler.update(found)
+                if found:
+                    return StepResult(updated=False)
+
+        grad_norm, coef = None, None
+        if self.clip_grad is not None:
+            total_norm = grad_stats.global_norm([norms[m] for m in counted], groups, device, stats)
+            grad_norm = float(total_norm.item())
+            coef = grad_stats.clip_coefficient(self.clip_grad, total_norm)
+
+        zeros = grad_stats.zero_counter(device) if self.log_num_zeros else None
+        for chunk in self.source.step_chunks():
+            with chunk as (mains, fresh):
+                grads = _grads(mains)
+                if fresh and inv_scale is not None:
+                    grad_stats.unscale_(grads, grad_stats.inf_flag(device), inv_scale)
+                if coef is not None and grads:
+                    torch._foreach_mul_(grads, coef)
+                if zeros is not None:
+                    grad_stats.add_zeros(zeros, _grads([m for m in mains if m in counted]))
+                self._inner_step([m for m in mains if m not in unused])
+        self.source.end()
+        num_zeros = None if zeros is None else grad_stats.total_zeros(zeros, groups, stats)
+        return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros)
+
+    def _inner_step(self, mains: list[nn.Parameter]) -> None:
+        """Step ``mains`` with the inner optimizers: every group at once when they are all of
+        them, else each group narrowed to them for the call."""
+        if len(mains) == sum(len(group["params"]) for group in self.param_groups):
+            for inner in self.optimizers:
+                inner.step()
+            return
+        chosen = set(mains)
+        saved = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [p for p in group["params"] if p in chosen]
+            for inner in self.optimizers:
+                if any(group["params"] for group in inner.param_groups):
+                    inner.step()
+        finally:
+            for group, params in zip(self.param_groups, saved, strict=True):
+                group["params"] = params
+
+
+def _grads(mains: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [m.grad for m in mains]
