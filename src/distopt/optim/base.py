@@ -90,7 +90,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         self.default_param_groups = params is None
         options.check_param_dtypes({p.dtype for m in models for p in m.params})
         group_classes = [group_class(g, optimizer_cls) for g in param_groups]
-        whole_costs = whole_tensor_costs(param_groups, group_classes, self.models)
+        names = {p: m.param_names[p] for m in self.models for p in m.params}
+        whole_costs = whole_tensor_costs(param_groups, group_classes, names)
         # The buffers are laid out once, now that the owners of whole tensors are known; see
         # [Note: layout planned once] in layout/planner.py.
         for model in self.models:
@@ -106,19 +107,19 @@ class BufferOptimizer(torch.optim.Optimizer):
             for model in self.models
             for buf in model.flat_buffers
         ]
-        pieces_of: dict[nn.Parameter, list[nn.Parameter]] = {}
+        mains_of: dict[nn.Parameter, list[nn.Parameter]] = {}
         self._piece_owner: dict[nn.Parameter, tuple[ShardMainParams, ShardPiece]] = {}
         for owned in self._owned:
             for piece, main in zip(owned.pieces, owned.main_params, strict=True):
-                pieces_of.setdefault(owned.model_param(piece), []).append(main)
+                mains_of.setdefault(owned.model_param(piece), []).append(main)
                 self._piece_owner[main] = (owned, piece)
-        self._pieces_of = pieces_of
+        self._mains_of = mains_of
 
         # One inner torch optimizer per class; see [Note: one optimizer, several classes].
         user_order = []
         for group in param_groups:
             inner = {k: v for k, v in group.items() if k != "params"}
-            inner["params"] = [m for p in group["params"] for m in pieces_of.get(p, [])]
+            inner["params"] = [m for p in group["params"] for m in mains_of.get(p, [])]
             user_order.append(inner)
         self.optimizers, self.optimizer = build_inner_optimizers(
             user_order, group_classes, optimizer_cls, optimizer_kwargs, self._device
@@ -183,7 +184,7 @@ class BufferOptimizer(torch.optim.Optimizer):
             model.finish_grad_sync()
             model.finish_param_sync()
         unused = {main for model in self.models for param in model.unused_params
-                  for main in self._pieces_of.get(param, ())}
+                  for main in self._mains_of.get(param, ())}
         result = self._pipeline.run(self.loss_scaler, unused)
         if result.updated:
             self._gather_params()

@@ -32,14 +32,13 @@ def group_class(group: dict[str, Any], default: OptimizerClass) -> OptimizerClas
 
 
 def whole_tensor_costs(
-    param_groups: list[dict[str, Any]],
-    group_classes: list[Any],
-    models: list[DistributedDataParallel],
+    param_groups: Sequence[dict[str, Any]],
+    group_classes: Sequence[Any],
+    names: dict[nn.Parameter, str],
 ) -> dict[nn.Parameter, float]:
     """The params of whole-tensor optimizers' groups and the cost their owners balance, after
     checking that each class can be sharded and each param suits its class (on every rank, as
     nothing here communicates)."""
-    names = {p: m.param_names[p] for m in models for p in m.params}
     costs: dict[nn.Parameter, float] = {}
     for index, (group, cls) in enumerate(zip(param_groups, group_classes, strict=True)):
         check_optimizer_cls(cls, where=f'param group {index}\'s "{CLASS_KEY}"')

@@ -45,8 +45,8 @@ from ..layout.elementwise import TARGET_BUCKETS, BufferLayout
 from ..layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
 from ..layout.whole import BalanceReport, balance_report
 from ..memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
-from ..optim.groups import CLASS_KEY, group_class
-from ..optim.kinds import check_optimizer_cls, state_bytes, whole_tensor_cost
+from ..optim.groups import group_class, whole_tensor_costs
+from ..optim.kinds import check_optimizer_cls, state_bytes
 from ..parallel.dtensor import local_tensor
 
 OptimizerClass = type[torch.optim.Optimizer]
@@ -247,8 +247,10 @@ def predict_plan(
     trainable = [p for p in module.parameters() if p.requires_grad]
     groups = [{"params": trainable}] if params is None else list(params)
     classes = [group_class(g, optimizer_cls) for g in groups]
-    for index, cls in enumerate(classes):
-        check_optimizer_cls(cls, where=f'param group {index}\'s "{CLASS_KEY}"')
+    check_optimizer_cls(optimizer_cls)
+    names = {p: n for n, p in module.named_parameters()}
+    # The same owners and costs the optimizer asks the DDP for, with the same checks.
+    costs = whole_tensor_costs(groups, classes, names)
     steppers: dict[nn.Parameter, Stepper] = {}
     for group, cls in zip(groups, classes, strict=True):
         given = dict(optimizer_kwargs or {}) if cls is optimizer_cls else {}
@@ -257,10 +259,7 @@ def predict_plan(
             steppers[p] = (cls, options)
     specs = []
     for p in trainable:
-        shape = tuple(local_tensor(p).shape)
-        stepper = steppers.get(p)
-        cost = None if stepper is None else whole_tensor_cost(stepper[0])
-        specs.append(ParamSpec(shape, p.dtype, None if cost is None else cost(shape)))
+        specs.append(ParamSpec(tuple(local_tensor(p).shape), p.dtype, costs.get(p)))
     bucket_size = resolve_bucket_size(bucket_size, specs, dp_size, target_buckets)
     planned = plan_model_layout(specs, grad_dtype=grad_dtype, bucket_size=bucket_size,
                                 dp_size=dp_size)
