@@ -52,6 +52,7 @@ from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer
 from .dtensor import is_dtensor, local_grad, local_tensor
 from .layout import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from .model_check import check_same_model
 from .options import GradSyncOptions
 from .parallel import ParallelLayout, resolve_dp_groups
 from .tensor_parallel import TensorParallelMesh, check_params, stat_groups
@@ -152,6 +153,10 @@ class DistributedDataParallel(nn.Module):
             self.dp_size, total, target_buckets=target
         )
 
+        # Every rank must hold the same model and plan the same buckets before the first
+        # collective; see [Note: one model on every rank] in model_check.py.
+        check_same_model(module, named, self.options, bucket_size=self.bucket_size,
+                         parallel=self.parallel, stats=self.comm_stats)
         # Torch DDP semantics: every replica starts from rank 0's weights.
         self._broadcast_from_first_rank(module)
 
