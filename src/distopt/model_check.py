@@ -296,7 +296,9 @@ def check_same_model(
         return
     description = describe_model(module, trainable, options, bucket_size=bucket_size,
                                  dp_size=parallel.dp_size)
-    device = trainable[0][1].device
+    # gloo communicates CPU tensors; NCCL those on the params' device.
+    gloo_only = all(dist.get_backend(group) == "gloo" for _, group, _ in groups)
+    device = torch.device("cpu") if gloo_only else trainable[0][1].device
     message = None
     for name, group, full in groups:
         mine = description if full else description.global_view()
