@@ -15,7 +15,9 @@ its first broadcast, compares what every rank is about to communicate:
   unused-param tracking, the nan check, fp32 accumulation);
 * the bucket layout it plans: every buffer's buckets, their element ranges and params.
 
-``describe_model`` and ``first_difference`` are the pure part (no torch.distributed). The
+``describe_model``, ``plan_buffers`` and ``first_difference`` are the pure part (they use no
+torch.distributed; ``plan_buffers`` follows ``DistributedDataParallel._build_buffers``, which a
+test holds it to). The
 collective part sends one 32-byte digest per rank per group (one all-gather); only when the
 digests differ does it exchange the descriptions, to name the first differing param, its value
 on each side and the ranks. It compares within the shard group and the replicate group
@@ -25,7 +27,8 @@ found in one is spread over all of them (one small all-reduce per group, plus th
 itself when there is one), so that every rank raises the same ``ValueError`` and none is left
 waiting in the broadcast that follows. The layout is the one planned at construction; a
 ``DistributedOptimizer`` that re-lays the buffers out for whole-tensor optimizers does so
-deterministically from the (now checked) params and its own arguments.
+deterministically from the (now checked) params and its param groups, which must be the same
+on every rank too (they are not compared).
 """
 
 from __future__ import annotations
