@@ -263,8 +263,27 @@ def bad_meshes() -> dict:
     return out
 
 
+def nan_check_names_the_rank() -> str:
+    """A nan in the own grads of the last rank (replica 1, shard 1) is named, with that rank,
+    on every rank of both replicas."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = AwkwardLM()
+    ddp = distopt.DistributedDataParallel(model, bucket_size=40, overlap_grad_reduce=False,
+                                          check_for_nan_in_grad=True, device_mesh=_mesh(2, 2))
+    tokens, targets = (rank_slice(t, rank, world) for t in batches(0))
+    _lm_loss(ddp, tokens, targets, 0).backward()
+    if rank == world - 1:
+        model.l2.weight.main_grad[0, 0] = float("nan")  # before the reduction: launched later
+    try:
+        ddp.finish_grad_sync()
+    except FloatingPointError as error:
+        return str(error)
+    return "no error"
+
+
 def _cases(tmp: str) -> list:
-    cases = []
+    cases = [("nan-check-2x2", nan_check_names_the_rank, ())]
     for r, s in LAYOUTS:
         cases.append((f"fp32-{r}x{s}", parity, (r, s, torch.float32)))
     cases.append(("bf16-2x2", parity, (2, 2, torch.bfloat16)))
@@ -392,3 +411,8 @@ def test_bad_meshes_name_the_fix(results):
     for v in case_result(results, "bad-meshes"):
         assert "name it 'dp'" in v["unknown-name"] and "dp_replicate" in v["unknown-name"]
         assert "either 'dp'" in v["dp-and-dp-shard"]
+
+
+def test_nan_check_names_the_rank_across_replicas(results):
+    for message in case_result(results, "nan-check-2x2"):
+        assert f"parameter 'l2.weight' produced on rank {WORLD - 1} " in message, message

@@ -292,8 +292,9 @@ def fp16_reduction_overflow(grad_dtype: torch.dtype | None) -> dict:
 
 
 def nan_check(param_dtype: torch.dtype) -> dict:
-    """check_for_nan_in_grad names the first bad param in registration order, on every rank,
-    whichever rank's backward produced it, and the next clean step trains normally."""
+    """check_for_nan_in_grad names the first bad param in registration order and the rank
+    whose backward produced it, on every rank; a sum that overflows only in the reduction is
+    named as such; the next clean step trains normally."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = TinyTransformer().to(param_dtype)
@@ -304,11 +305,12 @@ def nan_check(param_dtype: torch.dtype) -> dict:
     plans = [
         [(head, 7, math.inf, 0), (fc1, 100, math.nan, world - 1)],  # fc1 registered first
         [(head, 300, -math.inf, world - 1)],
+        [(head, 5, 3e38, None)],  # finite on every rank; the sum of d of them is not
         [],
     ]
     messages, unchanged, updated = [], [], []
     for step, plan in enumerate(plans):
-        handles = [_poison(p, i, v, rank == r) for p, i, v, r in plan]
+        handles = [_poison(p, i, v, r is None or rank == r) for p, i, v, r in plan]
         before = _snapshot(ddp, opt)
         opt.zero_grad()
         _local_loss(ddp, step, rank, world).backward()
@@ -585,14 +587,16 @@ def test_fp16_reduction_overflow_is_caught(world):
 
 @pytest.mark.parametrize("case", ["nan-check-fp32", "nan-check-bf16"])
 def test_nan_check_names_the_parameter_on_every_rank(world, case):
-    _, results = world
+    d, results = world
     for value in case_result(results, case):
-        first, second, clean = value["messages"]
-        assert "'blocks.1.fc1.weight'" in first
-        assert "'head.weight'" in second
+        first, second, overflow, clean = value["messages"]
+        assert f"parameter 'blocks.1.fc1.weight' produced on rank {d - 1} " in first
+        assert f"parameter 'head.weight' produced on rank {d - 1} " in second
+        assert ("parameter 'head.weight' after the data-parallel reduction, though every "
+                "rank's own gradient was finite") in overflow
         assert clean is None
         assert value["updated"] == [True]
-        assert value["unchanged"] == [True, True, False]
+        assert value["unchanged"] == [True, True, True, False]
 
 
 @pytest.mark.parametrize("case", ["norm-zeros", "norm-zeros-scaled"])

@@ -47,6 +47,7 @@ class Bucket:
         stats: comm.CommStats | None,
         replicate_group: dist.ProcessGroup | None = None,
         fp32_accumulation: bool = False,
+        check_local_grads: bool = False,
     ) -> None:
         self.layout = layout
         self.params = params
@@ -74,6 +75,10 @@ class Bucket:
         self._replica_launched = False
         self.reduction_started = False
         self._gather: Any = None  # handle of the gather in flight
+        # Per param, whether this rank's own grads were finite when the reduction was launched
+        # (only with ``check_local_grads``: the nan check names the rank that produced one).
+        self.check_local_grads = check_local_grads
+        self._local_finite: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ grads
 
@@ -117,6 +122,10 @@ class Bucket:
         for param in self.params:
             if param not in self._written:
                 param.main_grad.zero_()  # see [Note: grads written, not zeroed]
+        if self.check_local_grads:  # now, before the reduction mixes every rank's grads
+            self._local_finite = torch.stack(
+                [torch.isfinite(param.main_grad).all() for param in self.params]
+            )
         if self.reduce_scatter:
             # Looked up at call time, so that wrappers installed later (tests, benchmarks)
             # see the call.
@@ -186,6 +195,14 @@ class Bucket:
 
     # ------------------------------------------------------------------ checks
 
+    def nonfinite_local_params(self) -> list[nn.Parameter]:
+        """The params whose grads on this rank held a nan or inf when the last reduction was
+        launched (always empty without ``check_local_grads``)."""
+        finite = self._local_finite
+        if finite is None or bool(finite.all()):
+            return []
+        return [p for p, ok in zip(self.params, finite.tolist(), strict=True) if not ok]
+
     def nonfinite_params(self) -> list[nn.Parameter]:
         """The params with a nan or inf in the part of their grads this rank holds reduced."""
         if bool(torch.isfinite(self.owned_grad).all()):
@@ -215,6 +232,7 @@ class ParamAndGradBuffer:
         stats: comm.CommStats | None = None,
         replicate_group: dist.ProcessGroup | None = None,
         fp32_accumulation: bool = False,
+        check_local_grads: bool = False,
     ) -> None:
         """``params`` in layout order, laid out by ``layout`` (from layout/planner.py)."""
         if not params:
@@ -257,5 +275,6 @@ class ParamAndGradBuffer:
                     stats=stats,
                     replicate_group=replicate_group,
                     fp32_accumulation=fp32_accumulation,
+                    check_local_grads=check_local_grads,
                 )
             )

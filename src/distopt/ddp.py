@@ -52,6 +52,7 @@ from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer
 from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from .layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
+from .model_check import check_same_model
 from .module_params import trainable_named_params
 from .options import GradSyncOptions
 from .parallel.dtensor import is_dtensor, local_grad, local_tensor
@@ -142,8 +143,9 @@ class DistributedDataParallel(nn.Module):
         self.parallel = ParallelGroups.of(
             dp_group, check_params(named, dp_group), replicate_group
         )
-        # Over the TP groups too, so that every rank of the mesh raises, or none does.
-        self._nan_check_groups = self.parallel.verdict_groups()
+        # Over the replicas and TP groups too, so that every rank of the mesh raises, or none
+        # does, and each learns which rank produced the nan.
+        self._nan_check_groups = self.parallel.verdict_groups(replicas=True)
         self.comm_stats = comm.CommStats()
 
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
@@ -154,6 +156,10 @@ class DistributedDataParallel(nn.Module):
             self.options.bucket_size, self._param_specs({}), self.dp_size, target
         )
 
+        # Every rank must hold the same model and plan the same buckets before the first
+        # collective; see [Note: one model on every rank] in model_check.py.
+        check_same_model(module, named, self.options, bucket_size=self.bucket_size,
+                         parallel=self.parallel, stats=self.comm_stats)
         # Torch DDP semantics: every replica starts from rank 0's weights.
         self._broadcast_from_first_rank(module)
 
@@ -218,6 +224,7 @@ class DistributedDataParallel(nn.Module):
                 reduce_scatter=self.options.use_distributed_optimizer,
                 stats=self.comm_stats,
                 fp32_accumulation=self.options.reduces_with_fp32_accumulation(buf.grad_dtype),
+                check_local_grads=self.options.check_for_nan_in_grad,
             )
             for buf in planned.buffers
         ]
@@ -410,19 +417,37 @@ class DistributedDataParallel(nn.Module):
         return self.params[0].device
 
     def _raise_on_nonfinite_grad(self) -> None:
-        first_bad = len(self.params)
+        # Two verdicts, agreed by one MIN: the first param (registration order) whose reduced
+        # grad is not finite, and the first (param, rank) whose own grad was not finite before
+        # the reduction, encoded as index * world + rank.
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        count = len(self.params)
+        reduced = local = count
         for bucket in self._buckets:
             for param in bucket.nonfinite_params():
-                first_bad = min(first_bad, self._param_index[param])
-        flag = torch.tensor([first_bad], dtype=torch.int64, device=self._device)
-        comm.all_reduce_small(flag, dist.ReduceOp.MIN, self._nan_check_groups, self.comm_stats)
-        index = int(flag.item())
-        if index < len(self.params):
+                reduced = min(reduced, self._param_index[param])
+            for param in bucket.nonfinite_local_params():
+                local = min(local, self._param_index[param])
+        flags = torch.tensor([reduced, local * world + rank], dtype=torch.int64,
+                             device=self._device)
+        comm.all_reduce_small(flags, dist.ReduceOp.MIN, self._nan_check_groups, self.comm_stats)
+        reduced, first_local = flags.tolist()
+        fix = ("lower the learning rate, check the inputs, or use fp16 with a loss scaler (which "
+               "skips such steps) instead of check_for_nan_in_grad")
+        if first_local < count * world:
+            index, producer = divmod(first_local, world)
             name = self.param_names[self.params[index]]
             raise FloatingPointError(
+                f"nan or inf in the gradient of parameter '{name}' produced on rank {producer} "
+                "(the lowest rank whose own gradient held one before the data-parallel "
+                f"reduction); {fix}"
+            )
+        if reduced < count:
+            name = self.param_names[self.params[reduced]]
+            raise FloatingPointError(
                 f"nan or inf in the gradient of parameter '{name}' after the data-parallel "
-                "reduction; lower the learning rate, check the inputs, or use fp16 with a loss "
-                "scaler (which skips such steps) instead of check_for_nan_in_grad"
+                "reduction, though every rank's own gradient was finite (the sum overflowed "
+                f"its dtype); {fix}"
             )
 
     # ------------------------------------------------------------------ param gather

@@ -114,11 +114,15 @@ class ParallelGroups:
         """Every group of data-parallel ranks: the shard group, then the replicate group."""
         return [self.dp_group, self.replicate_group]
 
-    def verdict_groups(self, *, sharded: bool = True) -> list[dist.ProcessGroup | None]:
+    def verdict_groups(
+        self, *, sharded: bool = True, replicas: bool = False
+    ) -> list[dist.ProcessGroup | None]:
         """The groups over which a verdict on the reduced grads this rank holds (an inf, a
         nan, a norm) is agreed: the shard group when its ranks hold different shards, then the
-        TP groups. Replicas hold the same reduced grads, so they agree without their group."""
-        return ([self.dp_group] if sharded else []) + stat_groups(self.tp)
+        TP groups. Replicas hold the same reduced grads, so they agree without their group;
+        ``replicas`` adds it for a verdict on what each rank produced before the reduction."""
+        return (([self.dp_group] if sharded else [])
+                + ([self.replicate_group] if replicas else []) + stat_groups(self.tp))
 
     @property
     def tp_size(self) -> int:
