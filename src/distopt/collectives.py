@@ -407,6 +407,20 @@ def _gloo_all_gather(full, shard, group, *, async_op: bool):
     return _Composite(works).finish(async_op)
 
 
+def broadcast_from_first_ranks(
+    tensors: list[torch.Tensor], groups: list[dist.ProcessGroup | None]
+) -> None:
+    """Give every rank the values of ``tensors`` on the rank at coordinate 0 of every group,
+    going through the groups last to first (replicate group, then shard group)."""
+    for group in reversed(groups):
+        if group_size(group) == 1:
+            continue
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor, src=src, group=group)
+
+
 def all_reduce_small(
     tensor: torch.Tensor,
     op: dist.ReduceOp,

@@ -56,22 +56,11 @@ from .model_check import check_same_model
 from .module_params import trainable_named_params
 from .options import GradSyncOptions
 from .parallel.dtensor import is_dtensor, local_grad, local_tensor
-from .parallel.groups import ParallelGroups, resolve_dp_groups
+from .parallel.groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from .parallel.tensor_parallel import TensorParallelMesh, check_params
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-_THIS_PROCESS = object()  # process_group of for_this_process(): no group, even under dist
-
-
-def _resolve_group(process_group: Any) -> dist.ProcessGroup | None:
-    if process_group is _THIS_PROCESS:
-        return None
-    if process_group is not None:
-        return process_group
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
 
 class DistributedDataParallel(nn.Module):
     """Data parallelism over contiguous, bucketed param and grad buffers.
@@ -136,7 +125,7 @@ class DistributedDataParallel(nn.Module):
 
         self.module = module
         dp_group, replicate_group = resolve_dp_groups(process_group, device_mesh)
-        dp_group = _resolve_group(dp_group)
+        dp_group = resolve_group(dp_group)
         # The TP mesh is None without DTensor params; check_params raises (on every rank, before
         # any collective) on a DTensor layout distopt cannot compose with. See
         # [Note: DTensor params].
@@ -161,7 +150,9 @@ class DistributedDataParallel(nn.Module):
         check_same_model(module, named, self.options, bucket_size=self.bucket_size,
                          parallel=self.parallel, stats=self.comm_stats)
         # Torch DDP semantics: every replica starts from rank 0's weights.
-        self._broadcast_from_first_rank(module)
+        comm.broadcast_from_first_ranks(
+            [local_tensor(t.data) for t in (*module.parameters(), *module.buffers())],
+            self.parallel.data_parallel_groups)
 
         # Laid out once, when first needed; see [Note: layout planned once] in layout/planner.py.
         self._whole_tensor_costs: dict[nn.Parameter, float] = {}
@@ -268,7 +259,7 @@ class DistributedDataParallel(nn.Module):
         """Wrap ``module`` for training on this process alone, without communication, even
         when torch.distributed is initialized (``BasicOptimizer`` over a plain module).
         ``kwargs`` are the other options of the constructor."""
-        return cls(module, process_group=_THIS_PROCESS, **kwargs)
+        return cls(module, process_group=THIS_PROCESS, **kwargs)
 
     # ------------------------------------------------------------------ parallel layout
 
@@ -493,15 +484,3 @@ class DistributedDataParallel(nn.Module):
                     bucket.wait_gather()
 
         return wait_for_params
-
-    def _broadcast_from_first_rank(self, module: nn.Module) -> None:
-        # Replicate group first, then shard group: every rank ends with the values of the rank
-        # at coordinate 0 of both.
-        tensors = list(module.parameters()) + list(module.buffers())
-        for group in reversed(self.parallel.data_parallel_groups):
-            if comm.group_size(group) == 1:
-                continue
-            src = dist.get_global_rank(group, 0)
-            with torch.no_grad():
-                for tensor in tensors:
-                    dist.broadcast(local_tensor(tensor.data), src=src, group=group)

@@ -87,6 +87,19 @@ def resolve_dp_groups(process_group: Any, device_mesh: DeviceMesh | None) -> tup
     return device_mesh["dp"].get_group(), None
 
 
+THIS_PROCESS = object()  # process_group of for_this_process(): no group, even under dist
+
+
+def resolve_group(process_group: Any) -> dist.ProcessGroup | None:
+    """The DP group a DDP was given: ``THIS_PROCESS`` means none, None the default group (none
+    when torch.distributed is not initialized)."""
+    if process_group is THIS_PROCESS:
+        return None
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelGroups:
     """This rank's place in the parallel layout of a model, seen from this rank.
