@@ -62,6 +62,12 @@ class BufferOptimizer(torch.optim.Optimizer):
         # The DP group and TP mesh every model chunk shares, checked once.
         self.parallel: ParallelGroups = common_groups([m.parallel for m in models])
         _check_model_parallel_group(model_parallel_group, self.parallel.dp_group)
+        if self.parallel.tp is not None and model_parallel_group is not None:
+            raise ValueError(
+                "the model has DTensor (tensor-parallel) params, whose mesh already gives the "
+                "groups that grad statistics reduce over; drop model_parallel_group (passing the "
+                "TP group too would count every element twice)"
+            )
         if isinstance(loss_scaler, DynamicLossScaler):
             checked = [m for m in models if m.options.check_for_nan_in_grad]
             if checked:
@@ -102,8 +108,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         whole_params = frozenset(whole_costs)
         self._owned = [
             ShardMainParams(buf, sharded=self._sharded,
-                             store_remainders=options.store_param_remainders,
-                             whole_params=whole_params)
+                            store_remainders=options.store_param_remainders,
+                            whole_params=whole_params)
             for model in self.models
             for buf in model.flat_buffers
         ]
@@ -128,12 +134,6 @@ class BufferOptimizer(torch.optim.Optimizer):
         # Tensor parallelism leaves TP-replicated grads out of the sums on all but one TP rank;
         # see [Note: TP grad statistics].
         counted = counted_grads(self.parallel.tp, [self.piece_info(m)[0] for m in mains], mains)
-        if self.parallel.tp is not None and model_parallel_group is not None:
-            raise ValueError(
-                "the model has DTensor (tensor-parallel) params, whose mesh already gives the "
-                "groups that grad statistics reduce over; drop model_parallel_group (passing the "
-                "TP group too would count every element twice)"
-            )
         source = (BucketByBucket(self._owned) if options.store_param_remainders
                   else WholeShard(self._owned, mains))
         self._pipeline = StepPipeline(
