@@ -146,6 +146,7 @@ class Probe(pl.Callback):
 def trainer(strategy, **kwargs) -> pl.Trainer:
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # launched already: see the module docstring
     os.environ["NODE_RANK"] = "0"
+    os.environ["OMP_NUM_THREADS"] = "1"  # else Lightning gives a lone rank every core
     settings = dict(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy,
                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1,
@@ -310,7 +311,9 @@ def model_checkpoint_run(root: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t.fit(GPTModule(), ckpt_path="last")
+    t.save_checkpoint(Path(root) / "after-fit.ckpt")  # once fit has returned, too
     return {"saved": saved, "steps": t.global_step,
+            "after_fit": distopt.has_checkpoint(Path(root) / "after-fit.ckpt"),
             "complete": all(distopt.has_checkpoint(Path(root) / name)
                             for name in saved if name.endswith(".ckpt"))}
 
@@ -487,7 +490,7 @@ def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision):
 
 def test_model_checkpoint_callback(two_ranks):
     for result in case_result(two_ranks, "model_checkpoint"):
-        assert result["complete"]
+        assert result["complete"] and result["after_fit"]
         assert "last.ckpt" in result["saved"] and len(result["saved"]) == 3  # + best + latest
         assert result["steps"] == 3 * 2
 

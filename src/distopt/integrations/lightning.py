@@ -258,7 +258,13 @@ class DistoptStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.model is self.ddp and self.ddp is not None:
             self.model = self.lightning_module
-        super().teardown()
+        # Lightning moves optimizer state to the CPU here; distopt's stays beside its main
+        # params, so that trainer.save_checkpoint still works once fit has returned.
+        optimizers, self._optimizers = self._optimizers, []
+        try:
+            super().teardown()
+        finally:
+            self._optimizers = optimizers
 
     # ------------------------------------------------------------------ checkpoints
 
