@@ -226,6 +226,14 @@ class ManualModule(GPTModule):
         sched.step()
 
 
+class FrozenModule(GPTModule):
+    """A frozen first block whose params configure_optimizers still hands to AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt.blocks[0].requires_grad_(False)
+
+
 class NoOptimizerModule(ManualModule):
     def configure_optimizers(self):
         return None
@@ -272,6 +280,11 @@ def basic_run() -> dict:
 
 def muon_runs() -> dict:
     return {name: fit(strategy, MuonModule(), **SHORT)
+            for name, strategy in (("ddp", DDPStrategy()), ("distopt", DistoptStrategy()))}
+
+
+def frozen_runs() -> dict:
+    return {name: fit(strategy, FrozenModule(), **SHORT)
             for name, strategy in (("ddp", DDPStrategy()), ("distopt", DistoptStrategy()))}
 
 
@@ -362,7 +375,8 @@ def ckpt_root():
 def two_ranks(ckpt_root):
     ckpt = str(ckpt_root / "half.ckpt")
     cases = [("ddp", ddp_run, ()), ("distopt", distopt_run, (ckpt,)), ("basic", basic_run, ()),
-             ("muon", muon_runs, ()), ("precision", precision_runs, ()),
+             ("muon", muon_runs, ()), ("frozen", frozen_runs, ()),
+             ("precision", precision_runs, ()),
              ("manual", manual_runs, ()), ("errors", error_runs, (str(ckpt_root / "plain.ckpt"),)),
              ("model_checkpoint", model_checkpoint_run, (str(ckpt_root / "callback"),))]
     return run_cases(2, cases)
@@ -439,6 +453,11 @@ def test_basic_flag_matches_ddp_strategy(two_ranks):
 
 def test_muon_owned_whole(two_ranks):
     for result in case_result(two_ranks, "muon"):
+        assert_same_run(result["distopt"], result["ddp"])
+
+
+def test_frozen_params_in_the_optimizer(two_ranks):
+    for result in case_result(two_ranks, "frozen"):
         assert_same_run(result["distopt"], result["ddp"])
 
 

@@ -42,7 +42,10 @@ def to_distopt(
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in _options(optimizer.defaults).items() if k in accepted}
-    groups = [{**_options(g), "params": list(g["params"])} for g in optimizer.param_groups]
+    # Frozen params stay out, as torch.optim skips them (their grad is None); a group may end
+    # up empty, and stays, so that per-group schedules keep their order.
+    groups = [{**_options(g), "params": [p for p in g["params"] if p.requires_grad]}
+              for g in optimizer.param_groups]
     distopt_cls = BasicOptimizer if basic else DistributedOptimizer
     return distopt_cls(ddp, cls, params=groups, clip_grad=clip_grad, loss_scaler=loss_scaler,
                        **distopt_kwargs, **defaults)
