@@ -209,7 +209,8 @@ class MuonModule(GPTModule):
 
 
 class ManualModule(GPTModule):
-    """Manual optimization through self.optimizers(): the optimizer there is distopt's."""
+    """Manual optimization through self.optimizers() (the optimizer there is distopt's),
+    accumulating micro-batches by hand with Lightning's toggle_model(sync_grad=...)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -217,13 +218,16 @@ class ManualModule(GPTModule):
 
     def training_step(self, batch, batch_idx):
         opt, sched = self.optimizers(), self.lr_schedulers()
-        opt.zero_grad()
-        (seq,) = batch
-        _, loss = self.gpt(seq[:, :-1], seq[:, 1:])
+        last = batch_idx % ACCUMULATE == ACCUMULATE - 1
+        with opt.toggle_model(sync_grad=last):
+            (seq,) = batch
+            _, loss = self.gpt(seq[:, :-1], seq[:, 1:])
+            self.manual_backward(LOSS_FACTOR * loss / ACCUMULATE)
         self.losses.append(loss.item())
-        self.manual_backward(loss)
-        opt.step()
-        sched.step()
+        if last:
+            opt.step()
+            opt.zero_grad()
+            sched.step()
 
 
 class FrozenModule(GPTModule):
@@ -475,6 +479,8 @@ def test_mixed_precision(two_ranks):
 def test_manual_optimization(two_ranks):
     for result in case_result(two_ranks, "manual"):
         assert_same_run(result["distopt"], result["ddp"])
+        calls = result["distopt"]["collectives"]
+        assert calls[0::2] == [0] * 4 and min(calls[1::2]) > 0
 
 
 def test_unsupported_settings_raise_on_every_rank(two_ranks):
