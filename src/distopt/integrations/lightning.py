@@ -1,0 +1,344 @@
+"""DistoptStrategy: Lightning's data parallelism with distopt's DDP and distributed optimizer.
+
+``Trainer(strategy=DistoptStrategy())`` trains an unchanged LightningModule the way
+``strategy="ddp"`` does (same launcher, process group, samplers, ``reduce``/``barrier``/
+``broadcast``), but wraps the module in ``distopt.DistributedDataParallel`` (never torch's) and
+rebuilds the optimizer from ``configure_optimizers`` as ``distopt.DistributedOptimizer`` over the
+same class, groups and options, so each rank keeps 1/d of the fp32 master params and optimizer
+state. Lightning's switches keep their meaning:
+
+- ``accumulate_grad_batches``: the accumulation steps run under ``ddp.no_sync()``, with no
+  communication; the last micro-batch's backward reduce-scatters.
+- ``gradient_clip_val`` (``gradient_clip_algorithm="norm"``): distopt's one global norm over
+  every shard, inside the step. Clipping by value is refused.
+- ``precision``: "32-true", "bf16-mixed", "bf16-true" (bf16 weights, fp32 masters in the
+  optimizer), "16-mixed" (distopt's DynamicLossScaler; see _lightning_precision.py).
+- ``trainer.save_checkpoint(path)`` writes a distopt checkpoint directory at ``path`` (each rank
+  its shard, Lightning's loop, scheduler and callback state beside it), and
+  ``fit(ckpt_path=path)`` resumes from one at any number of devices.
+
+``DistoptStrategy(basic=True)`` uses ``distopt.BasicOptimizer`` (all-reduced grads, replicated
+state) instead, to compare. docs/lightning.md has the details and the limits.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+except ImportError as exc:  # one line that says what to install, not a deep traceback
+    raise ImportError(
+        "distopt.integrations.lightning needs Lightning: pip install 'distopt[lightning]'"
+    ) from exc
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import _MockOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+
+from ..checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from ..ddp import DistributedDataParallel
+from ..optimizer import BasicOptimizer, DistributedOptimizer
+from ..scaler import LossScaler
+from ._lightning_optimizers import check_convertible, repoint_scheduler, to_distopt
+from ._lightning_precision import DistoptPrecision
+
+__all__ = ["DistoptStrategy"]
+
+# Module wrappers that already own the grads' reduction: wrapping one again would reduce twice.
+_WRAPPERS: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel, DistributedDataParallel)
+try:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    _WRAPPERS += (FSDPModule, FullyShardedDataParallel)
+except ImportError:  # a torch built without distributed FSDP
+    pass
+
+
+class DistoptStrategy(DDPStrategy):
+    """Lightning strategy: distopt's DDP and ZeRO optimizer in place of torch DDP.
+
+    Args:
+        basic: use ``distopt.BasicOptimizer`` (grads all-reduced, every rank keeps all of the
+            optimizer state) instead of ``distopt.DistributedOptimizer``, to compare.
+        bucket_size, overlap_grad_reduce, grad_dtype, find_unused_parameters,
+        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation: passed to
+            ``distopt.DistributedDataParallel``.
+        overlap_param_gather, store_param_remainders: passed to ``distopt.DistributedOptimizer``.
+        loss_scaler: the distopt loss scaler for fp16; by default a ``DynamicLossScaler`` with
+            precision "16-mixed" and none otherwise.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
+
+    Options of torch's DDP (``static_graph``, ``bucket_cap_mb``, communication hooks, ...) are
+    refused: the module is wrapped by distopt alone.
+    """
+
+    strategy_name = "distopt"
+
+    def __init__(
+        self,
+        *,
+        basic: bool = False,
+        bucket_size: int | None = None,
+        overlap_grad_reduce: bool = True,
+        grad_dtype: torch.dtype | None = torch.float32,
+        find_unused_parameters: bool = False,
+        check_for_nan_in_grad: bool = False,
+        reduce_scatter_with_fp32_accumulation: bool = False,
+        overlap_param_gather: bool = False,
+        store_param_remainders: bool = False,
+        loss_scaler: LossScaler | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        **torch_ddp_options: Any,
+    ) -> None:
+        if torch_ddp_options:
+            raise ValueError(
+                f"DistoptStrategy wraps the module in distopt.DistributedDataParallel, not "
+                f"torch's; {', '.join(sorted(torch_ddp_options))} would configure a torch DDP "
+                "wrapper that is never built: drop them (distopt's own options are "
+                "bucket_size, overlap_grad_reduce, find_unused_parameters, grad_dtype, ...)"
+            )
+        if basic and (overlap_param_gather or store_param_remainders):
+            raise ValueError(
+                "overlap_param_gather and store_param_remainders belong to the sharded "
+                "optimizer; basic=True (BasicOptimizer) has neither: drop them or basic=True"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.basic = basic
+        self._ddp_options = dict(
+            grad_dtype=grad_dtype,
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=not basic,
+            find_unused_parameters=find_unused_parameters,
+            check_for_nan_in_grad=check_for_nan_in_grad,
+            reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
+        )
+        self._optimizer_options = (
+            {} if basic else dict(overlap_param_gather=overlap_param_gather,
+                                  store_param_remainders=store_param_remainders)
+        )
+        self._loss_scaler = loss_scaler
+        # Kept after teardown, so that trainer.save_checkpoint works once fit has returned.
+        self.ddp: DistributedDataParallel | None = None
+        self.optimizer: DistributedOptimizer | BasicOptimizer | None = None
+
+    # ------------------------------------------------------------------ precision
+
+    @property
+    def precision_plugin(self) -> DistoptPrecision:
+        if not isinstance(self._precision_plugin, DistoptPrecision):
+            self._precision_plugin = DistoptPrecision(self._precision_plugin or Precision())
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Checked here, when the Trainer is built, before any process starts.
+        if plugin is not None and not isinstance(plugin, DistoptPrecision):
+            plugin = DistoptPrecision(plugin)
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if not fitting:
+            _sync_module_states(self.model)  # no wrapper: every rank evaluates rank 0's weights
+            self.setup_precision_plugin()
+            return
+        # Everything is checked on every rank before the first collective (the DDP's broadcast
+        # of rank 0's params), so a bad setting raises everywhere and nothing hangs.
+        self._check_trainer(trainer)
+        self._check_module(self.lightning_module)
+        self.setup_optimizers(trainer)
+        self._check_optimizers(self.optimizers)
+        self.ddp = DistributedDataParallel(self.lightning_module, **self._ddp_options)
+        self.model = self.ddp
+        original = self.optimizers[0]
+        scaler = self._loss_scaler or self.precision_plugin.loss_scaler()
+        self.optimizer = to_distopt(
+            original, self.ddp, basic=self.basic, clip_grad=trainer.gradient_clip_val or None,
+            loss_scaler=scaler, **self._optimizer_options,
+        )
+        for config in self.lr_scheduler_configs:
+            repoint_scheduler(config.scheduler, self.optimizer)
+        self.optimizers = [self.optimizer]
+        self.precision_plugin.optimizer = self.optimizer
+        self.setup_precision_plugin()
+
+    def configure_ddp(self) -> None:
+        raise NotImplementedError("DistoptStrategy.setup wraps the module in distopt's DDP")
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"DistoptStrategy clips by the global grad norm only, got "
+                f"gradient_clip_algorithm={str(trainer.gradient_clip_algorithm.value)!r}: use "
+                "gradient_clip_algorithm='norm' (distopt has no clipping by value)"
+            )
+
+    def _check_module(self, module: pl.LightningModule) -> None:
+        for name, sub in module.named_modules():
+            if isinstance(sub, _WRAPPERS):
+                where = f"its submodule '{name}'" if name else "the module itself"
+                raise ValueError(
+                    f"DistoptStrategy wraps the LightningModule in distopt's DDP, but {where} "
+                    f"is already a {type(sub).__module__}.{type(sub).__name__}: reducing its "
+                    "grads twice is wrong; build the module unwrapped"
+                )
+
+    def _check_optimizers(self, optimizers: list[Any]) -> None:
+        module = self.lightning_module
+        if not optimizers or isinstance(optimizers[0], _MockOptimizer):
+            mode = "automatic" if module.automatic_optimization else "manual"
+            raise ValueError(
+                f"configure_optimizers returned no optimizer ({mode} optimization): distopt's "
+                "step is what applies the reduced grads, so nothing would train. Return the "
+                "optimizer from configure_optimizers; with manual optimization, step it as "
+                "self.optimizers() returns it (that is distopt's optimizer)"
+            )
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; DistoptStrategy "
+                "turns exactly one into distopt's, which owns all of the module's params: return "
+                "one optimizer (param groups give params their own options)"
+            )
+        check_convertible(optimizers[0])
+
+    # ------------------------------------------------------------------ training
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.ddp is None:
+            yield
+            return
+        with self.ddp.no_sync():
+            yield
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        pass  # no torch DDP reducer to prepare
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        pass
+
+    def teardown(self) -> None:
+        if self.model is self.ddp and self.ddp is not None:
+            self.model = self.lightning_module
+        # Lightning moves optimizer state to the CPU here; distopt's stays beside its main
+        # params, so that trainer.save_checkpoint still works once fit has returned.
+        optimizers, self._optimizers = self._optimizers, []
+        try:
+            super().teardown()
+        finally:
+            self._optimizers = optimizers
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the distopt optimizer must exist to take its shard of the checkpoint
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores it, resharded
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the distopt checkpoint holds the module's state_dict, written once
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # each rank writes its own shard in save_checkpoint
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Write a distopt checkpoint directory at ``filepath``; collective."""
+        if storage_options is not None:
+            raise TypeError("DistoptStrategy.save_checkpoint takes no storage_options")
+        if self.ddp is None or self.optimizer is None:
+            raise RuntimeError(
+                "DistoptStrategy saves checkpoints of a fit (the distopt optimizer is part of "
+                "them); none has run with this strategy"
+            )
+        path = Path(filepath)
+        if self.is_global_zero and path.exists():
+            _remove(path)  # Lightning overwrites a checkpoint saved under the same name
+        self.barrier("DistoptStrategy.save_checkpoint")
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_checkpoint(path.parent, self.ddp, self.optimizer, extra=extra, name=path.name)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            _remove(Path(filepath))
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+        """Load a distopt checkpoint into the module and the optimizer (at any number of
+        devices); return the Lightning state saved with it. Collective."""
+        if self.ddp is None or self.optimizer is None or (
+            self.lightning_module.trainer.state.fn != TrainerFn.FITTING
+        ):
+            raise ValueError(
+                "DistoptStrategy restores checkpoints when fitting, Trainer.fit(ckpt_path=...); "
+                "for validate/test/predict, load the weights in the module first (a plain file "
+                "from distopt.export_checkpoint loads with torch.load)"
+            )
+        if not has_checkpoint(checkpoint_path):
+            raise ValueError(
+                f"{checkpoint_path} is not a distopt checkpoint: DistoptStrategy resumes from "
+                "the directories its trainer.save_checkpoint writes"
+            )
+        extra = load_checkpoint(checkpoint_path, self.ddp, self.optimizer)
+        return dict(extra or {})
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint put the weights in place already
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # so did it the optimizer's state
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+if DistoptStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(
+        DistoptStrategy.strategy_name, DistoptStrategy,
+        description="distopt's DDP and distributed (ZeRO) optimizer",
+    )

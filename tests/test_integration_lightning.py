@@ -1,0 +1,538 @@
+"""DistoptStrategy: Lightning's Trainer on distopt, against Lightning's own DDPStrategy.
+
+One spawned gloo group of 2 ranks fits a small GPT for 30 optimizer steps (accumulate_grad_batches
+= 2, gradient_clip_val = 1.0, a cosine LR schedule, validation and self.log(sync_dist=True)) under
+DDPStrategy, under DistoptStrategy and under DistoptStrategy(basic=True), and compares per-step
+losses, final weights and what each rank holds; the distopt run saves a checkpoint halfway. The
+same group runs the other cases (Muon, mixed precision, manual optimization, the errors). Then a
+group of 1 and a group of 3 resume from that checkpoint and must end where the 2-rank run ended.
+
+The ranks come from tests/dist_harness.py (a FileStore, no ports): each case sets LOCAL_RANK so
+that Lightning takes the processes as launched already and uses the process group in place.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import distopt
+from distopt.integrations.lightning import DistoptStrategy
+from distopt.memory import storage_bytes
+from distopt.train.model import GPT, GPTConfig
+
+from dist_harness import case_result, run_cases
+
+CONFIG = dict(seq_len=16, n_layer=2, n_head=2, n_embd=32, vocab_size=64)
+GLOBAL_BATCH = 12  # sequences per micro-batch over all ranks: divides at 1, 2 and 3 ranks
+BATCHES_PER_EPOCH = 10  # micro-batches, so 5 optimizer steps per epoch with accumulation 2
+ACCUMULATE, EPOCHS, SAVE_AFTER_EPOCH = 2, 6, 3
+STEPS = EPOCHS * BATCHES_PER_EPOCH // ACCUMULATE  # 30
+TOL = 1e-5
+# bf16 autocast rounds every matmul input to 8 significant bits, so the last-bit differences
+# of two correct reductions (a clip coefficient, say) can flip roundings in the next forward.
+# After 4 steps the largest differences seen are 2e-5 (losses) and 7e-5 (weights), bf16-mixed
+# and 16-mixed alike; the bound is 3.5x that.
+MIXED_TOL = 2.5e-4
+# This GPT's grad norm is ~0.5 at init; the training loss is scaled up so that
+# gradient_clip_val=1.0 really clips (AdamW's step is otherwise blind to the scale).
+LOSS_FACTOR = 4.0
+
+
+def tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, CONFIG["vocab_size"], (n, CONFIG["seq_len"] + 1),
+                         generator=torch.Generator().manual_seed(seed))
+
+
+class GPTModule(pl.LightningModule):
+    """A small GPT as a LightningModule: AdamW over two param groups, a cosine schedule."""
+
+    def __init__(self, optimizer: str = "adamw", lr: float = 3e-3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = GPT(GPTConfig(**CONFIG))
+        # Softmax ignores a shift of the keys, so a key bias gets no gradient, only rounding
+        # noise, which AdamW normalizes into lr-sized steps: two correct reductions summing in
+        # different orders would then train it differently. The parity model has none.
+        for block in self.gpt.blocks:
+            block.attn.c_attn = nn.Linear(CONFIG["n_embd"], 3 * CONFIG["n_embd"], bias=False)
+            nn.init.normal_(block.attn.c_attn.weight, std=0.02)
+        self.optimizer_name, self.lr = optimizer, lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (seq,) = batch
+        _, loss = self.gpt(seq[:, :-1], seq[:, 1:])
+        self.losses.append(loss.item())
+        self.log("train_loss", loss, sync_dist=True)
+        return LOSS_FACTOR * loss
+
+    def validation_step(self, batch, batch_idx):
+        (seq,) = batch
+        _, loss = self.gpt(seq[:, :-1], seq[:, 1:])
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        other = [p for p in self.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": other, "weight_decay": 0.0}],
+                                lr=self.lr, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        per_rank = GLOBAL_BATCH // self.trainer.world_size
+        return DataLoader(TensorDataset(tokens(GLOBAL_BATCH * BATCHES_PER_EPOCH, 1)),
+                          batch_size=per_rank)
+
+    def val_dataloader(self):
+        per_rank = GLOBAL_BATCH // self.trainer.world_size
+        return DataLoader(TensorDataset(tokens(GLOBAL_BATCH, 2)), batch_size=per_rank)
+
+
+class SaveAfterEpoch(pl.Callback):
+    def __init__(self, epoch: int, path: Path) -> None:
+        self.epoch, self.path = epoch, path
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        if trainer.current_epoch == self.epoch - 1:
+            trainer.save_checkpoint(self.path)
+
+
+class Probe(pl.Callback):
+    """What a rank holds while training (params, grads, optimizer state, measured before the
+    last step, with grads), the grad norm before clipping, and how many of distopt's
+    collectives each micro-batch issued."""
+
+    def __init__(self) -> None:
+        self.state_bytes, self.grad_norms, self.collectives = None, [], []
+        self._calls = 0
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, DistoptStrategy):
+            self.state_bytes = distopt.measure_state_bytes(strategy.optimizer).total
+            return
+        seen: set[int] = set()
+        params = list(module.parameters())
+        state = trainer.optimizers[0].state.values()
+        self.state_bytes = (
+            storage_bytes(params, seen) + storage_bytes((p.grad for p in params), seen)
+            + storage_bytes((v for s in state for k, v in s.items() if k != "step"), seen)
+        )
+        grads = [p.grad for p in params if p.grad is not None]
+        self.grad_norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if isinstance(trainer.strategy, DistoptStrategy):
+            calls = sum(trainer.strategy.ddp.comm_stats.calls.values())
+            self.collectives.append(calls - self._calls)
+            self._calls = calls
+
+
+def trainer(strategy, **kwargs) -> pl.Trainer:
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())  # launched already: see the module docstring
+    os.environ["NODE_RANK"] = "0"
+    os.environ["OMP_NUM_THREADS"] = "1"  # else Lightning gives a lone rank every core
+    settings = dict(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1,
+                    accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0,
+                    max_epochs=EPOCHS, default_root_dir=tempfile.gettempdir())
+    settings.update(kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and sampler seeds
+        return pl.Trainer(**settings)
+
+
+def outcome(module: pl.LightningModule, trainer: pl.Trainer) -> dict:
+    probe = next(c for c in trainer.callbacks if isinstance(c, Probe))
+    return {
+        "state_bytes": probe.state_bytes,
+        "grad_norms": probe.grad_norms,
+        "collectives": probe.collectives,
+        "losses": list(module.losses),
+        "params": {k: v.detach().float().clone() for k, v in module.named_parameters()},
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "num_params": sum(p.numel() for p in module.parameters()),
+        "steps": trainer.global_step,
+    }
+
+
+def fit(strategy, module=None, callbacks=(), **kwargs) -> dict:
+    module = module or GPTModule()
+    t = trainer(strategy, callbacks=[Probe(), *callbacks], **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(module)
+    return outcome(module, t)
+
+
+class MuonModule(GPTModule):
+    """Bias-free matrices only, as torch.optim.Muon requires; distopt owns each one whole."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.02)
+        torch.manual_seed(0)
+        self.gpt = None
+        vocab = CONFIG["vocab_size"]
+        self.net = nn.Sequential(nn.Embedding(vocab, 32), nn.Linear(32, 64, bias=False),
+                                 nn.GELU(), nn.Linear(64, vocab, bias=False))
+
+    def _loss(self, seq):
+        logits = self.net(seq[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch[0])
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch[0]), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Muon(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class ManualModule(GPTModule):
+    """Manual optimization through self.optimizers() (the optimizer there is distopt's),
+    accumulating micro-batches by hand with Lightning's toggle_model(sync_grad=...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        last = batch_idx % ACCUMULATE == ACCUMULATE - 1
+        with opt.toggle_model(sync_grad=last):
+            (seq,) = batch
+            _, loss = self.gpt(seq[:, :-1], seq[:, 1:])
+            self.manual_backward(LOSS_FACTOR * loss / ACCUMULATE)
+        self.losses.append(loss.item())
+        if last:
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+
+class FrozenModule(GPTModule):
+    """A frozen first block whose params configure_optimizers still hands to AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt.blocks[0].requires_grad_(False)
+
+
+class NoOptimizerModule(ManualModule):
+    def configure_optimizers(self):
+        return None
+
+
+class WrappedInsideModule(GPTModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+
+
+# ---------------------------------------------------------------------- cases (in the ranks)
+
+SHORT = dict(max_epochs=1, limit_train_batches=8)  # 4 optimizer steps
+
+
+def ddp_run() -> dict:
+    return fit(DDPStrategy())
+
+
+class Collectives(pl.Callback):
+    """strategy.reduce, broadcast and barrier, as a LightningModule or callback calls them."""
+
+    def on_train_end(self, trainer, module) -> None:
+        strategy, rank = trainer.strategy, trainer.global_rank
+        module.collectives = {
+            "reduce_sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
+            "reduce_mean": strategy.reduce(torch.tensor(float(rank + 1))).item(),
+            "broadcast": strategy.broadcast(f"from rank {rank}", src=1),
+        }
+        strategy.barrier("test")
+
+
+def distopt_run(ckpt: str) -> dict:
+    module = GPTModule()
+    result = fit(DistoptStrategy(bucket_size=2000), module,
+                 callbacks=[SaveAfterEpoch(SAVE_AFTER_EPOCH, Path(ckpt)), Collectives()])
+    return {**result, "strategy_collectives": module.collectives}
+
+
+def basic_run() -> dict:
+    return fit(DistoptStrategy(basic=True), **SHORT)
+
+
+def muon_runs() -> dict:
+    return {name: fit(strategy, MuonModule(), **SHORT)
+            for name, strategy in (("ddp", DDPStrategy()), ("distopt", DistoptStrategy()))}
+
+
+def frozen_runs() -> dict:
+    return {name: fit(strategy, FrozenModule(), **SHORT)
+            for name, strategy in (("ddp", DDPStrategy()), ("distopt", DistoptStrategy()))}
+
+
+def precision_runs() -> dict:
+    fp16 = lambda: dict(precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])  # noqa: E731
+    runs = {}
+    for name, kwargs in (("bf16-mixed", dict(precision="bf16-mixed")), ("16-mixed", fp16())):
+        runs[name] = {"ddp": fit(DDPStrategy(), **kwargs, **SHORT),
+                      "distopt": fit(DistoptStrategy(), **kwargs, **SHORT)}
+    strategy = DistoptStrategy()
+    module = GPTModule()
+    runs["bf16-true"] = fit(strategy, module, precision="bf16-true", **SHORT)
+    runs["bf16-true"]["dtype"] = str(next(module.parameters()).dtype)
+    runs["bf16-true"]["main_params"] = distopt.measure_state_bytes(strategy.optimizer).main_params
+    return runs
+
+
+def manual_runs() -> dict:
+    kwargs = dict(accumulate_grad_batches=1, gradient_clip_val=None, **SHORT)
+    return {name: fit(strategy, ManualModule(), **kwargs)
+            for name, strategy in (("ddp", DDPStrategy()), ("distopt", DistoptStrategy()))}
+
+
+def model_checkpoint_run(root: str) -> dict:
+    """Lightning's ModelCheckpoint writes distopt checkpoints, replaces last.ckpt, prunes the
+    worse one, and fit(ckpt_path="last") resumes from it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def callback():
+        return ModelCheckpoint(dirpath=root, save_last=True, save_top_k=1, monitor="val_loss")
+
+    fit(DistoptStrategy(), callbacks=[callback()], enable_checkpointing=True, max_epochs=2,
+        limit_train_batches=4)
+    saved = sorted(os.listdir(root))
+    t = trainer(DistoptStrategy(), callbacks=[Probe(), callback()], enable_checkpointing=True,
+                max_epochs=3, limit_train_batches=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(GPTModule(), ckpt_path="last")
+    t.save_checkpoint(Path(root) / "after-fit.ckpt")  # once fit has returned, too
+    return {"saved": saved, "steps": t.global_step,
+            "after_fit": distopt.has_checkpoint(Path(root) / "after-fit.ckpt"),
+            "complete": all(distopt.has_checkpoint(Path(root) / name)
+                            for name in saved if name.endswith(".ckpt"))}
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # the test checks which one, and its words
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def error_runs(plain_file: str) -> dict:
+    torch.save({"state_dict": {}}, plain_file) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return {
+        "value_clipping": error_of(lambda: fit(DistoptStrategy(), gradient_clip_algorithm="value",
+                                               **SHORT)),
+        "no_optimizer": error_of(lambda: fit(DistoptStrategy(), NoOptimizerModule(),
+                                             accumulate_grad_batches=1, gradient_clip_val=None,
+                                             **SHORT)),
+        "double_wrap": error_of(lambda: fit(DistoptStrategy(), WrappedInsideModule(), **SHORT)),
+        "plain_checkpoint": error_of(lambda: resume_run(plain_file)),
+    }
+
+
+def resume_run(ckpt: str) -> dict:
+    module = GPTModule()
+    t = trainer(DistoptStrategy(bucket_size=2000), callbacks=[Probe()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(module, ckpt_path=ckpt)
+    return outcome(module, t)
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def ckpt_root():
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ckpt_root):
+    ckpt = str(ckpt_root / "half.ckpt")
+    cases = [("ddp", ddp_run, ()), ("distopt", distopt_run, (ckpt,)), ("basic", basic_run, ()),
+             ("muon", muon_runs, ()), ("frozen", frozen_runs, ()),
+             ("precision", precision_runs, ()),
+             ("manual", manual_runs, ()), ("errors", error_runs, (str(ckpt_root / "plain.ckpt"),)),
+             ("model_checkpoint", model_checkpoint_run, (str(ckpt_root / "callback"),))]
+    return run_cases(2, cases)
+
+
+def assert_same_run(ours: dict, ref: dict, tol: float = TOL) -> None:
+    assert ours["steps"] == ref["steps"] > 0
+    diffs = [abs(a - b) for a, b in zip(ours["losses"], ref["losses"], strict=True)]
+    param_diff = max((ours["params"][k] - v).abs().max().item() for k, v in ref["params"].items())
+    print(f"max loss diff {max(diffs):.3g}, max param diff {param_diff:.3g}")
+    assert max(diffs) < tol, max(diffs)
+    for name, value in ref["params"].items():
+        assert (ours["params"][name] - value).abs().max().item() < tol, name
+
+
+def test_fit_matches_ddp_strategy(two_ranks):
+    ddp, ours = case_result(two_ranks, "ddp"), case_result(two_ranks, "distopt")
+    for rank in range(2):
+        assert ours[rank]["steps"] == STEPS
+        assert len(ours[rank]["losses"]) == STEPS * ACCUMULATE
+        assert_same_run(ours[rank], ddp[rank])
+        assert abs(ours[rank]["val_loss"] - ddp[rank]["val_loss"]) < TOL
+    # Training moved the weights by far more than the tolerance, and clipping was active.
+    first, last = ddp[0]["losses"][:4], ddp[0]["losses"][-4:]
+    assert sum(first) / 4 - sum(last) / 4 > 0.1, (first, last)
+    assert len(ddp[0]["grad_norms"]) == STEPS
+    print(f"grad norms before clipping: {min(ddp[0]['grad_norms']):.2f} to "
+          f"{max(ddp[0]['grad_norms']):.2f}")
+    assert sum(n > 1.0 for n in ddp[0]["grad_norms"]) >= STEPS // 2, ddp[0]["grad_norms"]
+
+
+def test_accumulation_steps_do_not_communicate(two_ranks):
+    for result in case_result(two_ranks, "distopt"):
+        calls = result["collectives"]
+        assert len(calls) == STEPS * ACCUMULATE
+        assert calls[0::2] == [0] * STEPS  # backward under ddp.no_sync()
+        assert min(calls[1::2]) > 0  # reduce-scatters, the norm's all-reduce, all-gathers
+
+
+def test_collectives(two_ranks):
+    for rank, result in enumerate(case_result(two_ranks, "distopt")):
+        assert result["strategy_collectives"] == {"reduce_sum": 3.0, "reduce_mean": 1.5,
+                                         "broadcast": "from rank 1"}, rank
+
+
+def test_state_per_rank_against_ddp_strategy(two_ranks):
+    ddp, ours = case_result(two_ranks, "ddp"), case_result(two_ranks, "distopt")
+    basic = case_result(two_ranks, "basic")
+    n = ddp[0]["num_params"]
+    theory = distopt.theoretical_bytes_per_param(torch.float32, torch.float32, 2)
+    for rank in range(2):
+        # DDP: fp32 params, grads and AdamW's two moments on every rank, 16 bytes per param
+        # (and a few hundred bytes of autograd's grad storages, larger than the grads they
+        # hold); BasicOptimizer keeps the same replicated state in its buffers.
+        assert 16 * n <= ddp[rank]["state_bytes"] < 1.01 * 16 * n
+        assert 16 * n <= basic[rank]["state_bytes"] < 1.01 * 16 * n
+        # distopt: the moments sharded over the 2 ranks, 12 bytes per param, and padding.
+        assert theory == 12
+        assert theory * n <= ours[rank]["state_bytes"] < 1.01 * theory * n
+        assert ours[rank]["state_bytes"] < 0.76 * ddp[rank]["state_bytes"]
+    print(f"\nstate per rank, {n} params: DDPStrategy {ddp[0]['state_bytes']} B, "
+          f"DistoptStrategy {ours[0]['state_bytes']} B, basic=True {basic[0]['state_bytes']} B")
+
+
+def test_basic_flag_matches_ddp_strategy(two_ranks):
+    ddp, basic = case_result(two_ranks, "ddp"), case_result(two_ranks, "basic")
+    for rank in range(2):
+        losses = basic[rank]["losses"]
+        assert len(losses) == 8
+        diff = max(abs(a - b) for a, b in zip(losses, ddp[rank]["losses"][:8], strict=True))
+        print(f"basic=True: max loss diff {diff:.3g} over 4 steps")
+        assert diff < TOL
+
+
+def test_muon_owned_whole(two_ranks):
+    for result in case_result(two_ranks, "muon"):
+        assert_same_run(result["distopt"], result["ddp"])
+
+
+def test_frozen_params_in_the_optimizer(two_ranks):
+    for result in case_result(two_ranks, "frozen"):
+        assert_same_run(result["distopt"], result["ddp"])
+
+
+def test_mixed_precision(two_ranks):
+    for result in case_result(two_ranks, "precision"):
+        assert_same_run(result["bf16-mixed"]["distopt"], result["bf16-mixed"]["ddp"], MIXED_TOL)
+        assert_same_run(result["16-mixed"]["distopt"], result["16-mixed"]["ddp"], MIXED_TOL)
+        bf16 = result["bf16-true"]
+        assert bf16["dtype"] == "torch.bfloat16"
+        # fp32 masters of the 1/2 of the bf16 weights this rank owns.
+        assert bf16["main_params"] >= 4 * bf16["num_params"] // 2
+        assert bf16["losses"][-1] < bf16["losses"][0]
+
+
+def test_manual_optimization(two_ranks):
+    for result in case_result(two_ranks, "manual"):
+        assert_same_run(result["distopt"], result["ddp"])
+        calls = result["distopt"]["collectives"]
+        assert calls[0::2] == [0] * 4 and min(calls[1::2]) > 0
+
+
+def test_unsupported_settings_raise_on_every_rank(two_ranks):
+    errors = case_result(two_ranks, "errors")
+    assert errors[0] == errors[1]
+    assert errors[0]["value_clipping"].startswith("ValueError: DistoptStrategy clips by the global")
+    assert "gradient_clip_algorithm='value'" in errors[0]["value_clipping"]
+    assert errors[0]["no_optimizer"].startswith("ValueError: configure_optimizers returned no ")
+    assert "(manual optimization)" in errors[0]["no_optimizer"]
+    assert errors[0]["double_wrap"].startswith("ValueError: DistoptStrategy wraps the Lightning")
+    assert "'head' is already a torch.nn.parallel" in errors[0]["double_wrap"]
+    assert "is not a distopt checkpoint" in errors[0]["plain_checkpoint"]
+
+
+def test_options_that_would_double_wrap_are_refused():
+    with pytest.raises(ValueError, match="static_graph would configure a torch DDP wrapper"):
+        DistoptStrategy(static_graph=True)
+    with pytest.raises(ValueError, match="belong to the sharded optimizer"):
+        DistoptStrategy(basic=True, overlap_param_gather=True)
+
+
+def test_registered_by_name():
+    t = pl.Trainer(accelerator="cpu", devices=2, strategy="distopt", logger=False)
+    assert type(t.strategy) is DistoptStrategy
+
+
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision):
+    with pytest.raises(ValueError, match=f"got .*precision='{precision}'"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=DistoptStrategy(), precision=precision)
+
+
+def test_model_checkpoint_callback(two_ranks):
+    for result in case_result(two_ranks, "model_checkpoint"):
+        assert result["complete"] and result["after_fit"]
+        assert "last.ckpt" in result["saved"] and len(result["saved"]) == 3  # + best + latest
+        assert result["steps"] == 3 * 2
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_resume_at_another_number_of_devices(two_ranks, ckpt_root, world_size):
+    full = case_result(two_ranks, "distopt")
+    resumed = case_result(run_cases(world_size, [("resume", resume_run,
+                                                  (str(ckpt_root / "half.ckpt"),))]), "resume")
+    after = (EPOCHS - SAVE_AFTER_EPOCH) * BATCHES_PER_EPOCH
+    # Each rank's loss is the mean over its slice of the global batch: their mean is the
+    # global batch's loss at any number of ranks.
+    full_losses = [sum(r["losses"][-after:][i] for r in full) / 2 for i in range(after)]
+    for result in resumed:
+        assert result["steps"] == STEPS
+        assert len(result["losses"]) == after
+        losses = [sum(r["losses"][i] for r in resumed) / world_size for i in range(after)]
+        assert max(abs(a - b) for a, b in zip(losses, full_losses, strict=True)) < TOL
+        for name, value in full[0]["params"].items():
+            assert (result["params"][name] - value).abs().max().item() < TOL, name
