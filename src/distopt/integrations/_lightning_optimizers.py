@@ -53,7 +53,7 @@ def to_distopt(
 
 def check_convertible(optimizer: Any) -> None:
     """Raise unless ``optimizer`` is a plain torch.optim optimizer distopt can take over."""
-    from ..optimizer_kinds import check_optimizer_cls
+    from ..optim.kinds import check_optimizer_cls
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
