@@ -33,7 +33,7 @@ from typing import Any
 TRAIN = ["--model", "tiny", "--optimizer", "muon", "--dtype", "bf16",
          "--store-param-remainders", "--shard-size", "2", "--batch-size", "8", "--seq-len",
          "64", "--max-bytes", "2000000", "--eval-every", "500", "--eval-batches", "2",
-         "--save-every", "250", "--keep", "2", "--no-progress"]
+         "--save-every", "250", "--keep", "2", "--timeout", "300", "--no-progress"]
 EDGE = 3  # samples averaged (median) at each end of the post-warm-up window
 
 
