@@ -10,6 +10,7 @@ three samples): resident memory within
 ``--rss-tolerance`` (2%) and no more descriptors, threads or mappings than then. Linux only.
 
     python benchmarks/soak.py --out runs/soak --json benchmarks/results/soak.json
+    python benchmarks/soak.py --analyze benchmarks/results/soak.json   # judge it again
 
 The rank processes are the launcher's spawned children, numbered in the order they started
 (the launcher starts local rank 0 first). Options after ``--`` go to ``distopt train``.
@@ -130,19 +131,23 @@ def verdict(samples: list[dict[str, Any]], ranks: int, warmup_steps: int, steps:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--warmup-steps", type=int, default=200,
-                   help="steps before the first sample that counts")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
-    p.add_argument("--rss-tolerance", type=float, default=0.02)
-    p.add_argument("--out", default="runs/soak", help="distopt train's output folder")
-    p.add_argument("--json", default=None, help="write every sample and the verdict here")
-    args, extra = p.parse_known_args(argv)
-    extra = [a for a in extra if a != "--"]
+def print_verdict(report: list[dict[str, Any]], warmup_steps: int, rss_tolerance: float) -> bool:
+    print(f"after step {warmup_steps}, to the last step:")
+    print("rank  RSS MiB warm -> end   growth   range    fds warm/end/max   threads    maps")
+    for r in report:
+        print(f"{r['rank']:>4}  {r['rss_mib_after_warmup']:8.1f} -> {r['rss_mib_end']:6.1f}"
+              f"  {r['rss_growth']:+7.2%}  {r['rss_range']:6.2%}   "
+              f"{r['fds_after_warmup']:>4.0f}/{r['fds_end']:.0f}/{r['fds_max']:<4}   "
+              f"{r['threads_after_warmup']:.0f}/{r['threads_end']:.0f}   "
+              f"{r['maps_after_warmup']:.0f}/{r['maps_end']:.0f}")
+    flat = all(r["flat"] for r in report)
+    print("flat: " + ("yes" if flat else "NO") + f" (RSS within {rss_tolerance:.0%}, no more "
+          "descriptors, threads or mappings at the end than after the warm-up)")
+    return flat
 
+
+def soak(args: argparse.Namespace, extra: list[str]) -> dict[str, Any] | None:
+    """Run distopt train and sample its ranks; None if the run failed."""
     out = Path(args.out)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -165,32 +170,50 @@ def main(argv: list[str] | None = None) -> int:
             if len(samples) % 30 == 0:
                 mib = " ".join(f"{r['rss'] / 2**20:.1f}" for r in samples[-1]["ranks"] if r)
                 print(f"step {step:5d}  RSS MiB per rank: {mib}", flush=True)
-    seconds = time.time() - started
     if launcher.returncode != 0:
         print(f"distopt train failed (exit {launcher.returncode})", file=sys.stderr)
-        return launcher.returncode
+        return None
+    return {
+        "command": shlex.join(["distopt", *command[3:]]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "seconds": round(time.time() - started, 1), "steps": args.steps, "nproc": args.nproc,
+        "samples": samples,
+    }
 
-    report = verdict(samples, args.nproc, args.warmup_steps, args.steps, args.rss_tolerance)
-    print(f"\n{args.steps} steps in {seconds / 60:.1f} min; after step {args.warmup_steps}:")
-    print("rank  RSS MiB warm -> end   growth   range    fds warm/end/max   threads    maps")
-    for r in report:
-        print(f"{r['rank']:>4}  {r['rss_mib_after_warmup']:8.1f} -> {r['rss_mib_end']:6.1f}"
-              f"  {r['rss_growth']:+7.2%}  {r['rss_range']:6.2%}   "
-              f"{r['fds_after_warmup']:>4.0f}/{r['fds_end']:.0f}/{r['fds_max']:<4}   "
-              f"{r['threads_after_warmup']:.0f}/{r['threads_end']:.0f}   "
-              f"{r['maps_after_warmup']:.0f}/{r['maps_end']:.0f}")
-    flat = all(r["flat"] for r in report)
-    print("flat: " + ("yes" if flat else "NO") + f" (RSS within {args.rss_tolerance:.0%}, no "
-          "more descriptors, threads or mappings at the end than after the warm-up)")
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--warmup-steps", type=int, default=300,
+                   help="steps before the first sample that counts (past the first checkpoint, "
+                   "which imports torch.distributed.checkpoint)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
+    p.add_argument("--rss-tolerance", type=float, default=0.02)
+    p.add_argument("--out", default="runs/soak", help="distopt train's output folder")
+    p.add_argument("--json", default=None, help="write every sample and the verdict here")
+    p.add_argument("--analyze", default=None, metavar="JSON",
+                   help="judge the samples of an earlier run's --json instead of running")
+    args, extra = p.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+
+    if args.analyze:
+        result = json.loads(Path(args.analyze).read_text())
+        result.setdefault("steps", args.steps)
+        result.setdefault("nproc", args.nproc)
+    else:
+        result = soak(args, extra)
+        if result is None:
+            return 1
+        print(f"\n{args.steps} steps in {result['seconds'] / 60:.1f} min")
+    report = verdict(result["samples"], result["nproc"], args.warmup_steps, result["steps"],
+                     args.rss_tolerance)
+    flat = print_verdict(report, args.warmup_steps, args.rss_tolerance)
     if args.json:
+        result.update(warmup_steps=args.warmup_steps, flat=flat, ranks=report)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "command": shlex.join(["distopt", *command[3:]]),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-            "seconds": round(seconds, 1), "warmup_steps": args.warmup_steps,
-            "flat": flat, "ranks": report, "samples": samples,
-        }, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0 if flat else 1
 
 
