@@ -1,10 +1,12 @@
-"""`distopt train` end to end: a real launch, resume, a killed rank restarted by the launcher,
-two launchers as two nodes, and one-line errors for bad options."""
+"""`distopt train` end to end: a real launch, resume, a killed rank restarted by the launcher, a
+stopped rank that fails its peers within --timeout, failed saves, two launchers as two nodes,
+and one-line errors for bad options."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -76,6 +78,44 @@ def test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically(baseli
                   env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _final_heldout(tmp_path) == _final_heldout(baseline)
+
+
+def test_a_stopped_rank_fails_its_peers_within_the_timeout_and_the_group_restarts(
+        baseline, tmp_path):
+    """Rank 1 stops (SIGSTOP) at step 6: rank 0 fails after --timeout seconds with an error
+    that names the collective and the bucket, the launcher restarts the group, and it resumes
+    from the step-4 checkpoint to the uninterrupted run's loss."""
+    timeout = 15  # seconds; long enough for ranks starved on a loaded machine
+    proc = _train(tmp_path, "--timeout", str(timeout), "--max-restarts", "1",
+                  env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "1",
+                       "DISTOPT_TRAIN_FAIL_SIGNAL": "SIGSTOP"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = re.search(r"CollectiveError: (reduce_scatter|all_gather|all_reduce) of bucket \d+ "
+                       r"\(\d+ torch.float32 elements\) failed on rank 0 after ([\d.]+) s",
+                       proc.stderr)
+    assert failed, proc.stderr[-3000:]
+    assert timeout <= float(failed[2]) < 2 * timeout
+    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+
+
+def test_a_failed_save_is_reported_and_training_goes_on(tmp_path):
+    """The step-8 save cannot create its directory (a stale one of that name is in the way):
+    the run reports it, trains to the end, and keeps the step-4 checkpoint as the latest; with
+    --stop-on-save-failure it stops there."""
+    (tmp_path / "checkpoints" / "ckpt-000002").mkdir(parents=True)
+    proc = _train(tmp_path, "--steps", "10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "distopt train: warning: step 8: cannot save a checkpoint" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "checkpoint_error" in r] == [8, 10]
+    assert max(r["step"] for r in records) == 10
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "ckpt-000001"
+    assert distopt.has_checkpoint(tmp_path / "checkpoints")
+
+    stopped = _train(tmp_path, "--steps", "10", "--resume", "--stop-on-save-failure")
+    assert stopped.returncode != 0
+    assert "cannot save a checkpoint" in stopped.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "ckpt-000001"
 
 
 def _free_port() -> int:
@@ -164,6 +204,7 @@ def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
      (["--batch-size", "7"], "multiple of ranks"),
      (["--optimizer", "lbfgs"], "--optimizer must be one of"),
      (["--shard-size", "3"], "--shard-size 3 does not divide the 2 ranks"),
+     (["--timeout", "0"], "--timeout must be a positive number of seconds"),
      (["--store-param-remainders"], "--store-param-remainders needs --dtype bf16"),
      (["--reduce-scatter-fp32-accumulation"],
       "--reduce-scatter-fp32-accumulation needs --grad-dtype bf16 or fp16, got fp32"),

@@ -155,7 +155,8 @@ class Bucket:
             return False
         self._reduction = None
         if first is not None:
-            first.wait()
+            with comm.failures_named(self._reduction_op, self._describe(self.grad_data)):
+                first.wait()
         # See [Note: fp32-accumulated reduce-scatter]: the second stage sums in fp32 too.
         all_reduce = (
             comm.all_reduce_avg_fp32_accum if self.fp32_accumulation else comm.all_reduce_avg
@@ -171,17 +172,21 @@ class Bucket:
         """Wait for the bucket's whole reduction (both stages when hierarchical)."""
         if self.reduction_started:
             self.advance_reduction(block=True)
-        for name in ("_reduction", "_replica_reduction"):
+        for name, op in (("_reduction", self._reduction_op),
+                         ("_replica_reduction", "replicate_all_reduce")):
             handle = getattr(self, name)
             setattr(self, name, None)
             if handle is not None:
-                handle.wait()
+                with comm.failures_named(op, self._describe(self.grad_data)):
+                    handle.wait()
 
     def start_gather(self, *, async_op: bool) -> None:
         """All-gather ``param_data`` from every rank's ``param_shard``."""
-        handle = comm.all_gather(
-            self.param_data, self.param_shard, self.group, async_op=async_op, stats=self.stats
-        )
+        with comm.failures_named("all_gather", self._describe(self.param_data)):
+            handle = comm.all_gather(
+                self.param_data, self.param_shard, self.group, async_op=async_op,
+                stats=self.stats,
+            )
         self._gather = handle if async_op and handle is not comm.DONE else None
 
     @property
@@ -191,7 +196,16 @@ class Bucket:
     def wait_gather(self) -> None:
         handle, self._gather = self._gather, None
         if handle is not None:
-            handle.wait()
+            with comm.failures_named("all_gather", self._describe(self.param_data)):
+                handle.wait()
+
+    # What a failed collective names; see [Note: a stuck rank] in collectives.py.
+    @property
+    def _reduction_op(self) -> str:
+        return "reduce_scatter" if self.reduce_scatter else "all_reduce"
+
+    def _describe(self, data: torch.Tensor) -> str:
+        return f"bucket {self.order} ({data.numel()} {data.dtype} elements)"
 
     # ------------------------------------------------------------------ checks
 

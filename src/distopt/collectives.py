@@ -50,13 +50,22 @@ one rank), whatever d; exactly ``fp32 average over replicas of (fp32 average ove
 group, rounded)``, the same on every rank. Keeping the first stage's fp32 sums unrounded would
 double the bytes that cross nodes. The gather sends r - 1 chunks per rank, the bytes of the
 ring all-reduce at r = 2 and r/2 times them beyond, with a transient of r - 1 received chunks.
+
+[Note: a stuck rank]
+A rank that stops (SIGSTOP, a hang, a dead host) leaves its peers waiting in the next
+collective. On gloo every wait is bounded by the process group's timeout
+(``init_process_group(timeout=...)``, ``distopt train --timeout``); the waits on bucket
+collectives and control values run inside ``failures_named``, so what the timeout raises is a
+``CollectiveError`` that names the collective, the bucket and the seconds waited, not gloo's bare
+"Timed out waiting ... for recv". On NCCL the watchdog aborts the process after the timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +88,29 @@ _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else (
 # from ever matching each other.
 _GATHER_TAG = 0x6469
 _REDUCE_TAG = 0x6470
+
+
+class CollectiveError(dist.DistBackendError):
+    """A collective that failed or timed out on this rank, named with what it was moving."""
+
+
+@contextlib.contextmanager
+def failures_named(op: str, what: str) -> Iterator[None]:
+    """Re-raise a failure of collective ``op`` on ``what`` (e.g. "bucket 3 (4096 fp32
+    elements)") as a CollectiveError naming both; see [Note: a stuck rank]."""
+    start = time.monotonic()
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"{op} of {what} failed on rank {rank} after {time.monotonic() - start:.1f} s: "
+            f"{exc}. Another rank stopped, hung or died before this collective; the process "
+            "group's timeout (init_process_group(timeout=...), distopt train --timeout) bounds "
+            "the wait"
+        ) from exc
 
 
 class _Done:
@@ -432,7 +464,8 @@ def all_reduce_small(
         if group_size(group) > 1:
             if stats is not None:
                 stats.record("all_reduce_small", tensor)
-            dist.all_reduce(tensor, op=op, group=group)
+            with failures_named("all_reduce", f"a control value ({tensor.numel()} elements)"):
+                dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -122,6 +123,26 @@ def piece_as_dcp(tp: TensorParallelMesh | None, owned: OwnedPiece, values: torch
     return _DcpFlat([(g, values[i : i + n]) for i, g, n in runs], numel, values)
 
 
+class _ErrorKeepingFile:
+    """A file whose write errors survive ``torch.save``, which reports them as an unrelated
+    "unexpected pos" RuntimeError: a full disk must say that the disk is full."""
+
+    __slots__ = ("_file", "error")
+
+    def __init__(self, file: io.BufferedIOBase) -> None:
+        self._file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
 class _Writer(dcp.FileSystemWriter):
     """One file per rank, one item in memory at a time; see [Note: bounded writes]."""
 
@@ -139,7 +160,13 @@ class _Writer(dcp.FileSystemWriter):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()  # torch.save writes a view's whole storage
-                    torch.save(tensor, stream)
+                    kept = _ErrorKeepingFile(stream)
+                    try:
+                        torch.save(tensor, kept)
+                    except RuntimeError:
+                        if kept.error is not None:
+                            raise kept.error from None
+                        raise
                     del tensor
                 length = stream.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
@@ -177,13 +204,26 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+class WriteFailed(Exception):
+    """Some rank could not write its part of a checkpoint; raised on every rank alike."""
+
+
 def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
-    """Write ``state`` into ``directory``; every file is fsynced before this returns."""
+    """Write ``state`` into ``directory``; every file is fsynced before this returns.
+
+    DCP gathers every rank's outcome of each phase, so a rank that fails to write (a full disk)
+    makes ``WriteFailed`` rise on all ranks, naming the ranks that failed and why."""
     writer = _Writer(directory, sync_files=True)
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    with _quiet():
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
-                 no_dist=_no_dist(group))
+    try:
+        with _quiet():
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
+                     no_dist=_no_dist(group))
+    except CheckpointException as exc:  # a BaseException; DCP raises it on every rank
+        raise WriteFailed("; ".join(
+            f"rank {rank}: {type(error).__name__}: {error}"
+            for rank, (error, _) in sorted(exc.failures.items())
+        )) from None
 
 
 def load(

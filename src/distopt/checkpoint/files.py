@@ -19,13 +19,22 @@ only then replaces ``latest`` (write, fsync, rename). So whenever a rank dies, `
 complete checkpoint. The next save removes what an interrupted one left behind. Old checkpoints
 are renamed to a hidden name before they are deleted, so a crash while pruning cannot leave a
 half-deleted directory that looks like a checkpoint.
+
+[Note: failed saves]
+A save that raises (a full disk, a directory that is not writable, on any rank) changes nothing
+that a load reads: the ranks agree on the outcome before rank 0 publishes (see save.py), and on
+failure ``discard`` removes the temporary directory, a half-written ``latest`` pointer and the
+renamed checkpoint if ``latest`` does not name it yet. Whatever cannot be removed keeps its
+hidden temporary name, which loads never read and the next save deletes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -113,7 +122,7 @@ def begin_save(run_dir: Path, name: str | None) -> tuple[Path, Path, int]:
     run_dir.mkdir(parents=True, exist_ok=True)
     for child in run_dir.iterdir():
         if child.name.startswith(".") and child.name.endswith((TMP_SUFFIX, OLD_SUFFIX)):
-            shutil.rmtree(child, ignore_errors=True)  # left by an interrupted save or prune
+            _remove(child)  # left by an interrupted save or prune
     existing = _complete_checkpoints(run_dir)
     sequence = existing[-1][0] + 1 if existing else 1
     final = run_dir / (name or f"ckpt-{sequence:06d}")
@@ -179,7 +188,10 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 def commit(tmp: Path, final: Path, manifest: dict[str, Any], keep: int | None) -> None:
-    """Write the manifest, move the checkpoint into place, point ``latest`` at it, prune."""
+    """Write the manifest, move the checkpoint into place, point ``latest`` at it, prune.
+
+    Raises OSError if the checkpoint could not be published; a checkpoint that was published
+    stays so even if deleting old ones fails (a warning names what is left)."""
     run_dir = final.parent
     _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
     _fsync_dir(tmp)
@@ -193,5 +205,44 @@ def commit(tmp: Path, final: Path, manifest: dict[str, Any], keep: int | None) -
         for _, old in _complete_checkpoints(run_dir)[:-keep]:
             if old != final:
                 trash = run_dir / f".{old.name}{OLD_SUFFIX}"
-                os.rename(old, trash)
+                try:
+                    os.rename(old, trash)
+                except OSError as exc:
+                    warnings.warn(f"cannot delete old checkpoint {old} (keep={keep}): {exc}",
+                                  stacklevel=2)
+                    continue
                 shutil.rmtree(trash, ignore_errors=True)
+
+
+def latest_name(run_dir: Path) -> str | None:
+    """The checkpoint ``run_dir/latest`` names, or None."""
+    try:
+        return (run_dir / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def discard(tmp: Path, final: Path) -> list[Path]:
+    """Remove what a failed save left (see [Note: failed saves]); return what could not be."""
+    run_dir = final.parent
+    left = [p for p in (tmp, run_dir / f".{LATEST}{TMP_SUFFIX}") if not _remove(p)]
+    if final.is_dir() and latest_name(run_dir) != final.name:
+        trash = run_dir / f".{final.name}{OLD_SUFFIX}"
+        try:
+            os.rename(final, trash)
+        except OSError:
+            left.append(final)
+        else:
+            if not _remove(trash):
+                left.append(trash)
+    return left
+
+
+def _remove(path: Path) -> bool:
+    """Delete a file or a directory tree if it exists; False if some of it remains."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+    return not os.path.lexists(path)

@@ -64,7 +64,9 @@ def save_checkpoint(
             torch.save(extra, io.BytesIO())  # fail here, on every rank, not inside DCP
             setup = files.begin_save(Path(path), name)
         except Exception as exc:  # anything torch.save or the file system raises
-            setup = f"cannot save a checkpoint in {path}: {exc}"
+            latest = files.latest_name(Path(path))
+            kept = f"; 'latest' still names {latest}" if latest else ""
+            setup = f"cannot save a checkpoint in {path}: {exc}. Nothing was written{kept}"
     setup = comm.broadcast_object(setup, group)
     if isinstance(setup, str):
         raise CheckpointError(setup)
@@ -73,27 +75,56 @@ def save_checkpoint(
     from . import dcp  # see [Note: one-way imports]
 
     state, whole = _dcp_state(opt, extra, rank)
-    dcp.save(state, tmp, group)
-    # The manifest lists every rank's files and the whole-parameter state its owner wrote.
-    written = comm.all_gather_object((files.checksum_files(tmp, f"__{rank}_"), whole), group)
+    # Each rank's outcome, agreed on before anything is published; see [Note: failed saves].
+    outcome: Any
+    try:
+        dcp.save(state, tmp, group)
+        # The manifest lists every rank's files and the whole-parameter state its owner wrote.
+        outcome = (files.checksum_files(tmp, f"__{rank}_"), whole)
+    except dcp.WriteFailed as exc:  # the same on every rank
+        outcome = str(exc)
+    except OSError as exc:  # this rank's alone
+        outcome = f"rank {rank}: {type(exc).__name__}: {exc}"
+    written = comm.all_gather_object(outcome, group)
+    problems = list(dict.fromkeys(o for o in written if isinstance(o, str)))
 
     failure = None
     if rank == 0:
-        try:
-            listed = {k: v for per_rank, _ in written for k, v in per_rank.items()}
-            listed[".metadata"] = files.checksum(tmp / ".metadata")
-            whole_state: dict[str, dict[str, list[Any]]] = {}
-            for _, per_rank in written:
-                for name, entries in per_rank.items():
-                    whole_state.setdefault(name, {}).update(entries)
-            manifest = _manifest(opt, sequence, final.name, listed, whole_state)
-            files.commit(tmp, final, manifest, keep)
-        except OSError as exc:
-            failure = f"cannot commit checkpoint {final}: {exc}"
+        if not problems:
+            try:
+                listed = {k: v for per_rank, _ in written for k, v in per_rank.items()}
+                listed[".metadata"] = files.checksum(tmp / ".metadata")
+                whole_state: dict[str, dict[str, list[Any]]] = {}
+                for _, per_rank in written:
+                    for name, entries in per_rank.items():
+                        whole_state.setdefault(name, {}).update(entries)
+                manifest = _manifest(opt, sequence, final.name, listed, whole_state)
+                files.commit(tmp, final, manifest, keep)
+            except Exception as exc:  # a full disk, a lost directory: nothing is published
+                problems.append(f"rank 0: {type(exc).__name__}: {exc}")
+        if problems:
+            failure = _failure_message(final, tmp, problems)
     failure = comm.broadcast_object(failure, group)
     if failure:
         raise CheckpointError(failure)
     return final
+
+
+def _failure_message(final: Path, tmp: Path, problems: list[str]) -> str:
+    """Clean up after a failed save (rank 0) and say what happened and what is left."""
+    left = files.discard(tmp, final)
+    latest = files.latest_name(final.parent)
+    if latest == final.name:  # published, then a later fsync failed
+        return (f"checkpoint {final} was saved and 'latest' names it, but the save did not "
+                f"finish cleanly: {'; '.join(problems)}")
+    kept = f"'latest' still names {latest}" if latest else "no checkpoint was saved before"
+    debris = (
+        "; could not remove " + ", ".join(str(p) for p in left)
+        + " (hidden, never loaded; the next save deletes it)" if left else ""
+    )
+    return (f"cannot save checkpoint {final}: {'; '.join(problems)}. Nothing of it was kept: "
+            f"{kept} and earlier checkpoints are untouched{debris}. Free space or fix the "
+            "directory, then save again")
 
 
 def _dcp_state(opt: Optimizer, extra: Any, rank: int

@@ -114,6 +114,13 @@ class TrainConfig:
     max_restarts: int = 0
     """Times the launcher restarts the ranks after a failure; they resume from the latest
     checkpoint."""
+    timeout: float | None = None
+    """Seconds a collective waits for the other ranks before it fails (the process group's
+    timeout), so that a stuck rank fails the run, or with ``max_restarts`` restarts it; None:
+    torch's default (30 minutes on gloo, 10 on NCCL)."""
+    stop_on_save_failure: bool = False
+    """Stop the run when a checkpoint cannot be saved; by default it is reported and training
+    goes on (the previous checkpoint stays the latest)."""
     progress: bool = True
     """Progress bar on rank 0."""
 
@@ -135,6 +142,8 @@ class TrainConfig:
                 if getattr(self, name) < least:
                     flag = "--" + name.replace("_", "-")
                     problems.append(f"{flag} must be >= {least}, got {getattr(self, name)}")
+        if self.timeout is not None and not self.timeout > 0:
+            problems.append(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if not self.lr > 0:
             problems.append(f"--lr must be positive, got {self.lr}")
         if self.clip is not None and not self.clip > 0:
@@ -259,6 +268,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     p.add_argument("--no-save", dest="save", action="store_false",
                    help="write no checkpoints (the run cannot be resumed)")
+    p.add_argument("--stop-on-save-failure", action="store_true",
+                   help="stop when a checkpoint cannot be saved (default: report it and train "
+                   "on; the previous checkpoint stays the latest)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds a collective waits for the other ranks before it fails "
+                   "(default: torch's, 30 minutes on gloo); with --max-restarts a stuck rank "
+                   "then restarts the group")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 

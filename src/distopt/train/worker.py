@@ -7,11 +7,13 @@ It reads its rank and world from the environment torchrun (or distopt's launcher
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,10 +32,12 @@ from .model import GPT, gpt_config
 from .recipes import param_groups
 from .report import write_loss_plot, write_summary
 
-# Test hook for the fault-tolerance test: the rank named here kills itself with SIGKILL at
-# this step of the first attempt, exactly like a crashed or preempted process.
+# Test hook for the fault-tolerance tests: the rank named here sends itself a signal at this
+# step of the first attempt: SIGKILL (by default), exactly like a crashed or preempted process,
+# or SIGSTOP, like a hung one.
 FAIL_AT_STEP_ENV = "DISTOPT_TRAIN_FAIL_AT_STEP"
 FAIL_RANK_ENV = "DISTOPT_TRAIN_FAIL_RANK"
+FAIL_SIGNAL_ENV = "DISTOPT_TRAIN_FAIL_SIGNAL"
 
 
 def warmup_cosine(config: TrainConfig):
@@ -116,8 +120,13 @@ class Trainer:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(self.device.type, (self.world // shard, shard),
+        mesh = init_device_mesh(self.device.type, (self.world // shard, shard),
                                 mesh_dim_names=("dp_replicate", "dp_shard"))
+        if self.config.timeout is not None:  # the mesh's groups take torch's default
+            timeout = datetime.timedelta(seconds=self.config.timeout)
+            for name in ("dp_replicate", "dp_shard"):
+                dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(name))
+        return mesh
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -130,9 +139,19 @@ class Trainer:
             "history": self.history,
         }
 
-    def save(self) -> None:
-        distopt.save_checkpoint(self.ckpt_dir, self.ddp, self.opt, extra=self._extra(),
-                                keep=self.config.keep)
+    def save(self, log: _MetricsLog) -> None:
+        """Save a checkpoint. One that fails has changed nothing on disk (see [Note: failed
+        saves]): it is reported and training goes on, unless --stop-on-save-failure."""
+        try:
+            distopt.save_checkpoint(self.ckpt_dir, self.ddp, self.opt, extra=self._extra(),
+                                    keep=self.config.keep)
+        except distopt.CheckpointError as error:  # raised alike on every rank
+            if self.config.stop_on_save_failure:
+                raise
+            log.write({"step": self.step, "checkpoint_error": str(error)})
+            if self.rank == 0:
+                print(f"distopt train: warning: step {self.step}: {error}; training goes on "
+                      "(--stop-on-save-failure stops instead)", file=sys.stderr, flush=True)
 
     def maybe_resume(self) -> bool:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -197,14 +216,14 @@ class Trainer:
         log = _MetricsLog(metrics_path if self.rank == 0 else None)
         if not resumed:
             self._record(log, {"step": 0, "heldout_loss": self.evaluate()})
-        fail_step, fail_rank = _failure_injection()
+        fail_step, fail_rank, fail_signal = _failure_injection()
 
         tokens_per_step = config.batch_size * config.seq_len
         bar = _progress(config, self.rank, initial=self.step)
         window_start, window_steps = time.perf_counter(), 0
         while self.step < config.steps:
             if self.step == fail_step and self.rank == fail_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), fail_signal)
             stats = self.train_step()
             self.step += 1
             window_steps += 1
@@ -223,7 +242,7 @@ class Trainer:
                                 tok_s=f"{stats['tokens_per_s']:.0f}")
             if config.save and (config.save_every and self.step % config.save_every == 0
                                 or self.step == config.steps):
-                self.save()
+                self.save(log)
         if bar is not None:
             bar.close()
         return self.finish()
@@ -281,10 +300,12 @@ def _progress(config: TrainConfig, rank: int, initial: int):
                 dynamic_ncols=True)
 
 
-def _failure_injection() -> tuple[int, int]:
+def _failure_injection() -> tuple[int, int, signal.Signals]:
+    kind = getattr(signal, os.environ.get(FAIL_SIGNAL_ENV, "SIGKILL"))
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return -1, -1
-    return int(os.environ.get(FAIL_AT_STEP_ENV, "-1")), int(os.environ.get(FAIL_RANK_ENV, "0"))
+        return -1, -1, kind
+    return (int(os.environ.get(FAIL_AT_STEP_ENV, "-1")), int(os.environ.get(FAIL_RANK_ENV, "0")),
+            kind)
 
 
 def _node_id() -> str:
@@ -326,9 +347,11 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     backend = "nccl" if on_cuda else "gloo"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = None if config.timeout is None else datetime.timedelta(seconds=config.timeout)
     dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank,
-                            world_size=world)
-    try:
-        return Trainer(config).run()
-    finally:
-        dist.destroy_process_group()
+                            world_size=world, timeout=timeout)
+    # A failed rank leaves without tearing the group down: that would wait on the very peers
+    # that failed it, while the launcher waits for this process to exit.
+    summary = Trainer(config).run()
+    dist.destroy_process_group()
+    return summary

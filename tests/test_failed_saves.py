@@ -1,0 +1,194 @@
+"""A save that cannot complete loses nothing: a disk that fills up mid-write on one rank, a
+manifest or ``latest`` pointer that cannot be written, a directory that is not writable.
+
+Every case saves a first checkpoint, takes a step, and makes the second save fail. Then on every
+rank: the same clear ``CheckpointError``, ``latest`` still naming the first checkpoint, no debris
+left in the run directory, the first checkpoint loading back exactly what was saved, and a third
+save that succeeds. All cases run in one spawned group of two ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distopt
+from distopt.checkpoint import dcp as dcp_module
+from distopt.checkpoint import files as files_module
+
+from dist_harness import case_result, run_cases
+from models import AwkwardLM, batches, rank_slice
+
+WORLD = 2
+FULL_AFTER = 2048  # bytes a rank's checkpoint file takes before its disk is full
+
+
+def _enospc(path: object = None) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) if path else None)
+
+
+class _FillingFile(io.FileIO):
+    """A file on a disk that is full once the file holds FULL_AFTER bytes."""
+
+    def write(self, data) -> int:  # type: ignore[override]
+        if self.tell() + memoryview(data).nbytes > FULL_AFTER:
+            raise _enospc(self.name)
+        return super().write(data)
+
+
+@contextlib.contextmanager
+def _disk_fills_while_writing(rank: int, run_dir: Path) -> Iterator[None]:
+    """On ``rank``, the checkpoint writer's file stops growing after FULL_AFTER bytes."""
+    if dist.get_rank() != rank:
+        yield
+        return
+    with mock.patch.object(dcp_module, "open", _FillingFile, create=True):
+        yield
+
+
+@contextlib.contextmanager
+def _cannot_write(name: str, run_dir: Path) -> Iterator[None]:
+    """On rank 0 (which commits), writing the file ``name`` fails with ENOSPC."""
+    real = files_module._write_durably
+
+    def write(path: Path, text: str) -> None:
+        if path.name == name:
+            raise _enospc(path)
+        real(path, text)
+
+    with mock.patch.object(files_module, "_write_durably", write):
+        yield
+
+
+@contextlib.contextmanager
+def _unwritable(rank: int, run_dir: Path) -> Iterator[None]:
+    """The run directory loses its write permission. Root ignores permissions, so there the
+    directory's mkdir also answers EACCES, as it would for anyone else."""
+    mode = run_dir.stat().st_mode
+    run_dir.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if Path(path).parent == run_dir:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    try:
+        with mock.patch.object(os, "mkdir", mkdir):
+            yield
+    finally:
+        run_dir.chmod(mode)
+
+
+FAULTS = {
+    "disk full on rank 1": (lambda d: _disk_fills_while_writing(1, d), "rank 1", "ENOSPC"),
+    "disk full on rank 0": (lambda d: _disk_fills_while_writing(0, d), "rank 0", "ENOSPC"),
+    "manifest not written": (lambda d: _cannot_write(files_module.MANIFEST, d), "rank 0",
+                             "ENOSPC"),
+    "latest not written": (lambda d: _cannot_write(f".latest{files_module.TMP_SUFFIX}", d),
+                           "rank 0", "ENOSPC"),
+    "directory not writable": (lambda d: _unwritable(0, d), "", "EACCES"),
+}
+
+
+# ---------------------------------------------------------------------- the case (in the ranks)
+
+
+def _numbers(model, opt) -> dict[str, torch.Tensor]:
+    """Every number the model and the optimizer hold on this rank, copied, by name."""
+    values = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    sd = opt.state_dict()
+    values |= {f"main/{k}": s.local.clone() for k, s in sd["main_params"].items()}
+    for name, entries in sd["state"].items():
+        values |= {f"state/{name}/{k}": v.local.clone() if hasattr(v, "local") else v.clone()
+                   for k, v in entries.items()}
+    return values
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _step(ddp, opt, step: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = batches(step)
+    opt.zero_grad()
+    ddp.module.loss(rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                    step=0).backward()
+    opt.step()
+
+
+def failed_save(fault: str, root: str) -> dict:
+    run_dir = Path(root) / fault.replace(" ", "-")
+    torch.manual_seed(0)
+    model = AwkwardLM()
+    ddp = distopt.DistributedDataParallel(model, bucket_size=100)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+    _step(ddp, opt, 0)
+    distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 1})
+    saved = _numbers(model, opt)
+    _step(ddp, opt, 1)
+    moved = _numbers(model, opt)
+
+    error = None
+    with FAULTS[fault][0](run_dir):
+        try:
+            distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 2})
+        except distopt.CheckpointError as exc:
+            error = str(exc)
+    after_failure = sorted(os.listdir(run_dir))
+    latest = files_module.latest_name(run_dir)
+    untouched = _same(moved, _numbers(model, opt))
+
+    extra = distopt.load_checkpoint(run_dir, ddp, opt)
+    restored = _same(saved, _numbers(model, opt))
+    _step(ddp, opt, 1)  # the run goes on
+    again = distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 2})
+    return {"error": error, "after_failure": after_failure, "latest": latest,
+            "untouched": untouched, "step": extra["step"], "restored": restored,
+            "again": again.name, "latest_again": files_module.latest_name(run_dir),
+            "after_again": sorted(os.listdir(run_dir))}
+
+
+# ---------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("failed-saves")
+    return run_cases(WORLD, [(fault, failed_save, (fault, str(root))) for fault in FAULTS])
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failed_save_raises_everywhere_and_loses_nothing(results, fault):
+    _, culprit, code = FAULTS[fault]
+    per_rank = case_result(results, fault)
+    errors = {r["error"] for r in per_rank}
+    assert len(errors) == 1, errors  # the same error on every rank
+    error = errors.pop()
+    assert error is not None and error.startswith("cannot save"), error
+    assert culprit in error and os.strerror(getattr(errno, code)) in error, error
+    for r in per_rank:
+        assert r["latest"] == "ckpt-000001"
+        # No debris: no temporary directory, no half-published checkpoint, no stray pointer.
+        assert r["after_failure"] == ["ckpt-000001", "latest"]
+        assert r["untouched"]  # the failed save changed nothing in memory either
+        assert r["step"] == 1 and r["restored"]  # latest loads back what it saved, bit for bit
+        assert r["again"] == r["latest_again"] == "ckpt-000002"
+        assert r["after_again"] == ["ckpt-000001", "ckpt-000002", "latest"]
+
+
+def test_the_error_says_what_is_kept(results):
+    error = case_result(results, "disk full on rank 1")[0]["error"]
+    assert "'latest' still names ckpt-000001" in error
+    assert "Nothing of it was kept" in error
