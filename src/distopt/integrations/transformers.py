@@ -6,8 +6,8 @@ callbacks) and distopt takes over the four things a data-parallel ZeRO-1/2 run c
 one of the Trainer's documented extension points, overridden here:
 
 * the model: ``_wrap_model`` returns a ``distopt.DistributedDataParallel`` (params and grads in
-  contiguous buckets; grads reduce-scattered during backward), never torch's DDP. Accelerate
-  sees an already wrapped model and leaves it alone; evaluation runs the plain module.
+  contiguous buckets; grads reduce-scattered during backward), never torch's DDP, for training
+  and evaluation alike. Accelerate sees an already wrapped model and leaves it alone.
 * the optimizer: ``create_optimizer`` builds a ``distopt.DistributedOptimizer`` over the class,
   options and weight-decay groups the Trainer would have built (``optim``, ``learning_rate``,
   ``adam_*``, ``weight_decay``, ``optim_args``, ``optimizer_cls_and_kwargs``), and the
@@ -185,8 +185,9 @@ class DistoptTrainer(transformers.Trainer):
 
     def _wrap_model(self, model: nn.Module, training: bool = True,
                     dataloader: Any = None) -> nn.Module:
-        # Evaluation needs no wrapper: after each step every rank holds the updated params.
-        return self._distopt_ddp() if training else self.model
+        # Evaluation too: given the bare model, accelerate would move it to "cpu:0" (a copy on
+        # CPU), cutting its params loose from distopt's buffers.
+        return self._distopt_ddp()
 
     # ------------------------------------------------------------------ step
 
@@ -358,7 +359,13 @@ def _check_unsupported(given: _Given) -> None:
         )
     if given.optimizer_cls_and_kwargs is not None:
         cls = given.optimizer_cls_and_kwargs[0]
-        if is_optimizer_factory(cls):
+        if isinstance(cls, type) and issubclass(cls, torch.optim.LBFGS):
+            problems.append(
+                "optimizer_cls_and_kwargs: LBFGS needs a closure that re-runs the whole model "
+                "in its step, which the Trainer's loop cannot give and distopt's shards cannot "
+                "take; pick an optimizer without one, such as torch.optim.AdamW"
+            )
+        elif is_optimizer_factory(cls):
             problems.append(
                 f"optimizer_cls_and_kwargs: {cls!r} is not a torch.optim.Optimizer class; "
                 "pass a class distopt can shard, such as torch.optim.AdamW or torch.optim.Muon"
