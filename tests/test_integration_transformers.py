@@ -13,6 +13,7 @@ assertions share their results.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import shutil
@@ -271,6 +272,22 @@ def train_variant(root: Path, variant: str, plain: bool) -> dict[str, Any]:
     return record
 
 
+def train_fp16_overflowing(root: Path) -> dict[str, Any]:
+    """fp16 from a loss scale of 2**24, which overflows fp16 grads until it backs off."""
+    import distopt
+    from distopt.integrations.transformers import DistoptArguments, DistoptTrainer
+
+    set_launcher_environment()
+    args = training_arguments(root / "fp16-skip", dist.get_world_size(),
+                              max_steps=VARIANT_STEPS + 4, eval_strategy="no", fp16=True)
+    scaler = lambda: distopt.DynamicLossScaler(initial_scale=2.0**24, hysteresis=1)  # noqa: E731
+    trainer = DistoptTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(64, 0),
+                             distopt_args=DistoptArguments(fp16_loss_scaler=scaler))
+    trainer.train()
+    return {**run_record(trainer), "scheduler_steps": trainer.lr_scheduler.last_epoch,
+            "scale": trainer.optimizer.loss_scaler.scale}
+
+
 # ---------------------------------------------------------------------- launching
 
 
@@ -320,12 +337,14 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                 for v in VARIANTS for plain in (False, True) if not (v == "muon" and plain)]
     two = launch(2, [("refused", refused_arguments, (root,)),
                      ("distopt", train_distopt, (root,)),
-                     ("ddp", train_plain, (root,)), *variants])
+                     ("ddp", train_plain, (root,)),
+                     ("fp16-skip", train_fp16_overflowing, (root,)), *variants])
     one = launch(1, [("single", train_plain, (root,)), ("resumed", resume, (root,)),
                      ("muon", train_variant, (root, "muon", False))])
     four = launch(4, [("resumed", resume, (root,))])
     return {
         "variants": {name: result(two, name)[0] for name, _, _ in variants},
+        "fp16-skip": result(two, "fp16-skip"),
         "muon1": result(one, "muon")[0],
         "refused": result(two, "refused"),
         "distopt": result(two, "distopt"),
@@ -454,3 +473,16 @@ def test_muon_for_hidden_matrices_is_the_same_on_2_ranks_as_on_one(runs):
     adamw = runs["distopt"][0]
     assert two["lr"] == adamw["lr"][:VARIANT_STEPS]
     assert abs(two["loss"][-1] - adamw["loss"][VARIANT_STEPS - 1]) > 1e-3
+
+
+def test_fp16_overflow_skips_the_step_and_the_schedule_on_every_rank(runs):
+    first, second = runs["fp16-skip"]
+    skipped = [math.isnan(norm) for norm in first["grad_norm"]]
+    assert skipped[:2] == [True, True] and not skipped[-1]  # backed off to a usable scale
+    assert first["scale"] < 2.0**24
+    # The Trainer steps its scheduler only after steps that updated the weights.
+    assert first["scheduler_steps"] == skipped.count(False)
+    for i, skip in enumerate(skipped[:-1]):
+        assert (first["lr"][i + 1] == first["lr"][i]) == skip
+    assert second["loss"] == first["loss"]
+    assert max_weight_diff(first["weights"], second["weights"]) == 0

@@ -32,6 +32,7 @@ argument and the fix when the trainer is built, on every rank alike, before anyt
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,11 @@ class DistoptArguments:
     """Reduce-scatter each bucket during backward as soon as its grads are complete."""
     grad_dtype: torch.dtype | None = torch.float32
     """dtype of the grad buffer and the reduction; None: each param's own dtype."""
+    fp16_loss_scaler: Callable[[], distopt.DynamicLossScaler | distopt.ConstantLossScaler] = (
+        distopt.DynamicLossScaler
+    )
+    """Makes the loss scaler of ``fp16=True`` runs (e.g. ``lambda:
+    distopt.DynamicLossScaler(initial_scale=2.0**12)``)."""
     muon_adjust_lr_fn: str = "match_rms_adamw"
     """Muon's step-size rule when ``optimizer_cls_and_kwargs`` names ``torch.optim.Muon`` and
     does not set it: "match_rms_adamw" lets Muon share the Trainer's one ``learning_rate``."""
@@ -134,7 +140,8 @@ class DistoptTrainer(transformers.Trainer):
         if self.optimizer is None:
             ddp = self._distopt_ddp()
             optimizer_cls, groups, kwargs = self._distopt_param_groups()
-            scaler = distopt.DynamicLossScaler() if self.args.mixed_precision == "fp16" else None
+            fp16 = self.args.mixed_precision == "fp16"
+            scaler = self.distopt_args.fp16_loss_scaler() if fp16 else None
             max_norm = self.args.max_grad_norm
             opt = distopt.DistributedOptimizer(
                 ddp, optimizer_cls, params=groups,
