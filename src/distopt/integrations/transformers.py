@@ -31,6 +31,7 @@ argument and the fix when the trainer is built, on every rank alike, before anyt
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from transformers.trainer_optimizer import is_optimizer_factory
 import distopt
 from distopt.optimizer_kinds import ELEMENTWISE_OPTIMIZERS, check_optimizer_cls
 
-__all__ = ["DISTOPT_CHECKPOINT_DIR", "DistoptArguments", "DistoptTrainer"]
+__all__ = ["DISTOPT_CHECKPOINT_DIR", "DistoptArguments", "DistoptTrainer", "TrainerOptimizer"]
 
 DISTOPT_CHECKPOINT_DIR = "distopt"
 """The folder inside the Trainer's ``checkpoint-N`` that holds distopt's sharded state."""
@@ -333,8 +334,6 @@ class _Given:
 
 
 def _bound_trainer_arguments(args: tuple, kwargs: dict) -> _Given:
-    import inspect
-
     bound = inspect.signature(transformers.Trainer.__init__).bind(None, *args, **kwargs)
     given = bound.arguments
     return _Given(
