@@ -245,7 +245,10 @@ VARIANTS = {
     "fp16": {"fp16": True},  # distopt's DynamicLossScaler against accelerate's GradScaler
     # Muon for the hidden matrices, AdamW for the rest (no Trainer counterpart)
     "muon": {"optimizer_cls_and_kwargs": (torch.optim.Muon, {"momentum": 0.95})},
+    # a model loaded in bf16: fp32 main params in distopt's shards
+    "bf16-params": {"model_dtype": torch.bfloat16},
 }
+DISTOPT_ONLY = ("muon", "bf16-params")
 VARIANT_STEPS = 6
 
 
@@ -259,14 +262,18 @@ def train_variant(root: Path, variant: str, plain: bool) -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     options = dict(VARIANTS[variant])
     extra = {k: options.pop(k) for k in ("optimizer_cls_and_kwargs",) if k in options}
+    model = tiny_llama().to(options.pop("model_dtype", torch.float32))
     args = training_arguments(root / f"{variant}-{world}-{plain}", world, max_steps=VARIANT_STEPS,
                               eval_strategy="no", **options)
     cls = Trainer if plain else DistoptTrainer
-    trainer = cls(model=tiny_llama(), args=args, train_dataset=TokenDataset(64, 0), **extra)
+    trainer = cls(model=model, args=args, train_dataset=TokenDataset(64, 0), **extra)
     trainer.train()
     record = run_record(trainer)
     if not plain:
+        import distopt
+
         opt = trainer.optimizer.distributed
+        record["memory"] = distopt.measure_state_bytes(opt).as_dict()
         record["classes"] = sorted(type(inner).__name__ for inner in opt.optimizers)
         record["loss_scaler"] = type(opt.loss_scaler).__name__ if opt.loss_scaler else None
     return record
@@ -334,7 +341,7 @@ def result(results: list[dict[str, Any]], name: str) -> list[Any]:
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf")
     variants = [(f"{v}-{plain}", train_variant, (root, v, plain))
-                for v in VARIANTS for plain in (False, True) if not (v == "muon" and plain)]
+                for v in VARIANTS for plain in (False, True) if not (v in DISTOPT_ONLY and plain)]
     two = launch(2, [("refused", refused_arguments, (root,)),
                      ("distopt", train_distopt, (root,)),
                      ("ddp", train_plain, (root,)),
@@ -486,3 +493,19 @@ def test_fp16_overflow_skips_the_step_and_the_schedule_on_every_rank(runs):
         assert (first["lr"][i + 1] == first["lr"][i]) == skip
     assert second["loss"] == first["loss"]
     assert max_weight_diff(first["weights"], second["weights"]) == 0
+
+
+def test_a_model_loaded_in_bf16_trains_on_fp32_main_params(runs):
+    import distopt
+
+    run, fp32 = runs["variants"]["bf16-params-False"], runs["distopt"][0]
+    memory = run["memory"]
+    assert 2 * memory["params"] == memory["grads"]  # bf16 params, fp32 grads, the same layout
+    assert memory["main_params"] > 0 and memory["main_grads"] == 0
+    # 6 + 12/d: bf16 params, fp32 grads whole; fp32 main params and Adam's moments sharded.
+    table = distopt.theoretical_bytes_per_param(torch.bfloat16, torch.float32, 2)
+    assert table == 12.0 and abs(memory["bytes_per_param"] - table) < 0.05
+    # The same warm-up as the fp32 run; bf16 weights round each step's result (2**-8).
+    losses = zip(run["loss"], fp32["loss"][:VARIANT_STEPS], strict=True)
+    assert max(abs(a - b) for a, b in losses) < 2e-3
+    assert all(w.dtype == torch.bfloat16 for w in run["weights"].values())
