@@ -9,7 +9,7 @@ STAMP   := .venv/.installed
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,lightning]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,hf,lightning]'
 	touch $(STAMP)
 
 setup: $(STAMP)

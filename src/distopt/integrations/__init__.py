@@ -1,5 +1,6 @@
-"""distopt inside training frameworks.
+"""distopt inside training frameworks, one module each, imported only when asked for.
 
-Each submodule plugs distopt into one framework and imports it, so importing this package
-imports nothing: ``distopt.integrations.lightning`` needs ``pip install 'distopt[lightning]'``.
+``distopt.integrations.transformers`` (extra ``distopt[hf]``) puts distopt under the Hugging
+Face Trainer; ``distopt.integrations.lightning`` (extra ``distopt[lightning]``) is a Lightning
+strategy. Importing this package imports no framework.
 """

@@ -1,0 +1,436 @@
+"""distopt under the Hugging Face Trainer: ``DistoptTrainer`` in place of ``transformers.Trainer``.
+
+[Note: distopt inside the Trainer]
+The Trainer keeps its loop (data sharding, gradient accumulation, logging, evaluation, saving,
+callbacks) and distopt takes over the four things a data-parallel ZeRO-1/2 run changes. Each is
+one of the Trainer's documented extension points, overridden here:
+
+* the model: ``_wrap_model`` returns a ``distopt.DistributedDataParallel`` (params and grads in
+  contiguous buckets; grads reduce-scattered during backward), never torch's DDP, for training
+  and evaluation alike. Accelerate sees an already wrapped model and leaves it alone.
+* the optimizer: ``create_optimizer`` builds a ``distopt.DistributedOptimizer`` over the class,
+  options and weight-decay groups the Trainer would have built (``optim``, ``learning_rate``,
+  ``adam_*``, ``weight_decay``, ``optim_args``, ``optimizer_cls_and_kwargs``), and the
+  Trainer's LR scheduler is built on it, so it drives distopt's param groups. ``max_grad_norm``
+  is distopt's global clip norm and the ``grad_norm`` the Trainer logs is distopt's.
+* precision: the Trainer's ``bf16``/``fp16`` keep their meaning (autocast over fp32 params);
+  fp16 scales the loss with ``distopt.DynamicLossScaler``, so an overflowing step is skipped on
+  every rank and, as with the Trainer's own scaler, the LR schedule does not advance. A model
+  loaded in bf16 gets fp32 main params in distopt's shards.
+* checkpoints: ``checkpoint-N/distopt/`` holds ``distopt.save_checkpoint``'s sharded,
+  reshardable state (main params, optimizer state, loss scale); a run saved on d ranks resumes
+  on any number. The Trainer writes the rest of ``checkpoint-N`` (weights, trainer state,
+  scheduler, RNG) as usual.
+
+A subclass is the Trainer's own way to change how it builds its optimizer and wraps its model,
+so the change to a script is one name. Gradient accumulation needs nothing: the Trainer runs
+all but the last micro-batch of a step inside ``model.no_sync()``, which is distopt's (no
+communication at all). Arguments distopt cannot honour raise one ``ValueError`` naming the
+argument and the fix when the trainer is built, on every rank alike, before anything runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.trainer_optimizer import is_optimizer_factory
+
+import distopt
+from distopt.optim.kinds import ELEMENTWISE_OPTIMIZERS, check_optimizer_cls
+
+__all__ = ["DISTOPT_CHECKPOINT_DIR", "DistoptArguments", "DistoptTrainer", "TrainerOptimizer"]
+
+DISTOPT_CHECKPOINT_DIR = "distopt"
+"""The folder inside the Trainer's ``checkpoint-N`` that holds distopt's sharded state."""
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name for it, so its tools find it
+
+# ``optim`` names whose class and options distopt can shard (the rest are refused, see below).
+SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistoptArguments:
+    """Options of distopt's own that ``TrainingArguments`` has no field for."""
+
+    bucket_size: int | None = None
+    """Elements per bucket; None: ``ddp_bucket_cap_mb`` if set, else distopt's default."""
+    overlap_grad_reduce: bool = True
+    """Reduce-scatter each bucket during backward as soon as its grads are complete."""
+    grad_dtype: torch.dtype | None = torch.float32
+    """dtype of the grad buffer and the reduction; None: each param's own dtype."""
+    fp16_loss_scaler: Callable[[], distopt.DynamicLossScaler | distopt.ConstantLossScaler] = (
+        distopt.DynamicLossScaler
+    )
+    """Makes the loss scaler of ``fp16=True`` runs (e.g. ``lambda:
+    distopt.DynamicLossScaler(initial_scale=2.0**12)``)."""
+    muon_adjust_lr_fn: str = "match_rms_adamw"
+    """Muon's step-size rule when ``optimizer_cls_and_kwargs`` names ``torch.optim.Muon`` and
+    does not set it: "match_rms_adamw" lets Muon share the Trainer's one ``learning_rate``."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_size is not None and (
+            isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
+            or self.bucket_size < 1
+        ):
+            raise ValueError(
+                f"bucket_size must be a positive int or None, got {self.bucket_size!r}"
+            )
+
+
+class DistoptTrainer(transformers.Trainer):
+    """``transformers.Trainer`` with distopt's DDP and DistributedOptimizer underneath.
+
+    Takes the Trainer's arguments, plus ``distopt_args`` (``DistoptArguments``). Launch as any
+    Trainer script: ``torchrun --nproc_per_node N train.py`` (or ``accelerate launch``). See
+    [Note: distopt inside the Trainer].
+    """
+
+    def __init__(self, *args: Any, distopt_args: DistoptArguments | None = None,
+                 **kwargs: Any) -> None:
+        _check_unsupported(_bound_trainer_arguments(args, kwargs))
+        self.distopt_args = distopt_args or DistoptArguments()
+        self.distopt_model: distopt.DistributedDataParallel | None = None
+        # Filled in place after each step with distopt's norm; see _clip_grad_norm.
+        self._grad_norm = torch.zeros(())
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ model and optimizer
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # Precision is distopt's (autocast here, its loss scaler for fp16): accelerate must not
+        # scale the loss or wrap the model's forward as well.
+        return {**super()._build_accelerator_args(**kwargs), "mixed_precision": "no"}
+
+    def _distopt_ddp(self) -> distopt.DistributedDataParallel:
+        """distopt's DDP over ``self.model``, built once per model."""
+        if self.distopt_model is None or self.distopt_model.module is not self.model:
+            self.distopt_model = distopt.DistributedDataParallel(
+                self.model,
+                grad_dtype=self.distopt_args.grad_dtype,
+                bucket_size=self._bucket_size(),
+                overlap_grad_reduce=self.distopt_args.overlap_grad_reduce,
+                find_unused_parameters=self._find_unused_parameters(),
+            )
+        return self.distopt_model
+
+    def _bucket_size(self) -> int | None:
+        if self.distopt_args.bucket_size is not None:
+            return self.distopt_args.bucket_size
+        if self.args.ddp_bucket_cap_mb is not None:  # torch DDP's cap, in fp32 grad elements
+            return max(1, int(self.args.ddp_bucket_cap_mb * 2**20) // 4)
+        return None
+
+    def _find_unused_parameters(self) -> bool:
+        # The Trainer's rule for torch DDP: a param no rank used skips the step (grad None).
+        if self.args.ddp_find_unused_parameters is not None:
+            return self.args.ddp_find_unused_parameters
+        if isinstance(self.model, transformers.PreTrainedModel):
+            checkpointing = self.model.is_activation_checkpointing
+            return not (checkpointing or self.args.activation_checkpointing)
+        return True
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            ddp = self._distopt_ddp()
+            optimizer_cls, groups, kwargs = self._distopt_param_groups()
+            fp16 = self.args.mixed_precision == "fp16"
+            scaler = self.distopt_args.fp16_loss_scaler() if fp16 else None
+            max_norm = self.args.max_grad_norm
+            opt = distopt.DistributedOptimizer(
+                ddp, optimizer_cls, params=groups,
+                # An infinite max norm still computes the norm the Trainer logs, and clips by 1.
+                clip_grad=max_norm if max_norm and max_norm > 0 else float("inf"),
+                loss_scaler=scaler, **kwargs,
+            )
+            self.optimizer = TrainerOptimizer(opt, self._grad_norm)
+        return self.optimizer
+
+    def _distopt_param_groups(self) -> tuple[type[torch.optim.Optimizer], list[dict], dict]:
+        """The Trainer's optimizer class, options and weight-decay groups, for distopt."""
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        kwargs = dict(kwargs)
+        if _is_hf_adafactor(optimizer_cls):
+            # It reads whole params (row and column statistics): each is owned by one rank.
+            distopt.register_whole_tensor_optimizer(optimizer_cls)
+        decay = set(self.get_decay_parameter_names(self.model))
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in trainable if n in decay],
+             "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
+        ]
+        if issubclass(optimizer_cls, torch.optim.Muon):
+            groups = self._muon_groups(groups, kwargs)
+        return optimizer_cls, [g for g in groups if g["params"]], kwargs
+
+    def _muon_groups(self, groups: list[dict], kwargs: dict) -> list[dict]:
+        """Muon for the hidden matrices, AdamW (the Trainer's adam_* options) for the rest."""
+        from distopt.train.recipes import hidden_matrices
+
+        kwargs.setdefault("lr", self.args.learning_rate)
+        kwargs.setdefault("adjust_lr_fn", self.distopt_args.muon_adjust_lr_fn)
+        matrices = set(hidden_matrices(self.model)[0])
+        adamw = {"optimizer": torch.optim.AdamW, "lr": self.args.learning_rate,
+                 "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                 "eps": self.args.adam_epsilon}
+        split = []
+        for group in groups:
+            split.append({**group, "params": [p for p in group["params"] if p in matrices]})
+            split.append({**group, **adamw,
+                          "params": [p for p in group["params"] if p not in matrices]})
+        return split
+
+    def _wrap_model(self, model: nn.Module, training: bool = True,
+                    dataloader: Any = None) -> nn.Module:
+        # Evaluation too: given the bare model, accelerate would move it to "cpu:0" (a copy on
+        # CPU), cutting its params loose from distopt's buffers.
+        return self._distopt_ddp()
+
+    # ------------------------------------------------------------------ step
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.args.mixed_precision)
+        if dtype is None:
+            return super().autocast_smart_context_manager(cache_enabled)
+        return torch.autocast(self.args.device.type, dtype=dtype, cache_enabled=cache_enabled)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is None or not (model.training and torch.is_grad_enabled()):
+            return result
+        # fp16: backward sees the loss times the scale, the Trainer logs the loss itself.
+        if return_outputs:
+            loss, outputs = result
+            return _ScaledBackward.apply(loss, scaler.scale), outputs
+        return _ScaledBackward.apply(result, scaler.scale)
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        # distopt clips inside its step, with one global norm across the shards; the Trainer
+        # reads the value it returns only after the step, when this tensor holds that norm.
+        return self._grad_norm
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> torch.Tensor:
+        return self._grad_norm
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        opt = self._distributed_optimizer()
+        distopt.save_checkpoint(Path(output_dir) / DISTOPT_CHECKPOINT_DIR, opt.models[0], opt)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = Path(checkpoint) / DISTOPT_CHECKPOINT_DIR
+        if not path.is_dir():
+            raise ValueError(
+                f"resume_from_checkpoint: {checkpoint} holds no distopt state ({path.name}/); "
+                "resume a DistoptTrainer from a checkpoint a DistoptTrainer saved, or pass "
+                "resume_from_checkpoint=None and load the weights yourself"
+            )
+        opt = self._distributed_optimizer()
+        distopt.load_checkpoint(path, opt.models[0], opt)
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True)
+        )
+
+    def _distributed_optimizer(self) -> distopt.DistributedOptimizer:
+        if not isinstance(self.optimizer, TrainerOptimizer):
+            raise RuntimeError("the distopt optimizer is built when training starts")
+        return self.optimizer.distributed
+
+
+class TrainerOptimizer(torch.optim.Optimizer):
+    """What the Trainer steps: distopt's optimizer, seen as one the Trainer can drive.
+
+    ``step()`` runs distopt's step (grad sync, loss-scale check, global clip, sharded update,
+    param gather), then zeroes the grad buffers, since the Trainer's ``model.zero_grad()``
+    only drops ``.grad`` attributes, which distopt does not use. ``last_result`` is the
+    ``distopt.StepResult``; ``step_was_skipped`` tells the Trainer (through accelerate) not to
+    advance the LR schedule after an fp16 overflow.
+    """
+
+    # Accelerate takes it as prepared: no wrapper that would move or reload its state.
+    _is_accelerate_prepared = True
+
+    def __init__(self, distributed: distopt.DistributedOptimizer, grad_norm: torch.Tensor) -> None:
+        # Not Optimizer.__init__: the groups and the state are distopt's.
+        self.distributed = distributed
+        self.last_result: distopt.StepResult | None = None
+        self._grad_norm = grad_norm
+
+    param_groups = property(lambda self: self.distributed.param_groups)
+    state = property(lambda self: self.distributed.state)
+    defaults = property(lambda self: self.distributed.defaults)
+    loss_scaler = property(lambda self: self.distributed.loss_scaler)
+
+    def step(self, closure: Any = None) -> distopt.StepResult:  # type: ignore[override]
+        result = self.distributed.step(closure)
+        self.distributed.zero_grad()
+        self.last_result = result
+        norm = result.grad_norm
+        self._grad_norm.fill_(float("nan") if norm is None else norm)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.distributed.zero_grad()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.last_result is not None and not self.last_result.updated
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.distributed.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.distributed.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.distributed.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"TrainerOptimizer({self.distributed!r})"
+
+
+class _ScaledBackward(torch.autograd.Function):
+    """The identity forward; backward multiplies the incoming grad by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+# ---------------------------------------------------------------------- arguments refused
+
+
+@dataclass(frozen=True, slots=True)
+class _Given:
+    """The Trainer arguments the checks read, however they were passed."""
+
+    args: Any
+    model: Any
+    optimizers: tuple
+    optimizer_cls_and_kwargs: Any
+
+
+def _bound_trainer_arguments(args: tuple, kwargs: dict) -> _Given:
+    bound = inspect.signature(transformers.Trainer.__init__).bind(None, *args, **kwargs)
+    given = bound.arguments
+    return _Given(
+        args=given.get("args"),
+        model=given.get("model"),
+        optimizers=tuple(given.get("optimizers") or (None, None)),
+        optimizer_cls_and_kwargs=given.get("optimizer_cls_and_kwargs"),
+    )
+
+
+def _is_hf_adafactor(optimizer_cls: type) -> bool:
+    return issubclass(optimizer_cls, transformers.optimization.Adafactor)
+
+
+def _check_unsupported(given: _Given) -> None:
+    """Raise one ValueError naming the first argument distopt cannot honour, and the fix.
+
+    Pure checks of the arguments (no collective), so every rank raises alike, before training.
+    """
+    args = given.args
+    problems: list[str] = []
+    if args is not None:
+        problems += _training_argument_problems(args)
+    if any(x is not None for x in given.optimizers):
+        problems.append(
+            "optimizers: DistoptTrainer builds distopt's DistributedOptimizer over the model "
+            "it wraps, so it cannot take a ready optimizer or scheduler; pass "
+            "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) and lr_scheduler_type instead"
+        )
+    if given.optimizer_cls_and_kwargs is not None:
+        cls = given.optimizer_cls_and_kwargs[0]
+        if isinstance(cls, type) and issubclass(cls, torch.optim.LBFGS):
+            problems.append(
+                "optimizer_cls_and_kwargs: LBFGS needs a closure that re-runs the whole model "
+                "in its step, which the Trainer's loop cannot give and distopt's shards cannot "
+                "take; pick an optimizer without one, such as torch.optim.AdamW"
+            )
+        elif is_optimizer_factory(cls):
+            problems.append(
+                f"optimizer_cls_and_kwargs: {cls!r} is not a torch.optim.Optimizer class; "
+                "pass a class distopt can shard, such as torch.optim.AdamW or torch.optim.Muon"
+            )
+        else:
+            try:
+                check_optimizer_cls(cls, "optimizer_cls_and_kwargs")
+            except TypeError as exc:
+                problems.append(str(exc))
+    tp_size = getattr(given.model, "tp_size", None) or 1
+    if tp_size > 1:
+        problems.append(
+            "model: it is sharded for tensor parallelism at load time (tp_plan); load it "
+            "without tp_plan for DistoptTrainer, or use distopt's tensor parallelism by hand "
+            "(docs/tensor-parallel.md)"
+        )
+    if problems:
+        raise ValueError("DistoptTrainer cannot honour " + problems[0])
+
+
+def _training_argument_problems(args: Any) -> list[str]:
+    problems = []
+    if args.deepspeed:
+        problems.append(
+            "deepspeed: distopt replaces DeepSpeed's ZeRO-1/2 (sharded optimizer state and "
+            "grads); drop the DeepSpeed config"
+        )
+    if args.fsdp:
+        problems.append(
+            "fsdp: distopt shards optimizer state and grads, not params (ZeRO-1/2, not "
+            "FSDP's ZeRO-3); drop fsdp, or use the plain Trainer for FSDP"
+        )
+    if getattr(args, "parallelism_config", None) is not None:
+        problems.append(
+            "parallelism_config: DistoptTrainer is data parallel only; drop parallelism_config"
+        )
+    if args.torch_compile:
+        problems.append(
+            "torch_compile: DistoptTrainer does not compile the wrapped model; compile its "
+            "blocks before building the trainer (for layer in model.model.layers: "
+            "layer.compile()), which distopt supports, and drop torch_compile"
+        )
+    if args.auto_find_batch_size:
+        problems.append(
+            "auto_find_batch_size: its retries rebuild the model's wrapper; set "
+            "per_device_train_batch_size yourself"
+        )
+    if args.fp16_full_eval or args.bf16_full_eval:
+        problems.append(
+            "fp16_full_eval/bf16_full_eval: they cast the model in place, and its params live "
+            "in distopt's buffers; evaluate with fp16=True or bf16=True (autocast) instead"
+        )
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in SUPPORTED_OPTIM:
+        elementwise = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        problems.append(
+            f"optim={optim!r}: distopt shards {', '.join(SUPPORTED_OPTIM)} (and, through "
+            f"optimizer_cls_and_kwargs, any of {elementwise}, torch.optim.Muon or "
+            "torch.optim.Adafactor); optimizers that need a closure, quantized state, "
+            "low-rank projections or the whole model are not shardable: pick one of those"
+        )
+    return problems

@@ -1,0 +1,511 @@
+"""DistoptTrainer against the Hugging Face Trainer's own DDP and a single process.
+
+A tiny Llama built from a config (random init) trains 30 steps on 2 gloo ranks with gradient
+accumulation 2, max_grad_norm 1.0, warm-up + cosine and an evaluation every 10 steps, once under
+DistoptTrainer (saving every 10 steps, keeping 2) and once under transformers.Trainer (torch
+DDP). One plain process trains the same global batches with the Trainer alone. Then the
+checkpoint saved at step 10 on 2 ranks is resumed on 1 and on 4 ranks, each run to step 30.
+
+Three process launches in all (d = 2, 1, 4), each running its cases in one group; the
+assertions share their results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import pickle
+import shutil
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+STEPS, SAVE_AT, GLOBAL_BATCH, ACCUMULATION = 30, 10, 8, 2
+TOL = 1e-5
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+# ---------------------------------------------------------------------- what every run shares
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences, the same on every rank (a fixed generator)."""
+
+    def __init__(self, n: int, seed: int, seq: int = 16, vocab: int = 64) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab, (n, seq), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(config)
+
+
+def training_arguments(output_dir: Path, world: int, **overrides: Any):
+    from transformers import TrainingArguments
+
+    options = dict(
+        output_dir=str(output_dir), use_cpu=True, ddp_backend="gloo" if world > 1 else None,
+        per_device_train_batch_size=GLOBAL_BATCH // ACCUMULATION // world,
+        per_device_eval_batch_size=4, gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS, learning_rate=3e-3, warmup_steps=5, lr_scheduler_type="cosine",
+        weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, eval_strategy="steps",
+        eval_steps=SAVE_AT, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+    )
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def run_record(trainer) -> dict[str, Any]:
+    """What a run produced: per-step loss, grad norm and LR, eval losses, the final weights."""
+    history = trainer.state.log_history
+    return {
+        "steps": [h["step"] for h in history if "loss" in h],
+        "loss": [h["loss"] for h in history if "loss" in h],
+        "grad_norm": [h["grad_norm"] for h in history if "loss" in h],
+        "lr": [h["learning_rate"] for h in history if "loss" in h],
+        "eval_loss": {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h},
+        "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+    }
+
+
+def state_bytes_of_ddp_run(trainer) -> dict[str, int]:
+    """Bytes the torch-DDP run holds per rank: params, .grad and the optimizer's moments."""
+    from distopt.memory import storage_bytes
+
+    params = list(trainer.model.parameters())
+    opt = trainer.optimizer.optimizer  # accelerate's wrapper around torch.optim.AdamW
+    seen: set[int] = set()
+    return {
+        "num_params": sum(p.numel() for p in params),
+        "params": storage_bytes(params, seen),
+        "grads": storage_bytes((p.grad for p in params), seen),
+        "optimizer_state": storage_bytes(
+            (v for s in opt.state.values() for k, v in s.items() if k != "step"), seen),
+    }
+
+
+def measuring_callback(trainer, measure, into: dict[str, Any]):
+    """Measures state right after the first optimizer step, before the grads are dropped, and
+    counts distopt's collectives in each micro-batch."""
+    from transformers import TrainerCallback
+
+    class Measure(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.calls = _collective_calls(trainer)
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            into.setdefault("calls_in_accumulation", []).append(
+                _collective_calls(trainer) - self.calls)
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            into.setdefault("calls_per_step", []).append(_collective_calls(trainer) - self.calls)
+            if "memory" not in into:
+                into["memory"] = measure(trainer)
+
+    return Measure()
+
+
+def _collective_calls(trainer) -> int:
+    model = getattr(trainer, "distopt_model", None)
+    return 0 if model is None else sum(model.comm_stats.calls.values())
+
+
+# ---------------------------------------------------------------------- cases (in the ranks)
+
+
+def set_launcher_environment() -> None:
+    """What torchrun would set, for accelerate to find the group the harness made."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+
+
+def refused_arguments(root: Path) -> dict[str, str]:
+    """The error message for each argument DistoptTrainer cannot honour."""
+    from transformers import TrainingArguments
+
+    from distopt.integrations.transformers import DistoptTrainer
+
+    set_launcher_environment()
+    base = training_arguments(root / "refused", dist.get_world_size())
+    model, data = tiny_llama(), TokenDataset(8, seed=1)
+    cases = {
+        "fsdp": {"args": training_arguments(root / "refused", 2, fsdp="full_shard")},
+        "torch_compile": {"args": training_arguments(root / "refused", 2, torch_compile=True)},
+        "optim": {"args": training_arguments(root / "refused", 2, optim="adamw_torch_4bit")},
+        "optimizers": {"args": base, "optimizers": (torch.optim.AdamW(model.parameters()), None)},
+        "optimizer_cls_and_kwargs": {"args": base,
+                                     "optimizer_cls_and_kwargs": (torch.optim.LBFGS, {})},
+    }
+    deepspeed = TrainingArguments.__new__(TrainingArguments)  # deepspeed itself is not installed
+    deepspeed.__dict__.update(vars(base), deepspeed={"zero_optimization": {"stage": 2}})
+    cases["deepspeed"] = {"args": deepspeed}
+    messages = {}
+    for name, kwargs in cases.items():
+        try:
+            DistoptTrainer(model=model, train_dataset=data, **kwargs)
+            messages[name] = "no error"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+def train_distopt(root: Path) -> dict[str, Any]:
+    """DistoptTrainer on this group, saving every SAVE_AT steps (the step-10 one kept aside)."""
+    from transformers import TrainerCallback
+
+    import distopt
+    from distopt.integrations.transformers import DistoptTrainer
+
+    set_launcher_environment()
+    world = dist.get_world_size()
+    out = root / "distopt"
+    args = training_arguments(out, world, save_strategy="steps", save_steps=SAVE_AT,
+                              save_total_limit=2)
+    trainer = DistoptTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(64, 0),
+                             eval_dataset=TokenDataset(16, 1))
+    measured: dict[str, Any] = {}
+    trainer.add_callback(measuring_callback(
+        trainer, lambda t: distopt.measure_state_bytes(t.optimizer.distributed).as_dict(),
+        measured))
+
+    class KeepFirstCheckpoint(TrainerCallback):  # save_total_limit deletes it at step 30
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == SAVE_AT and args.process_index == 0:
+                shutil.copytree(out / f"checkpoint-{SAVE_AT}", root / "saved")
+
+    trainer.add_callback(KeepFirstCheckpoint())
+    trainer.train()
+    wrapped = trainer.model_wrapped
+    return {
+        **run_record(trainer), **measured,
+        "wrapper": type(wrapped).__module__ + "." + type(wrapped).__name__,
+        "torch_ddp_inside": any(isinstance(m, torch.nn.parallel.DistributedDataParallel)
+                                for m in wrapped.modules()),
+        "checkpoints": sorted(p.name for p in out.iterdir()),
+        "bucket_padding": sum(buf.layout.numel - sum(p.numel() for p in buf.params)
+                              for buf in trainer.distopt_model.flat_buffers),
+    }
+
+
+def train_plain(root: Path) -> dict[str, Any]:
+    """transformers.Trainer itself: torch DDP on a group, nothing around it on one process."""
+    from transformers import Trainer
+
+    set_launcher_environment()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    trainer = Trainer(model=tiny_llama(), args=training_arguments(root / f"plain{world}", world),
+                      train_dataset=TokenDataset(64, 0), eval_dataset=TokenDataset(16, 1))
+    measured: dict[str, Any] = {}
+    trainer.add_callback(measuring_callback(trainer, state_bytes_of_ddp_run, measured))
+    trainer.train()
+    return {**run_record(trainer), **measured, "wrapper": type(trainer.model_wrapped).__name__}
+
+
+def resume(root: Path) -> dict[str, Any]:
+    """DistoptTrainer resumed from the step-10 checkpoint of the 2-rank run, to step 30."""
+    from distopt.integrations.transformers import DistoptTrainer
+
+    set_launcher_environment()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    args = training_arguments(root / f"resumed{world}", world)
+    trainer = DistoptTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(64, 0),
+                             eval_dataset=TokenDataset(16, 1))
+    trainer.train(resume_from_checkpoint=str(root / "saved"))
+    return run_record(trainer)
+
+
+VARIANTS = {
+    # optim name -> the Trainer's class and options, sharded by distopt
+    "sgd": {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.1},
+    "adafactor": {"optim": "adafactor"},  # transformers' Adafactor: each matrix owned whole
+    "bf16": {"bf16": True},
+    "fp16": {"fp16": True},  # distopt's DynamicLossScaler against accelerate's GradScaler
+    # Muon for the hidden matrices, AdamW for the rest (no Trainer counterpart)
+    "muon": {"optimizer_cls_and_kwargs": (torch.optim.Muon, {"momentum": 0.95})},
+    # a model loaded in bf16: fp32 main params in distopt's shards
+    "bf16-params": {"model_dtype": torch.bfloat16},
+}
+DISTOPT_ONLY = ("muon", "bf16-params")
+VARIANT_STEPS = 6
+
+
+def train_variant(root: Path, variant: str, plain: bool) -> dict[str, Any]:
+    """A short run of one optimizer or precision under DistoptTrainer (or the Trainer)."""
+    from transformers import Trainer
+
+    from distopt.integrations.transformers import DistoptTrainer
+
+    set_launcher_environment()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    options = dict(VARIANTS[variant])
+    extra = {k: options.pop(k) for k in ("optimizer_cls_and_kwargs",) if k in options}
+    model = tiny_llama().to(options.pop("model_dtype", torch.float32))
+    args = training_arguments(root / f"{variant}-{world}-{plain}", world, max_steps=VARIANT_STEPS,
+                              eval_strategy="no", **options)
+    cls = Trainer if plain else DistoptTrainer
+    trainer = cls(model=model, args=args, train_dataset=TokenDataset(64, 0), **extra)
+    trainer.train()
+    record = run_record(trainer)
+    if not plain:
+        import distopt
+
+        opt = trainer.optimizer.distributed
+        record["memory"] = distopt.measure_state_bytes(opt).as_dict()
+        record["classes"] = sorted(type(inner).__name__ for inner in opt.optimizers)
+        record["loss_scaler"] = type(opt.loss_scaler).__name__ if opt.loss_scaler else None
+    return record
+
+
+def train_fp16_overflowing(root: Path) -> dict[str, Any]:
+    """fp16 from a loss scale of 2**24, which overflows fp16 grads until it backs off."""
+    import distopt
+    from distopt.integrations.transformers import DistoptArguments, DistoptTrainer
+
+    set_launcher_environment()
+    args = training_arguments(root / "fp16-skip", dist.get_world_size(),
+                              max_steps=VARIANT_STEPS + 4, eval_strategy="no", fp16=True)
+    scaler = lambda: distopt.DynamicLossScaler(initial_scale=2.0**24, hysteresis=1)  # noqa: E731
+    trainer = DistoptTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(64, 0),
+                             distopt_args=DistoptArguments(fp16_loss_scaler=scaler))
+    trainer.train()
+    return {**run_record(trainer), "scheduler_steps": trainer.lr_scheduler.last_epoch,
+            "scale": trainer.optimizer.loss_scaler.scale}
+
+
+# ---------------------------------------------------------------------- launching
+
+
+def _worker(rank: int, world: int, tmp: str, cases: list) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        store = dist.FileStore(os.path.join(tmp, "store"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=TIMEOUT)
+    results = {}
+    for name, fn, args in cases:
+        try:
+            results[name] = ("ok", fn(*args))
+        except Exception:
+            results[name] = ("error", traceback.format_exc())
+        if world > 1:
+            dist.barrier()
+    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    os._exit(0)  # see dist_harness: no group teardown once every result is written
+
+
+def launch(world: int, cases: list) -> list[dict[str, Any]]:
+    """Run ``cases`` on ``world`` ranks (one plain process, no group, for world 1)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, tmp, cases), nprocs=world, join=True)
+        out = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+    return out
+
+
+def result(results: list[dict[str, Any]], name: str) -> list[Any]:
+    values = []
+    for rank, per_rank in enumerate(results):
+        status, value = per_rank[name]
+        assert status == "ok", f"case {name!r} failed on rank {rank}:\n{value}"
+        values.append(value)
+    return values
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("hf")
+    variants = [(f"{v}-{plain}", train_variant, (root, v, plain))
+                for v in VARIANTS for plain in (False, True) if not (v in DISTOPT_ONLY and plain)]
+    two = launch(2, [("refused", refused_arguments, (root,)),
+                     ("distopt", train_distopt, (root,)),
+                     ("ddp", train_plain, (root,)),
+                     ("fp16-skip", train_fp16_overflowing, (root,)), *variants])
+    one = launch(1, [("single", train_plain, (root,)), ("resumed", resume, (root,)),
+                     ("muon", train_variant, (root, "muon", False))])
+    four = launch(4, [("resumed", resume, (root,))])
+    return {
+        "variants": {name: result(two, name)[0] for name, _, _ in variants},
+        "fp16-skip": result(two, "fp16-skip"),
+        "muon1": result(one, "muon")[0],
+        "refused": result(two, "refused"),
+        "distopt": result(two, "distopt"),
+        "ddp": result(two, "ddp"),
+        "single": result(one, "single")[0],
+        "resumed1": result(one, "resumed")[0],
+        "resumed4": result(four, "resumed"),
+    }
+
+
+# ---------------------------------------------------------------------- assertions
+
+
+def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def assert_same_run(run: dict[str, Any], ref: dict[str, Any], first_step: int = 1,
+                    steps: int = STEPS, tol: float = TOL, weights_tol: float | None = None
+                    ) -> None:
+    """Per-step loss, grad norm and LR, eval losses and final weights within tol of ``ref``."""
+    ref_steps = ref["steps"]
+    start = ref_steps.index(first_step)
+    at = run["steps"].index(first_step)
+    assert run["steps"][at:] == ref_steps[start:] == list(range(first_step, steps + 1))
+    for key in ("loss", "grad_norm", "lr"):
+        mine, theirs = run[key][at:], ref[key][start:]
+        worst = max(abs(x - y) for x, y in zip(mine, theirs, strict=True))
+        assert worst <= tol, f"{key} differs by {worst:.3g}"
+    for step, loss in ref["eval_loss"].items():
+        if step >= first_step:
+            assert abs(run["eval_loss"][step] - loss) <= tol, f"eval_loss at step {step}"
+    assert max_weight_diff(run["weights"], ref["weights"]) <= (weights_tol or tol)
+
+
+def test_distopt_trainer_matches_the_trainers_ddp_and_one_process(runs):
+    ddp, single = runs["ddp"][0], runs["single"]
+    assert runs["ddp"][0]["wrapper"] == "DistributedDataParallel"  # torch's, in the reference
+    assert single["wrapper"] == "LlamaForCausalLM"
+    for rank_run in runs["distopt"]:
+        assert rank_run["wrapper"] == "distopt.ddp.DistributedDataParallel"
+        assert not rank_run["torch_ddp_inside"]
+        assert_same_run(rank_run, ddp)
+        assert_same_run(rank_run, single)
+    # The run learns: the schedule warmed up, then decayed, and the loss went down.
+    run = runs["distopt"][0]
+    assert run["lr"][5] == pytest.approx(3e-3) and run["lr"][-1] < 1e-4
+    assert run["loss"][-1] < run["loss"][0] - 0.1
+    assert sorted(run["eval_loss"]) == [10, 20, 30]
+
+
+def test_no_communication_on_accumulation_micro_batches(runs):
+    for run in runs["distopt"]:
+        assert run["calls_in_accumulation"] == [0] * STEPS
+        # The last micro-batch and the step: reduce-scatters, the norm, the gathers, the unused
+        # param check; the same number every step.
+        assert len(set(run["calls_per_step"])) == 1 and run["calls_per_step"][0] > 0
+
+
+def test_training_state_per_rank_is_distopts_table_against_ddps_16_bytes(runs):
+    import distopt
+
+    d = 2
+    table = distopt.theoretical_bytes_per_param(torch.float32, torch.float32, d)
+    assert table == 12.0  # 8 + 8/d: params and grad buffer whole, Adam's moments sharded
+    n = runs["ddp"][0]["memory"]["num_params"]
+    padding = runs["distopt"][0]["bucket_padding"]  # buckets padded to a multiple of d, aligned
+    assert 0 <= padding <= 0.01 * n
+    totals = []
+    for run, ddp in zip(runs["distopt"], runs["ddp"], strict=True):
+        mine, theirs = run["memory"], ddp["memory"]
+        assert mine["num_params"] == theirs["num_params"] == n
+        # The Trainer's DDP: fp32 params, grads and Adam's two moments, all replicated.
+        assert theirs["params"] + theirs["grads"] + theirs["optimizer_state"] == 16 * n
+        assert mine["params"] == mine["grads"] == 4 * (n + padding)
+        assert mine["main_params"] == mine["main_grads"] == 0  # fp32: views, no copies
+        assert mine["optimizer_state"] <= 8 * (n + padding) / d  # this rank's slice
+        totals.append(mine["total"])
+    # Each element's moments live on exactly one rank: the mean rank holds the table.
+    assert sum(run["memory"]["optimizer_state"] for run in runs["distopt"]) == 8 * n
+    assert sum(totals) / d == table * n + 8 * padding
+    print(f"\nbytes/param per rank: DistoptTrainer {[round(t / n, 3) for t in totals]} "
+          f"(table {table}; {padding} padded elements), the Trainer's DDP 16.0; {n} params")
+
+
+def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_4(runs):
+    uninterrupted = runs["distopt"][0]
+    assert uninterrupted["checkpoints"] == ["checkpoint-20", "checkpoint-30"]  # save_total_limit
+    for run in [runs["resumed1"], *runs["resumed4"]]:
+        assert_same_run(run, uninterrupted, first_step=SAVE_AT + 1)
+
+
+def test_arguments_distopt_cannot_honour_raise_on_every_rank(runs):
+    first, second = runs["refused"]
+    assert first == second
+    for name, message in first.items():
+        assert message.startswith(f"DistoptTrainer cannot honour {name}"), (name, message)
+    assert "drop the DeepSpeed config" in first["deepspeed"]
+    assert "compile its blocks" in first["torch_compile"]
+    assert "optimizer_cls_and_kwargs" in first["optimizers"]
+    assert "LBFGS" in first["optimizer_cls_and_kwargs"]
+
+
+def test_optim_names_and_precisions_match_the_trainers_ddp(runs):
+    variants = runs["variants"]
+    expected = {"sgd": ["SGD"], "adafactor": ["Adafactor"], "bf16": ["AdamW"], "fp16": ["AdamW"]}
+    for name, classes in expected.items():
+        mine, theirs = variants[f"{name}-False"], variants[f"{name}-True"]
+        assert mine["classes"] == classes
+        assert mine["loss_scaler"] == ("DynamicLossScaler" if name == "fp16" else None)
+        # fp16: both scale by 2**16 and skip no step here, but the Trainer's autocast wraps
+        # the model's forward and distopt's the whole loss computation; the fp16 roundings
+        # differ by a few ulps, 1e-5 in the loss after 6 steps.
+        assert_same_run(mine, theirs, steps=VARIANT_STEPS, tol=1e-4 if name == "fp16" else TOL)
+
+
+def test_muon_for_hidden_matrices_is_the_same_on_2_ranks_as_on_one(runs):
+    two, one = runs["variants"]["muon-False"], runs["muon1"]
+    assert two["classes"] == ["AdamW", "Muon"]
+    # torch's Muon runs Newton-Schulz in bf16: grads that differ in their last fp32 bits (the
+    # 2-rank average against one process's sum) can round one bf16 ulp apart (2**-8 relative)
+    # in an orthogonalized update, so after 6 steps at lr 3e-3 the weights agree to 1e-4.
+    assert_same_run(two, one, steps=VARIANT_STEPS, weights_tol=1e-4)
+    # The same warm-up as the AdamW run for these steps, and other losses: Muon stepped.
+    adamw = runs["distopt"][0]
+    assert two["lr"] == adamw["lr"][:VARIANT_STEPS]
+    assert abs(two["loss"][-1] - adamw["loss"][VARIANT_STEPS - 1]) > 1e-3
+
+
+def test_fp16_overflow_skips_the_step_and_the_schedule_on_every_rank(runs):
+    first, second = runs["fp16-skip"]
+    skipped = [math.isnan(norm) for norm in first["grad_norm"]]
+    assert skipped[:2] == [True, True] and not skipped[-1]  # backed off to a usable scale
+    assert first["scale"] < 2.0**24
+    # The Trainer steps its scheduler only after steps that updated the weights.
+    assert first["scheduler_steps"] == skipped.count(False)
+    for i, skip in enumerate(skipped[:-1]):
+        assert (first["lr"][i + 1] == first["lr"][i]) == skip
+    assert second["loss"] == first["loss"]
+    assert max_weight_diff(first["weights"], second["weights"]) == 0
+
+
+def test_a_model_loaded_in_bf16_trains_on_fp32_main_params(runs):
+    import distopt
+
+    run, fp32 = runs["variants"]["bf16-params-False"], runs["distopt"][0]
+    memory = run["memory"]
+    assert 2 * memory["params"] == memory["grads"]  # bf16 params, fp32 grads, the same layout
+    assert memory["main_params"] > 0 and memory["main_grads"] == 0
+    # 6 + 12/d: bf16 params, fp32 grads whole; fp32 main params and Adam's moments sharded.
+    table = distopt.theoretical_bytes_per_param(torch.bfloat16, torch.float32, 2)
+    assert table == 12.0 and abs(memory["bytes_per_param"] - table) < 0.05
+    # The same warm-up as the fp32 run; bf16 weights round each step's result (2**-8).
+    losses = zip(run["loss"], fp32["loss"][:VARIANT_STEPS], strict=True)
+    assert max(abs(a - b) for a, b in losses) < 2e-3
+    assert all(w.dtype == torch.bfloat16 for w in run["weights"].values())
