@@ -12,24 +12,26 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train import SMALL, _run
 
 from distopt.train.model import gpt_config
 
-# SMALL saves checkpoints every 4 steps; the runs here write none, but the last test's.
-_AT = SMALL.index("--save-every")
-NO_SAVE = [*SMALL[:_AT], *SMALL[_AT + 2 :], "--no-save"]
+from helpers import SMALL_TRAIN, run_distopt
+
+# SMALL_TRAIN saves checkpoints every 4 steps; the runs here write none, but the last test's.
+_AT = SMALL_TRAIN.index("--save-every")
+NO_SAVE = [*SMALL_TRAIN[:_AT], *SMALL_TRAIN[_AT + 2 :], "--no-save"]
 
 
 def _train(out: Path, optimizer: str, *extra: str, save: bool = False,
            env: dict[str, str] | None = None):
-    args = SMALL if save else NO_SAVE
-    return _run(["train", "--nproc", "2", *args, "--optimizer", optimizer, "--out", str(out),
-                 *extra], env=env)
+    args = SMALL_TRAIN if save else NO_SAVE
+    return run_distopt(["train", "--nproc", "2", *args, "--optimizer", optimizer,
+                        "--out", str(out), *extra], env=env)
 
 
 def _shapes() -> tuple[list[tuple[int, int]], int]:
-    """The tiny GPT of SMALL (seq_len 32): its hidden matrices, and the elements of the rest."""
+    """The tiny GPT of SMALL_TRAIN (seq_len 32): its hidden matrices, and the elements of the
+    rest."""
     config = gpt_config("tiny", seq_len=32)
     e, layers = config.n_embd, config.n_layer
     matrices = layers * [(3 * e, e), (e, e), (4 * e, e), (e, 4 * e)]
