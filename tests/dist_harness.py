@@ -102,13 +102,14 @@ class WorkerPool:
             self.close()
             raise RuntimeError(f"the d={world_size} worker pool did not start: {ready}")
 
-    def run(self, name: str, fn: Callable[..., Any], args: tuple) -> tuple[list[tuple], bool]:
+    def run(self, name: str, fn: Callable[..., Any], args: tuple, timeout: float
+            ) -> tuple[list[tuple], bool]:
         """Run one case on every rank: each rank's (status, value), and whether the pool is
         still fit for the next case."""
         job = pickle.dumps((name, fn, args))
         for jobs in self.jobs:
             jobs.put(job)
-        outcomes = self._collect(name, CASE_TIMEOUT)
+        outcomes = self._collect(name, timeout)
         return outcomes, all(status == "ok" for status, _ in outcomes)
 
     def _collect(self, name: str | None, timeout: float) -> list[tuple]:
@@ -171,13 +172,15 @@ def close_pools() -> None:
 atexit.register(close_pools)
 
 
-def run_cases(world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
-    """Run ``cases`` on ``world_size`` ranks; return each rank's {name: (status, value)}."""
+def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT
+              ) -> list[dict[str, Any]]:
+    """Run ``cases`` on ``world_size`` ranks; return each rank's {name: (status, value)}. A
+    case that runs longer than ``timeout`` seconds fails on every rank."""
     out: list[dict[str, Any]] = [{} for _ in range(world_size)]
     for name, fn, args in cases:
         if world_size not in _POOLS:
             _POOLS[world_size] = WorkerPool(world_size)
-        outcomes, fit = _POOLS[world_size].run(name, fn, args)
+        outcomes, fit = _POOLS[world_size].run(name, fn, args, timeout)
         if not fit:
             _discard(world_size)
         for rank, outcome in enumerate(outcomes):
