@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,6 +28,16 @@ import distopt
 from distopt import collectives as comm
 
 from models import AwkwardLM, batches, markov_batch, mlp, rank_slice
+
+# ---------------------------------------------------------------- world sizes
+
+
+def world_params(worlds: list[int]) -> list:
+    """The world sizes of a module's grid as pytest params "d<n>"; those above 2 are slow (the
+    inner loop, ``pytest -m "not slow"``, runs d = 1 and 2)."""
+    return [pytest.param(w, id=f"d{w}", marks=[pytest.mark.slow] if w > 2 else [])
+            for w in worlds]
+
 
 # ---------------------------------------------------------------- tolerances of the parity runs
 

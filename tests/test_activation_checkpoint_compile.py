@@ -40,6 +40,8 @@ from dist_harness import case_result, run_cases
 from helpers import StrictCollectives, max_diff
 from models import TinyTransformer, markov_batch, rank_slice
 
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 
 # AdamW at lr 1e-2 over 20 steps, as in test_parity.py: each rank's grads are sums over half

@@ -26,8 +26,10 @@ import distopt
 from distopt.checkpoint import merge_state_dicts
 
 from dist_harness import case_result, run_cases
-from helpers import lm_loss, max_diff, params_of, same, snapshot, state_diff
+from helpers import lm_loss, max_diff, params_of, same, snapshot, state_diff, world_params
 from models import VOCAB, AwkwardLM, batches, rank_slice
+
+pytestmark = pytest.mark.slow
 
 SAVE_AT, EXPORT_TO, END = 10, 15, 20
 FP32_TOL = 1e-5
@@ -316,7 +318,7 @@ def damaged(saved, root) -> None:
     (root / "bad-manifest" / "ckpt-000001" / "distopt.json").write_text('{"format": ')
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def resumed(request, root, saved, exported, damaged, killed):
     world = request.param
     cases = [(f"resume-{n}", resume, (n, root, None)) for n in CONFIGS]

@@ -21,7 +21,7 @@ import distopt
 from distopt.optim import grad_stats as clip
 
 from dist_harness import case_result, run_cases
-from helpers import markov_loss, max_diff, same, snapshot
+from helpers import markov_loss, max_diff, same, snapshot, world_params
 from models import TT_USED, TT_VOCAB, TinyTransformer, markov_batch, mlp, rank_slice
 
 FP32_TOL = 1e-5  # AdamW, lr 1e-2: as in test_parity.py
@@ -517,7 +517,7 @@ GRAD_PATHS = [
 WORLDS = [2, 4]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases(request.param))
 

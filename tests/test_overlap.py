@@ -31,7 +31,7 @@ import distopt
 from distopt import collectives as comm
 
 from dist_harness import case_result, run_cases
-from helpers import StrictCollectives
+from helpers import StrictCollectives, world_params
 from models import batches, rank_slice
 
 VOCAB, WIDTH = 11, 32
@@ -316,7 +316,7 @@ def _cases() -> list:
 WORLDS = [2, 3]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 

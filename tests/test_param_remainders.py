@@ -32,6 +32,7 @@ from helpers import (
     linear_loss,
     remainders_model,
     shared_tmpdir,
+    world_params,
 )
 from models import mlp
 
@@ -199,7 +200,7 @@ def _cases() -> list:
     return cases + [("memory", memory, ()), ("checkpoints", checkpoints, ())]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 

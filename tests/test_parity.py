@@ -32,6 +32,7 @@ from helpers import (
     lm_loss,
     max_diff,
     parity_trajectory,
+    world_params,
 )
 from models import AwkwardLM, batches, mlp, rank_slice
 
@@ -126,7 +127,7 @@ def _cases(world: int) -> list:
 WORLDS = [1, 2, 3, 4]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases(request.param))
 
@@ -206,11 +207,15 @@ def test_fp32_accumulation_trains_like_fp32_master_weights(world):
 
 @pytest.fixture(scope="module")
 def meshes():
+    """Every mesh point at d = 4 (the tests that use it are slow)."""
     return run_cases(4, [(name, parity_trajectory, (run,)) for name, run in MESH.items()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
 def test_mesh_trains_like_single_process_torch(meshes, layout):
+    """Shard over "dp_shard", replicate over "dp_replicate": each rank trains its slice of the
+    global batch, as flat data parallelism at d = 4 does."""
     r, s = layout
     for v in case_result(meshes, f"fp32-{r}x{s}"):
         assert v["dp_size"] == s
@@ -219,12 +224,14 @@ def test_mesh_trains_like_single_process_torch(meshes, layout):
         assert v["moved"] > 0.05
 
 
+@pytest.mark.slow
 def test_mesh_bf16_params_with_fp32_masters(meshes):
     for v in case_result(meshes, "bf16-2x2"):
         assert v["max_diff"] < BF16_TOL, v["max_diff"]
         assert v["moved"] > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
 def test_mesh_each_group_carries_what_it_should(meshes, layout):
     r, s = layout
@@ -240,6 +247,7 @@ def test_mesh_each_group_carries_what_it_should(meshes, layout):
         assert "all_reduce" not in calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
 def test_mesh_memory_is_the_table_at_the_shard_size(meshes, layout):
     r, s = layout
@@ -254,7 +262,11 @@ def test_mesh_memory_is_the_table_at_the_shard_size(meshes, layout):
     assert all(v["owned"] == values[i % s]["owned"] for i, v in enumerate(values))
 
 
+@pytest.mark.slow
 def test_mesh_fp32_accumulation_trains_like_fp32_master_weights(meshes):
+    """bf16 params and grads with fp32-accumulated reductions on a (2, 2) mesh against a
+    reference keeping fp32 master weights, AdamW with clipping: the flat path's test on a
+    mesh."""
     for v in case_result(meshes, "fp32acc-2x2"):
         assert v["fp32_buckets"] == v["buckets"]
         assert v["max_diff"] <= BF16_TOL, v  # the flat path's tolerance

@@ -45,6 +45,8 @@ from helpers import (
 )
 from models import TinyTransformer, markov_batch, rank_slice
 
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 STEPS = 20
 LR = 1e-2

@@ -34,6 +34,7 @@ def baseline(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_run_writes_metrics_summary_plot_and_checkpoints(baseline):
     records = [json.loads(line) for line in (baseline / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "loss" in r]
@@ -52,6 +53,7 @@ def test_run_writes_metrics_summary_plot_and_checkpoints(baseline):
     assert distopt.has_checkpoint(baseline / "checkpoints")
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_matches_the_uninterrupted_run(baseline, tmp_path):
     crashed = _train(tmp_path, env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
                                     "DISTOPT_TRAIN_FAIL_RANK": "1"})
@@ -62,6 +64,7 @@ def test_resume_after_a_crash_matches_the_uninterrupted_run(baseline, tmp_path):
     assert _final_heldout(tmp_path) == _final_heldout(baseline)
 
 
+@pytest.mark.slow
 def test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically(baseline, tmp_path):
     proc = _train(tmp_path, "--max-restarts", "1",
                   env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0"})
@@ -79,6 +82,7 @@ def shard_size_one(tmp_path_factory) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_two_launchers_as_two_nodes_match_one_launcher(shard_size_one, tmp_path):
     """Two launchers of one rank each: by default each node's rank is its own shard group (the
     replicate all-reduce crosses the launchers), as one launcher with --shard-size 1 does."""
@@ -97,6 +101,7 @@ def test_two_launchers_as_two_nodes_match_one_launcher(shard_size_one, tmp_path)
     assert _final_heldout(tmp_path) == _final_heldout(shard_size_one.out)
 
 
+@pytest.mark.slow
 def test_shard_size_shards_within_groups_and_replicates_across(baseline, shard_size_one):
     """Two ranks each shard alone and replicate each other: memory is the table at d = 1, and
     the run learns what the flat run learns (the same average, summed in another order)."""
@@ -124,6 +129,7 @@ def test_default_shard_size_is_one_node_on_several(node_of_rank, shard):
     assert default_shard_size(node_of_rank) == shard
 
 
+@pytest.mark.slow
 def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
     proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
                   "--reduce-scatter-fp32-accumulation", "--store-param-remainders")

@@ -17,6 +17,8 @@ from distopt.train.model import gpt_config
 
 from helpers import SMALL_TRAIN, run_distopt
 
+pytestmark = pytest.mark.slow
+
 # SMALL_TRAIN saves checkpoints every 4 steps; the runs here write none, but the last test's.
 _AT = SMALL_TRAIN.index("--save-every")
 NO_SAVE = [*SMALL_TRAIN[:_AT], *SMALL_TRAIN[_AT + 2 :], "--no-save"]

@@ -21,6 +21,8 @@ from helpers import FP32_TOL, fp32_master_step, free_port, lm_loss, parity_group
 from models import AwkwardLM, batches
 from two_node_worker import STEPS
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "two_node_worker.py"
 LAUNCHERS = ("0", "1")

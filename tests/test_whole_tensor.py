@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 import distopt
 
 from dist_harness import case_result, run_cases
-from helpers import max_diff, muon_groups
+from helpers import max_diff, muon_groups, world_params
 from models import AwkwardLM, batches, rank_slice
 
 STEPS = 20
@@ -257,7 +257,7 @@ def _cases(world: int) -> list:
 WORLDS = [1, 2, 3, 4]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases(request.param))
 

@@ -35,6 +35,8 @@ from dist_harness import case_result, run_cases
 from helpers import lm_loss, max_diff, muon_groups, params_of, same, snapshot, state_diff
 from models import AwkwardLM, batches
 
+pytestmark = pytest.mark.slow
+
 SAVE_AT, END = 5, 10
 MUON = {"lr": 0.02, "momentum": 0.9}
 ADAMW = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.01}
