@@ -210,6 +210,7 @@ COLLECTIVE_CASES = [
 
 @pytest.fixture(scope="module")
 def worlds() -> dict[int, list[dict]]:
+    """Every case at d = 2, 3 and 4 (the tests that use it are slow)."""
     return {d: run_cases(d, _cases()) for d in WORLDS}
 
 
@@ -259,6 +260,7 @@ def test_single_rank_copies_the_shard():
 # ---------------------------------------------------------------- distributed tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,dtype", COLLECTIVE_CASES)
 def test_shard_is_the_fp32_average_rounded_once(worlds, kind, dtype):
     for d, results in worlds.items():
@@ -270,6 +272,7 @@ def test_shard_is_the_fp32_average_rounded_once(worlds, kind, dtype):
             assert value["fp32acc"]["over_half_ulp"] <= 0, (d, value)
 
 
+@pytest.mark.slow
 def test_plain_reduction_error_is_larger_and_grows_with_d(worlds):
     def worst(kind: str, path: str, stat: str, d: int) -> float:
         values = case_result(worlds[d], f"collective-{kind}-bfloat16")
@@ -289,6 +292,7 @@ def test_plain_reduction_error_is_larger_and_grows_with_d(worlds):
     assert max(fp32acc) < 0.3 and max(fp32acc) < plain[-1] / 100, (fp32acc, plain)
 
 
+@pytest.mark.slow
 def test_ddp_reduces_during_backward_with_the_plain_paths_bytes(worlds):
     for d, results in worlds.items():
         for value in case_result(results, "ddp"):
@@ -304,6 +308,7 @@ def test_ddp_reduces_during_backward_with_the_plain_paths_bytes(worlds):
             assert fp32acc["bytes"]["reduce_scatter"] > 0
 
 
+@pytest.mark.slow
 def test_bad_inputs_raise_on_every_rank_before_any_collective(worlds):
     fixes = {"fp32-grads": "grad_dtype=torch.bfloat16",
              "none-with-fp32-params": "grad_dtype=torch.bfloat16",
