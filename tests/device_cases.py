@@ -27,18 +27,25 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distopt
 
-from models import AwkwardLM, batches, mlp
-from test_parity import (
+from helpers import (
     BF16_TOL,
     CLIP,
     FP32_TOL,
     NORM_RTOL,
-    OPTIMIZERS,
-    STEPS,
-    _groups,
-    _lm_loss,
+    PARITY_OPTIMIZERS,
+    PARITY_STEPS,
     fp32_master_step,
+    lm_loss,
+    max_diff,
+    muon_groups,
+    parity_groups,
+    same,
+    snapshot,
 )
+from models import AwkwardLM, batches, mlp
+
+STEPS = PARITY_STEPS
+OPTIMIZERS = PARITY_OPTIMIZERS
 
 KERNEL_KEYS = ("foreach", "fused")
 CPU_KERNEL = {"foreach": True, "fused": None}
@@ -64,14 +71,6 @@ def kernel_of(opt: torch.optim.Optimizer) -> dict[str, bool | None]:
     return {k: opt.param_groups[0].get(k) for k in KERNEL_KEYS}
 
 
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    """The largest difference between two models' params, on whichever devices they are."""
-    return max(
-        (pa.detach().cpu().float() - pb.detach().cpu().float()).abs().max().item()
-        for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
-    )
-
-
 def _on(device: torch.device, step: int, global_batch: int = 12
         ) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, targets = batches(step, global_batch)
@@ -91,10 +90,10 @@ def parity_fp32(device: torch.device, opt_name: str) -> dict:
     start = copy.deepcopy(model)
     opt_cls, _, kwargs = OPTIMIZERS[opt_name]
     ddp = distopt.DistributedDataParallel(model, bucket_size=40, find_unused_parameters=True)
-    opt = distopt.DistributedOptimizer(ddp, opt_cls, params=_groups(model, opt_name),
+    opt = distopt.DistributedOptimizer(ddp, opt_cls, params=parity_groups(model, opt_name),
                                        clip_grad=CLIP, overlap_param_gather=True, **kwargs)
     sched = CosineAnnealingLR(opt, T_max=STEPS)
-    ref_opt = opt_cls(_groups(ref, opt_name), **kwargs)
+    ref_opt = opt_cls(parity_groups(ref, opt_name), **kwargs)
     ref_sched = CosineAnnealingLR(ref_opt, T_max=STEPS)
     trainable = [p for p in ref.parameters() if p.requires_grad]
 
@@ -102,12 +101,12 @@ def parity_fp32(device: torch.device, opt_name: str) -> dict:
     for step in range(STEPS):
         tokens, targets = _on(device, step)
         opt.zero_grad()
-        _lm_loss(ddp, tokens, targets, step).backward()
+        lm_loss(ddp, tokens, targets, step).backward()
         result = opt.step()
         sched.step()
 
         ref_opt.zero_grad(set_to_none=True)
-        _lm_loss(ref, tokens, targets, step).backward()
+        lm_loss(ref, tokens, targets, step).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in trainable if p.grad is not None], CLIP
         )
@@ -115,18 +114,15 @@ def parity_fp32(device: torch.device, opt_name: str) -> dict:
         ref_sched.step()
 
         ddp.finish_param_sync()
-        worst = max(worst, _max_diff(model, ref))
+        worst = max(worst, max_diff(model, ref))
         worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
-    return {"max_diff": worst, "norm_diff": worst_norm, "moved": _max_diff(model, start),
+    return {"max_diff": worst, "norm_diff": worst_norm, "moved": max_diff(model, start),
             "kernel": kernel_of(opt), "devices": {p.device.type for p in model.parameters()}}
 
 
-def _muon_groups(model: AwkwardLM) -> list[dict]:
-    """Muon for the hidden matrices, AdamW for the tied embedding and the rest."""
-    matrices = [model.l1.weight, model.l2.weight, model.sometimes.weight]
-    rest = [model.emb.weight, model.l1.bias, model.l2.bias, model.norm.weight, model.norm.bias]
-    return [{"params": matrices, "lr": 0.02, "momentum": 0.9},
-            {"params": rest, "optimizer": torch.optim.AdamW, "lr": 1e-2, "betas": (0.8, 0.95)}]
+# Muon for the hidden matrices, AdamW for the tied embedding and the rest.
+MUON = {"lr": 0.02, "momentum": 0.9}
+ADAMW = {"lr": 1e-2, "betas": (0.8, 0.95)}
 
 
 def parity_muon(device: torch.device) -> dict:
@@ -137,10 +133,11 @@ def parity_muon(device: torch.device) -> dict:
     ref = copy.deepcopy(model)
     start = copy.deepcopy(model)
     ddp = distopt.DistributedDataParallel(model, bucket_size=40, find_unused_parameters=True)
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model),
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon,
+                                       params=muon_groups(model, MUON, ADAMW, embedding=False),
                                        clip_grad=CLIP, overlap_param_gather=True)
     sched = CosineAnnealingLR(opt, T_max=STEPS)
-    ref_muon, ref_adamw = _muon_groups(ref)
+    ref_muon, ref_adamw = muon_groups(ref, MUON, ADAMW, embedding=False)
     ref_opts = [torch.optim.Muon([ref_muon]),
                 torch.optim.AdamW([{k: v for k, v in ref_adamw.items() if k != "optimizer"}])]
     ref_scheds = [CosineAnnealingLR(o, T_max=STEPS) for o in ref_opts]
@@ -150,19 +147,19 @@ def parity_muon(device: torch.device) -> dict:
     for step in range(STEPS):
         tokens, targets = _on(device, step)
         opt.zero_grad()
-        _lm_loss(ddp, tokens, targets, step).backward()
+        lm_loss(ddp, tokens, targets, step).backward()
         opt.step()
         sched.step()
         for o in ref_opts:
             o.zero_grad(set_to_none=True)
-        _lm_loss(ref, tokens, targets, step).backward()
+        lm_loss(ref, tokens, targets, step).backward()
         torch.nn.utils.clip_grad_norm_([p for p in trainable if p.grad is not None], CLIP)
         for o, s in zip(ref_opts, ref_scheds, strict=True):
             o.step()
             s.step()
         ddp.finish_param_sync()
-        worst = max(worst, _max_diff(model, ref))
-    return {"max_diff": worst, "moved": _max_diff(model, start),
+        worst = max(worst, max_diff(model, ref))
+    return {"max_diff": worst, "moved": max_diff(model, start),
             "classes": [type(o).__name__ for o in opt.optimizers],
             "adamw_kernel": kernel_of(opt.optimizers[1])}
 
@@ -183,13 +180,13 @@ def parity_bf16(device: torch.device) -> dict:
     for step in range(STEPS):
         tokens, targets = _on(device, step)
         opt.zero_grad()
-        _lm_loss(ddp, tokens, targets, step).backward()
+        lm_loss(ddp, tokens, targets, step).backward()
         opt.step()
 
         fp32_master_step(ref_trainable, masters, ref_opt,
-                         _lm_loss(ref, tokens, targets, step))
+                         lm_loss(ref, tokens, targets, step))
         ddp.finish_param_sync()
-        worst = max(worst, _max_diff(model, ref))
+        worst = max(worst, max_diff(model, ref))
     return {"max_diff": worst, "dtypes": {p.dtype for p in model.parameters()}}
 
 
@@ -199,19 +196,6 @@ FP16_SCALE = 2.0**10  # a power of two: scaling the loss and unscaling the grads
 # The fp16 weights stay below 2 in magnitude, where one fp16 ulp is 2**-10; allow four ulps
 # (the fp32 masters differ by roundoff, and one cast may round the other way).
 FP16_TOL = 4 * 2**-10
-
-
-def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Model params, main params and every optimizer state tensor, copied."""
-    tensors = [p.detach().clone() for p in model.parameters()]
-    tensors += [m.detach().clone() for m in opt.main_params]
-    for state in opt.state.values():
-        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def fp16_dynamic_scaler(device: torch.device) -> dict:
@@ -237,19 +221,19 @@ def fp16_dynamic_scaler(device: torch.device) -> dict:
         tokens, targets = _on(device, step)
         scale = scaler.scale
         poison = math.inf if step == OVERFLOW_STEP else 1.0
-        before = _snapshot(model, opt)
+        before = snapshot(model, opt)
         opt.zero_grad()
-        opt.scale_loss(_lm_loss(ddp, tokens, targets, step) * poison).backward()
+        opt.scale_loss(lm_loss(ddp, tokens, targets, step) * poison).backward()
         updated.append(opt.step().updated)
         ddp.finish_param_sync()
         scales.append(scaler.scale)
         if step == OVERFLOW_STEP:
-            unchanged = _same(before, _snapshot(model, opt))
+            unchanged = same(before, snapshot(model, opt))
             continue
 
         for p in ref_trainable:
             p.grad = None
-        (_lm_loss(ref, tokens, targets, step) * scale).backward()
+        (lm_loss(ref, tokens, targets, step) * scale).backward()
         for master, p in zip(masters, ref_trainable, strict=True):
             master.grad = None if p.grad is None else p.grad.float() / scale
         torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
@@ -257,7 +241,7 @@ def fp16_dynamic_scaler(device: torch.device) -> dict:
         with torch.no_grad():
             for master, p in zip(masters, ref_trainable, strict=True):
                 p.copy_(master)
-        worst = max(worst, _max_diff(model, ref))
+        worst = max(worst, max_diff(model, ref))
     return {"updated": updated, "unchanged": unchanged, "scales": scales, "max_diff": worst}
 
 
@@ -275,7 +259,7 @@ def no_sync_accumulation(device: torch.device) -> dict:
         micro = list(zip(tokens.chunk(4), targets.chunk(4), strict=True))
         opt.zero_grad()
         for i, (t, y) in enumerate(micro):
-            loss = _lm_loss(ddp, t, y, 0) / 4
+            loss = lm_loss(ddp, t, y, 0) / 4
             if i < 3:
                 with ddp.no_sync():
                     loss.backward()
@@ -283,10 +267,10 @@ def no_sync_accumulation(device: torch.device) -> dict:
                 loss.backward()
         opt.step()
         ref_opt.zero_grad()
-        _lm_loss(ref, tokens, targets, 0).backward()
+        lm_loss(ref, tokens, targets, 0).backward()
         ref_opt.step()
         ddp.finish_param_sync()
-        worst = max(worst, _max_diff(model, ref))
+        worst = max(worst, max_diff(model, ref))
     return {"max_diff": worst}
 
 
@@ -308,7 +292,7 @@ def _train(device: torch.device, ddp: distopt.DistributedDataParallel,
     for step in steps:
         tokens, targets = _on(device, step)
         opt.zero_grad()
-        _lm_loss(ddp, tokens, targets, step).backward()
+        lm_loss(ddp, tokens, targets, step).backward()
         opt.step()
     ddp.finish_param_sync()
 
@@ -352,7 +336,7 @@ def checkpoint_round_trip(tmp: Path, first: torch.device, second: torch.device,
     exact_b = all(torch.equal(x, y) for x, y in zip(saved_a, _cpu_state(opt_b), strict=True))
     kernel_b, steps_b = kernel_of(opt_b), _steps_where_torch_keeps_them(opt_b)
     _train(second, ddp_b, opt_b, range(3, 5))
-    diff_b = _max_diff(model_a, model_b)
+    diff_b = max_diff(model_a, model_b)
 
     distopt.save_checkpoint(tmp / "b", ddp_b, opt_b)
     saved_b = _cpu_state(opt_b)
@@ -362,7 +346,7 @@ def checkpoint_round_trip(tmp: Path, first: torch.device, second: torch.device,
     kernel_c, steps_c = kernel_of(opt_c), _steps_where_torch_keeps_them(opt_c)
     _train(first, ddp_c, opt_c, range(5, 6))
     _train(second, ddp_b, opt_b, range(5, 6))
-    diff_c = _max_diff(model_b, model_c)
+    diff_c = max_diff(model_b, model_c)
     return {"extra": extra, "exact": [exact_b, exact_c], "kernels": [kernel_b, kernel_c],
             "steps_placed": [steps_b, steps_c], "max_diff": max(diff_b, diff_c),
             "devices": [{p.device.type for p in m.parameters()}

@@ -1,17 +1,32 @@
-"""Run many test cases inside one spawned gloo process group per world size.
+"""Run test cases inside gloo process groups spawned once per world size for the whole session.
 
-Spawning processes and building a process group costs seconds, so a test module spawns once
-per world size and runs every case of its grid inside that group; the tests then assert on the
-results each rank returned. The rendezvous is a FileStore in a fresh temporary directory (no
-ports to pick or collide on), and the group has a timeout so that a hang fails the test.
+Spawning processes, importing torch and building a process group cost seconds, so the first
+``run_cases(d, ...)`` of a session starts a pool of d worker processes joined in one gloo group
+and every later call with the same d reuses it: the suite spawns one group per world size, not
+one per test module. Test modules build lists of cases (a name, a module-level function, its
+arguments), run them with ``run_cases`` in a module-scoped fixture, and assert on the values
+each rank returned.
+
+Cases run one at a time, in lockstep on every rank. A case that fails on any rank, a worker
+that dies and a case that runs past ``CASE_TIMEOUT`` each end the pool: its workers are killed
+and the next case starts a fresh one, so that a failure cannot leave a collective half done for
+the cases after it, and a hang fails its case instead of the suite. The rendezvous is a
+FileStore in a fresh temporary directory (no ports to pick or collide on), and the group has a
+timeout so that a collective waiting on a dead peer raises. tests/conftest.py ends the pools
+when the session ends.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 import pickle
+import queue
+import shutil
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,49 +37,155 @@ import torch.multiprocessing as mp
 
 Case = tuple[str, Callable[..., Any], tuple]
 TIMEOUT = datetime.timedelta(seconds=120)
+# The longest a case may run on a loaded machine before it counts as hung.
+CASE_TIMEOUT = float(os.environ.get("DISTOPT_TEST_CASE_TIMEOUT", "600"))
+# Once a rank reported a failure, how long the others get to finish before the pool is ended
+# (they may wait in a collective that the failed rank never joins).
+FAILURE_GRACE = 5.0
 
 
 class CaseFailed(AssertionError):
     pass
 
 
-def _worker(rank: int, world_size: int, store_path: str, out_dir: str, cases: list[Case]) -> None:
+def _serve(rank: int, world_size: int, store_path: str, jobs: Any, results: Any,
+           parent: int) -> None:
+    """A worker: join the group, then run the cases sent on ``jobs`` until told to stop or
+    until the session's process is gone."""
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
-    results: dict[str, Any] = {}
-    try:
-        for name, fn, args in cases:
-            try:
-                results[name] = ("ok", fn(*args))
-            except Exception:
-                results[name] = ("error", traceback.format_exc())
-            # Keep ranks in lockstep so a case that failed on one rank cannot eat the next
-            # case's collectives on another.
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-    # Every case ended in a barrier, so no collective is in flight: leave without tearing the
-    # group down, whose gloo threads can abort the process at exit ("terminate called without
-    # an active exception") after all the results are safely written.
+    results.put((rank, None, pickle.dumps(("ok", "ready"))))
+    while os.getppid() == parent:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if job is None:
+            break
+        name = "?"
+        try:
+            name, fn, args = pickle.loads(job)
+            outcome = ("ok", fn(*args))
+        except Exception:
+            outcome = ("error", traceback.format_exc())
+        try:
+            payload = pickle.dumps(outcome)
+        except Exception:
+            payload = pickle.dumps(("error", f"the result could not be pickled:\n"
+                                             f"{traceback.format_exc()}"))
+        results.put((rank, name, payload))
+    # No collective is in flight: leave without tearing the group down, whose gloo threads can
+    # abort the process at exit ("terminate called without an active exception").
     os._exit(0)
 
 
-def run_cases(world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
-    """Run ``cases`` on ``world_size`` ranks; return each rank's {name: (status, value)}."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker,
-            args=(world_size, os.path.join(tmp, "store"), tmp, cases),
-            nprocs=world_size,
-            join=True,
-        )
-        out = []
-        for rank in range(world_size):
-            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
-        return out
+class WorkerPool:
+    """``world_size`` spawned processes in one gloo group, running one case at a time."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tmp = tempfile.mkdtemp(prefix=f"distopt-pool-d{world_size}-")
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_serve, name=f"distopt-test-rank{rank}-of-{world_size}",
+                        args=(rank, world_size, os.path.join(self.tmp, "store"),
+                              self.jobs[rank], self.results, os.getpid()))
+            for rank in range(world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        ready = self._collect(None, CASE_TIMEOUT)
+        if any(status != "ok" for status, _ in ready):
+            self.close()
+            raise RuntimeError(f"the d={world_size} worker pool did not start: {ready}")
+
+    def run(self, name: str, fn: Callable[..., Any], args: tuple, timeout: float
+            ) -> tuple[list[tuple], bool]:
+        """Run one case on every rank: each rank's (status, value), and whether the pool is
+        still fit for the next case."""
+        job = pickle.dumps((name, fn, args))
+        for jobs in self.jobs:
+            jobs.put(job)
+        outcomes = self._collect(name, timeout)
+        return outcomes, all(status == "ok" for status, _ in outcomes)
+
+    def _collect(self, name: str | None, timeout: float) -> list[tuple]:
+        got: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        while len(got) < self.world_size:
+            try:
+                rank, case, payload = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive()]
+                now = time.monotonic()
+                grace_over = failed_at is not None and now - failed_at > FAILURE_GRACE
+                if dead or now > deadline or grace_over:
+                    why = (f"worker {dead[0].name} died (exit code {dead[0].exitcode})" if dead
+                           else "another rank failed first" if grace_over
+                           else f"no answer within {timeout:.0f} s (a hang?)")
+                    for rank in range(self.world_size):
+                        got.setdefault(rank, ("error", f"case {name!r}: {why}"))
+                    break
+                continue
+            if case != name:  # a stray answer of an earlier, abandoned case
+                continue
+            got[rank] = pickle.loads(payload)
+            if got[rank][0] != "ok" and failed_at is None:
+                failed_at = time.monotonic()
+        return [got[rank] for rank in range(self.world_size)]
+
+    def close(self) -> None:
+        for proc, jobs in zip(self.procs, self.jobs, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(OSError, ValueError):
+                    jobs.put(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for q in (self.results, *self.jobs):
+            q.close()
+            q.cancel_join_thread()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def _discard(world_size: int) -> None:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
+def close_pools() -> None:
+    """End every worker pool (at the end of the session)."""
+    for world_size in list(_POOLS):
+        _discard(world_size)
+
+
+atexit.register(close_pools)
+
+
+def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT
+              ) -> list[dict[str, Any]]:
+    """Run ``cases`` on ``world_size`` ranks; return each rank's {name: (status, value)}. A
+    case that runs longer than ``timeout`` seconds fails on every rank."""
+    out: list[dict[str, Any]] = [{} for _ in range(world_size)]
+    for name, fn, args in cases:
+        if world_size not in _POOLS:
+            _POOLS[world_size] = WorkerPool(world_size)
+        outcomes, fit = _POOLS[world_size].run(name, fn, args, timeout)
+        if not fit:
+            _discard(world_size)
+        for rank, outcome in enumerate(outcomes):
+            out[rank][name] = outcome
+    return out
 
 
 def case_result(results: list[dict[str, Any]], name: str) -> list[Any]:

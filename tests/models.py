@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 VOCAB, SEQ = 11, 5
 
@@ -129,3 +135,53 @@ def markov_batch(step: int, global_batch: int = 16) -> tuple[torch.Tensor, torch
         seq.append(torch.multinomial(probs[seq[-1]], 1, generator=g).squeeze(1))
     tokens = torch.stack(seq, dim=1)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+# A pre-norm transformer block small enough for tensor parallelism over 2 ranks on the CPU, its
+# plan for torch's parallelize_module, and its batches.
+TP_DIM, TP_HEADS, TP_HEAD_DIM, TP_FFN, TP_SEQ, TP_BATCH = 8, 4, 2, 16, 4, 8
+
+
+class Block(nn.Module):
+    """Pre-norm attention + MLP block. TP-agnostic: heads and sequence length are read from
+    the local tensors (fewer heads under TP, a sequence chunk under sequence parallelism)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(TP_DIM)
+        self.q = nn.Linear(TP_DIM, TP_HEADS * TP_HEAD_DIM)
+        # No key bias: softmax ignores it, so its true grad is 0 and Adam would amplify the
+        # rounding noise there into differences that say nothing about distopt.
+        self.k = nn.Linear(TP_DIM, TP_HEADS * TP_HEAD_DIM, bias=False)
+        self.v = nn.Linear(TP_DIM, TP_HEADS * TP_HEAD_DIM)
+        self.o = nn.Linear(TP_HEADS * TP_HEAD_DIM, TP_DIM)
+        self.ln2 = nn.LayerNorm(TP_DIM)
+        self.fc1 = nn.Linear(TP_DIM, TP_FFN)
+        self.fc2 = nn.Linear(TP_FFN, TP_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        q, k, v = (lin(h).unflatten(-1, (-1, TP_HEAD_DIM)).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).flatten(-2))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def tp_plan(sequence_parallel: bool = False) -> dict:
+    col, row = ColwiseParallel, RowwiseParallel
+    if not sequence_parallel:
+        return {"q": col(), "k": col(), "v": col(), "o": row(), "fc1": col(), "fc2": row()}
+    # Activations outside attention and MLP stay split along the sequence; the LayerNorms hold
+    # Replicate DTensor params whose grads come back Partial (summed over the TP ranks).
+    seq = Shard(1)
+    return {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+            "q": col(input_layouts=seq), "k": col(input_layouts=seq), "v": col(input_layouts=seq),
+            "o": row(output_layouts=seq), "fc1": col(input_layouts=seq),
+            "fc2": row(output_layouts=seq)}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    shape = (TP_BATCH, TP_SEQ, TP_DIM)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)

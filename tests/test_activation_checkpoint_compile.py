@@ -15,7 +15,7 @@ backward), and distopt must be far from that run; every parameter must have move
 
 Small buckets put bucket boundaries inside the blocks, so that reductions are launched from a
 reentrant checkpoint's inner backward and a compiled block waits for a gather inside its own
-graph. Under test_overlap.StrictCollectives a grad accumulated after its bucket was sent, or a
+graph. Under helpers.StrictCollectives a grad accumulated after its bucket was sent, or a
 param read before its gather was waited for, fails the case instead of depending on timing.
 
 Compile uses the inductor backend, the real case: on a CPU it builds C++ kernels with the
@@ -37,8 +37,10 @@ from torch.utils.checkpoint import checkpoint
 import distopt
 
 from dist_harness import case_result, run_cases
+from helpers import StrictCollectives, max_diff
 from models import TinyTransformer, markov_batch, rank_slice
-from test_overlap import StrictCollectives
+
+pytestmark = pytest.mark.slow
 
 WORLD = 2
 
@@ -91,12 +93,6 @@ class CheckpointedTransformer(TinyTransformer):
 
 def _loss(forward, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(forward(tokens).flatten(0, 1), targets.flatten())
-
-
-def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    """The largest elementwise difference; nan if any element is nan."""
-    pairs = zip(a.parameters(), b.parameters(), strict=True)
-    return torch.stack([(pa.detach() - pb.detach()).abs().max() for pa, pb in pairs]).max().item()
 
 
 def _owner(name: str) -> str:
@@ -169,7 +165,7 @@ def train(setup: str, optim: tuple, steps: int, bucket_size: int, overlap_grad_r
                 checker.launched_before_sync = 0
             loss = _loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
             # The forward waited for the previous step's gathers: these are the weights it used.
-            diffs.append(_max_diff(model, ref))
+            diffs.append(max_diff(model, ref))
             loss.backward()
             launched.append(checker.launched_before_sync if strict
                             else ddp.comm_stats.calls["reduce_scatter"])
@@ -186,12 +182,12 @@ def train(setup: str, optim: tuple, steps: int, bucket_size: int, overlap_grad_r
                 p.grad = None
             dropped_opt.step()
         ddp.finish_param_sync()
-    diffs.append(_max_diff(model, ref))
+    diffs.append(max_diff(model, ref))
     moved = [(p.detach() - q).abs().max()
              for p, q in zip(model.parameters(), start.parameters(), strict=True)]
     return {
         "max_diff": torch.tensor(diffs).max().item(),  # nan if any is
-        "dropped_diff": _max_diff(model, dropped),
+        "dropped_diff": max_diff(model, dropped),
         "moved": torch.stack(moved).min().item(),  # by the tensor that moved least
         "launched": launched,
         "buckets": len(ddp.buckets),

@@ -27,6 +27,8 @@ from distopt.train.recipes import muon_param_groups
 
 from dist_harness import case_result, run_cases
 
+pytestmark = pytest.mark.slow  # GPT small at d = 4
+
 D = 4
 LR = 1e-3
 # Widths of an MLP whose twelve matrices all differ in shape (and in Newton-Schulz cost, from

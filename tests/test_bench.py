@@ -32,6 +32,7 @@ def bench(tmp_path_factory):
     return code, out, {r["config"]["system"]: r for r in data["results"]}, data["meta"]
 
 
+@pytest.mark.slow
 def test_every_configuration_ran_and_wrote_outputs(bench):
     code, out, results, meta = bench
     assert code == 0
@@ -44,6 +45,7 @@ def test_every_configuration_ran_and_wrote_outputs(bench):
         assert r["ratio_to_ddp"] > 0 and r["max_rss_bytes"] > 2**20
 
 
+@pytest.mark.slow
 def test_all_configurations_train_the_same_trajectory(bench):
     _, _, results, _ = bench
     ref = results["ddp"]
@@ -52,6 +54,7 @@ def test_all_configurations_train_the_same_trajectory(bench):
         assert r["checksum"] == pytest.approx(ref["checksum"], rel=1e-5, abs=1e-3), name
 
 
+@pytest.mark.slow
 def test_counted_collectives_per_step(bench):
     _, _, results, _ = bench
     n_bytes = 4 * results["ddp"]["num_params"]  # fp32
@@ -78,6 +81,7 @@ def test_counted_collectives_per_step(bench):
         results["ddp"]["wire_bytes_per_step"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_measured_bytes_per_param(bench):
     _, _, results, _ = bench
     assert results["ddp"]["bytes_per_param"] == 16.0
@@ -91,6 +95,7 @@ def test_measured_bytes_per_param(bench):
     assert r["bytes_per_param"] < r["theory_bytes_per_param"] * 1.001
 
 
+@pytest.mark.slow
 def test_phases_add_up_to_the_step(bench):
     _, _, results, _ = bench
     for name in ("distopt", "ddp"):
@@ -129,6 +134,7 @@ def test_host_overhead_times_equivalent_work():
     assert r["max_param_diff"] <= 1e-6
 
 
+@pytest.mark.slow
 def test_collectives_microbenchmark_checks_results_then_times_every_op(tmp_path, capsys):
     code = main(["--collectives", "--nproc", "3", "--numel", "3001", "--steps", "2",
                  "--warmup", "1", "--out", str(tmp_path)])

@@ -14,6 +14,8 @@ from distopt.bench.models import build_model
 from distopt.bench.muon import muon_state_bytes
 from distopt.train.recipes import hidden_matrices
 
+pytestmark = pytest.mark.slow
+
 D = 2
 SYSTEMS = ["distopt-muon", "ddp-muon", "gather-muon"]
 

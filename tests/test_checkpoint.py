@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR
 
@@ -27,7 +26,10 @@ import distopt
 from distopt.checkpoint import merge_state_dicts
 
 from dist_harness import case_result, run_cases
+from helpers import lm_loss, max_diff, params_of, same, snapshot, state_diff, world_params
 from models import VOCAB, AwkwardLM, batches, rank_slice
+
+pytestmark = pytest.mark.slow
 
 SAVE_AT, EXPORT_TO, END = 10, 15, 20
 FP32_TOL = 1e-5
@@ -67,40 +69,15 @@ def build(name: str, bucket_size: int | None = 100, model: nn.Module | None = No
     return model, ddp, opt, CosineAnnealingLR(opt, T_max=END)
 
 
-def _loss(forward, tokens, targets, step):
-    logits = forward(tokens, use_sometimes=step % 2 == 0)
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-
-
 def train(ddp, opt, sched, steps) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
         tokens, targets = batches(step)
         opt.zero_grad()
-        _loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+        lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
               step).backward()
         opt.step()
         sched.step()
-
-
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def max_diff(model: nn.Module, ref: dict[str, torch.Tensor]) -> float:
-    return max((p.detach().float() - ref[k].float()).abs().max().item()
-               for k, p in model.named_parameters())
-
-
-def snapshot(model: nn.Module, opt) -> list[torch.Tensor]:
-    """Every number the model and the optimizer hold on this rank, copied."""
-    values = [v.detach().clone() for v in model.state_dict().values()]
-    sd = opt.state_dict()
-    values += [s.local.clone() for s in sd["main_params"].values()]
-    for entries in sd["state"].values():
-        values += [v.local.clone() if hasattr(v, "local") else v.clone() for v in entries.values()]
-    values.append(torch.tensor([g["lr"] for g in opt.param_groups]))
-    return values
 
 
 # ---------------------------------------------------------------------- cases (in the ranks)
@@ -135,26 +112,10 @@ def resume(name: str, root: Path, bucket_size: int | None) -> dict:
     # The state each rank loaded is, element for element, the state the d = 4 ranks saved.
     saved = merge_state_dicts([torch.load(root / f"{name}-sd-{r}.pt", weights_only=False)
                                for r in range(4)])
-    state_diff = _state_diff(opt, saved)
+    worst_state = state_diff(opt, saved)
     train(ddp, opt, sched, range(extra["step"], END))
-    return {"at_load": at_load, "state_diff": state_diff, "final": max_diff(model, ref["final"]),
+    return {"at_load": at_load, "state_diff": worst_state, "final": max_diff(model, ref["final"]),
             "calls": calls, "buckets": len(ddp.buckets)}
-
-
-def _state_diff(opt, saved: dict) -> float:
-    from distopt.checkpoint.format import owned_pieces, piece_of
-
-    worst = 0.0
-    for owned in owned_pieces(opt):
-        main = piece_of(saved["main_params"][owned.name], owned, "main")
-        worst = max(worst, (owned.main.detach() - main).abs().max().item())
-        entries = saved["state"][owned.name]
-        assert set(entries) == set(opt.state[owned.main]), (entries.keys(), owned.name)
-        for key, value in entries.items():
-            mine = opt.state[owned.main][key]
-            theirs = value if isinstance(value, torch.Tensor) else piece_of(value, owned, key)
-            worst = max(worst, (mine.float() - theirs.float()).abs().max().item())
-    return worst
 
 
 def resume_in_memory(name: str, root: Path) -> dict:
@@ -226,9 +187,7 @@ def bad_load(case: str, root: Path) -> dict:
     except distopt.CheckpointError as exc:
         error = str(exc)
     after = snapshot(model, opt)
-    unchanged = len(before) == len(after) and all(
-        torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    return {"error": error, "unchanged": unchanged}
+    return {"error": error, "unchanged": same(before, after)}
 
 
 def bad_arguments(root: Path) -> list[str]:
@@ -359,7 +318,7 @@ def damaged(saved, root) -> None:
     (root / "bad-manifest" / "ckpt-000001" / "distopt.json").write_text('{"format": ')
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def resumed(request, root, saved, exported, damaged, killed):
     world = request.param
     cases = [(f"resume-{n}", resume, (n, root, None)) for n in CONFIGS]
@@ -430,7 +389,7 @@ def test_export_continues_in_plain_torch(exported, root, name):
     for step in range(SAVE_AT, EXPORT_TO):
         tokens, targets = batches(step)
         opt.zero_grad(set_to_none=config["unused"])
-        _loss(model, tokens, targets, step).backward()
+        lm_loss(model, tokens, targets, step).backward()
         if config["clip"]:
             torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.grad is not None], config["clip"])

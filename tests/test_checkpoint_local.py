@@ -262,6 +262,7 @@ def test_plain_checkpoint_is_checked_before_anything_changes(tmp_path):
         assert torch.equal(entries["exp_avg"].local, after["state"][name]["exp_avg"].local)
 
 
+@pytest.mark.slow
 def test_save_load_export_memory_is_bounded(tmp_path):
     """Peak RSS above the start of each operation, in a process of its own, on a model whose
     AdamW state (208 MiB) is 17 times the bound: 3 x the largest parameter (4 MiB)."""

@@ -68,6 +68,7 @@ def test_delays_do_not_change_overlap(gloo):
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 
+@pytest.mark.slow
 def test_train_on_the_cpu_device(tmp_path):
     proc = cases.run_train(tmp_path, "cpu", steps=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

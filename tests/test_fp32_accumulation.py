@@ -4,7 +4,8 @@ One spawned gloo group per d = 2, 3, 4 runs every case. Each rank's grads are re
 every rank (from seeds, or by running each rank's backward on a reference copy), so the exact
 average is known everywhere: in fp64, and as the fp32 reduction the option promises (the d
 chunks added in fp32 in rank order, divided by d, rounded once). The plain low-precision
-reduce-scatter is measured beside it. Run as a script to print the table of
+reduce-scatter is measured beside it. Training with the option against fp32 master weights is
+a point of the parity grid in test_parity.py. Run as a script to print the table of
 docs/mixed-precision.md:
 
     PYTHONPATH=src:tests python tests/test_fp32_accumulation.py
@@ -19,56 +20,29 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import distopt
 from distopt import collectives as comm
 from distopt.options import GradSyncOptions
 
 from dist_harness import case_result, run_cases
-from models import AwkwardLM, TinyTransformer, batches, markov_batch, mlp, rank_slice
-from test_parity import BF16_TOL, CLIP, _lm_loss, _max_diff, fp32_master_step
+from helpers import (
+    ParityRun,
+    error_report,
+    fp32_average,
+    markov_loss,
+    owned_grad_pieces,
+    parity_trajectory,
+)
+from models import TinyTransformer, mlp
 
 WORLDS = [2, 3, 4]
 CHUNK = 4096  # elements of each rank's shard in the collective cases
 PARITY_STEPS = 10
-FP32_EPS = 2.0**-24  # unit roundoff of fp32
-MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}  # implicit bit included
 OPTION = "reduce_scatter_with_fp32_accumulation"
 
 
 # ---------------------------------------------------------------- arithmetic of the checks
-
-
-def ulp_of(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of ``dtype`` numbers around each fp64 value of ``exact``."""
-    _, exponent = torch.frexp(exact)  # exact = m * 2**e with 0.5 <= |m| < 1
-    spacing = torch.pow(2.0, (exponent - MANTISSA_BITS[dtype]).to(torch.float64))
-    return spacing.clamp_min(torch.finfo(dtype).smallest_normal * 2.0 ** (1 - MANTISSA_BITS[dtype]))
-
-
-def fp32_average(rows: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """What the option promises: the rows added in fp32 in rank order, divided, rounded once."""
-    total = rows[0].float()
-    for row in rows[1:]:
-        total = total + row.float()
-    return (total / len(rows)).to(dtype)
-
-
-def exact_average(rows: list[torch.Tensor]) -> torch.Tensor:
-    return sum(row.double() for row in rows) / len(rows)
-
-
-def error_report(result: torch.Tensor, rows: list[torch.Tensor]) -> dict:
-    """Errors of ``result`` against the exact average: in ulps of the exact value, and how far
-    over half an ulp, after allowing the fp32 sum's own roundoff (d fp32 roundings of the
-    summed magnitudes)."""
-    exact = exact_average(rows)
-    ulps = (result.double() - exact).abs() / ulp_of(exact, result.dtype)
-    magnitude = sum(row.double().abs() for row in rows) / len(rows)
-    slack = len(rows) * FP32_EPS * magnitude / ulp_of(exact, result.dtype)
-    return {"max_ulps": ulps.max().item(), "mean_ulps": ulps.mean().item(),
-            "over_half_ulp": (ulps - slack - 0.5).max().item()}
 
 
 def adversarial_rows(world: int, numel: int, g: torch.Generator, dtype) -> torch.Tensor:
@@ -124,22 +98,6 @@ def collective_errors(kind: str, dtype: torch.dtype) -> dict:
     }
 
 
-def _local_loss(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
-    tokens, targets = markov_batch(step)
-    logits = model(rank_slice(tokens, rank, world))
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                       rank_slice(targets, rank, world).flatten())
-
-
-def _owned_pieces(ddp: distopt.DistributedDataParallel):
-    """(param, flat slice) of every piece of a grad this rank holds reduced."""
-    for bucket in ddp.buckets:
-        for param, slot in zip(bucket.params, bucket.param_ranges, strict=True):
-            owned = slot.intersect(bucket.owned_range)
-            if owned is not None:
-                yield param, slice(owned.start - slot.start, owned.end - slot.start)
-
-
 def ddp_reduction() -> dict:
     """A bf16 TinyTransformer's grads reduced through the DDP, with and without the option:
     the reductions start during backward, each owned piece is the fp32 average of every
@@ -151,7 +109,7 @@ def ddp_reduction() -> dict:
     per_rank = []  # every rank's bf16 grads, from its own slice of the batch
     for r in range(world):
         ref.zero_grad()
-        _local_loss(ref, 0, r, world).backward()
+        markov_loss(ref, 0, r, world).backward()
         per_rank.append([p.grad.clone() for p in ref.parameters()])
     out = {}
     for name, flag in (("fp32acc", True), ("plain", False)):
@@ -161,12 +119,12 @@ def ddp_reduction() -> dict:
         opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.0)
         opt.zero_grad()
         ddp.comm_stats.reset()
-        _local_loss(ddp, 0, rank, world).backward()
+        markov_loss(ddp, 0, rank, world).backward()
         launched_in_backward = ddp.comm_stats.calls["reduce_scatter"]
         ddp.finish_grad_sync()
         index = {p: i for i, p in enumerate(copy_.parameters())}
         exact_bits, pieces, worst = True, 0, {"max_ulps": 0.0, "over_half_ulp": -1.0}
-        for param, piece in _owned_pieces(ddp):
+        for param, piece in owned_grad_pieces(ddp):
             rows = [grads[index[param]].reshape(-1)[piece] for grads in per_rank]
             got = param.main_grad.reshape(-1)[piece]
             exact_bits &= torch.equal(got, fp32_average(rows, torch.bfloat16))
@@ -182,34 +140,12 @@ def ddp_reduction() -> dict:
     return out
 
 
-def training_parity(fp32_accumulation: bool = True) -> dict:
-    """bf16 params with the option vs a reference keeping fp32 master weights (as
-    test_parity.py's parity_bf16), AdamW with clipping."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = AwkwardLM().to(torch.bfloat16)
-    ref = copy.deepcopy(model)
-    ref_trainable = [p for p in ref.parameters() if p.requires_grad]
-    masters = [nn.Parameter(p.detach().float()) for p in ref_trainable]
-    ddp = distopt.DistributedDataParallel(model, grad_dtype=torch.bfloat16, bucket_size=40,
-                                          find_unused_parameters=True,
-                                          **{OPTION: fp32_accumulation})
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2)
-    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
-    initial = copy.deepcopy(model)
-    worst = 0.0
-    for step in range(PARITY_STEPS):
-        tokens, targets = batches(step)
-        opt.zero_grad()
-        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
-                 step).backward()
-        opt.step()
-        fp32_master_step(ref_trainable, masters, ref_opt,
-                         _lm_loss(ref, tokens, targets, step))
-        worst = max(worst, _max_diff(model, ref))
-    return {"max_diff": worst, "moved": _max_diff(model, initial),
-            "fp32_buckets": sum(b.fp32_accumulation for b in ddp.buckets),
-            "buckets": len(ddp.buckets)}
+def _parity_run(fp32_accumulation: bool) -> ParityRun:
+    """bf16 params and grads, AdamW with clipping, against fp32 master weights: the parity
+    grid's point (test_parity.py) with the option on or off."""
+    return ParityRun(dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
+                     fp32_accumulation=fp32_accumulation, groups=False, overlap_gather=False,
+                     steps=PARITY_STEPS)
 
 
 @contextmanager
@@ -261,8 +197,7 @@ def bad_inputs() -> dict:
 def _cases() -> list:
     cases = [(f"collective-{kind}-{str(dtype)[6:]}", collective_errors, (kind, dtype))
              for kind, dtype in COLLECTIVE_CASES]
-    cases += [("ddp", ddp_reduction, ()), ("parity", training_parity, ()),
-              ("bad-inputs", bad_inputs, ())]
+    cases += [("ddp", ddp_reduction, ()), ("bad-inputs", bad_inputs, ())]
     return cases
 
 
@@ -275,6 +210,7 @@ COLLECTIVE_CASES = [
 
 @pytest.fixture(scope="module")
 def worlds() -> dict[int, list[dict]]:
+    """Every case at d = 2, 3 and 4 (the tests that use it are slow)."""
     return {d: run_cases(d, _cases()) for d in WORLDS}
 
 
@@ -324,6 +260,7 @@ def test_single_rank_copies_the_shard():
 # ---------------------------------------------------------------- distributed tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,dtype", COLLECTIVE_CASES)
 def test_shard_is_the_fp32_average_rounded_once(worlds, kind, dtype):
     for d, results in worlds.items():
@@ -335,6 +272,7 @@ def test_shard_is_the_fp32_average_rounded_once(worlds, kind, dtype):
             assert value["fp32acc"]["over_half_ulp"] <= 0, (d, value)
 
 
+@pytest.mark.slow
 def test_plain_reduction_error_is_larger_and_grows_with_d(worlds):
     def worst(kind: str, path: str, stat: str, d: int) -> float:
         values = case_result(worlds[d], f"collective-{kind}-bfloat16")
@@ -354,6 +292,7 @@ def test_plain_reduction_error_is_larger_and_grows_with_d(worlds):
     assert max(fp32acc) < 0.3 and max(fp32acc) < plain[-1] / 100, (fp32acc, plain)
 
 
+@pytest.mark.slow
 def test_ddp_reduces_during_backward_with_the_plain_paths_bytes(worlds):
     for d, results in worlds.items():
         for value in case_result(results, "ddp"):
@@ -369,14 +308,7 @@ def test_ddp_reduces_during_backward_with_the_plain_paths_bytes(worlds):
             assert fp32acc["bytes"]["reduce_scatter"] > 0
 
 
-def test_training_matches_fp32_master_weights(worlds):
-    for d, results in worlds.items():
-        for value in case_result(results, "parity"):
-            assert value["fp32_buckets"] == value["buckets"]
-            assert value["max_diff"] <= BF16_TOL, (d, value)
-            assert value["moved"] > 2 * BF16_TOL  # it trained: ~lr per step
-
-
+@pytest.mark.slow
 def test_bad_inputs_raise_on_every_rank_before_any_collective(worlds):
     fixes = {"fp32-grads": "grad_dtype=torch.bfloat16",
              "none-with-fp32-params": "grad_dtype=torch.bfloat16",
@@ -413,7 +345,8 @@ def _print_table() -> None:
     print("| d | plain bf16 reduce-scatter | fp32 accumulation |")
     print("|---|---|---|")
     for d in WORLDS:
-        results = run_cases(d, [(str(f), training_parity, (f,)) for f in (False, True)])
+        results = run_cases(d, [(str(f), parity_trajectory, (_parity_run(f),))
+                                for f in (False, True)])
         diffs = [max(v["max_diff"] for v in case_result(results, str(f))) for f in (False, True)]
         print(f"| {d} | {diffs[0]:.4g} | {diffs[1]:.4g} |")
 

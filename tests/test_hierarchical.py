@@ -1,10 +1,10 @@
 """Hierarchical data parallelism: shard over "dp_shard", replicate over "dp_replicate".
 
 Four gloo ranks run every case in one spawned group. Each case builds a 2-D mesh
-(replicate, shard) and trains the parity model on its slice of the global batch, against
-single-process torch.optim on the whole batch; it also counts what each group carried and
-measures what each rank holds. A checkpoint saved at (2, 2) is resumed by the same four ranks
-flat, and by a second group of two ranks flat and at (1, 2). See
+(replicate, shard): the fp32-accumulated reduction's two stages, bit for bit, and a checkpoint
+saved at (2, 2), resumed by the same four ranks flat and by a group of two ranks flat and at
+(1, 2). Training on a mesh against single-process torch.optim (trajectories, what each group
+carried, what each rank holds) is part of the parity grid in test_parity.py. See
 [Note: hierarchical data parallelism] in distopt/parallel.py.
 """
 
@@ -16,87 +16,32 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distopt
 from distopt import collectives as comm
 from distopt.checkpoint import merge_state_dicts
 
 from dist_harness import case_result, run_cases
-from models import AwkwardLM, TinyTransformer, batches, rank_slice
-from test_checkpoint import _state_diff
-from test_fp32_accumulation import _local_loss, _owned_pieces, error_report, fp32_average
-from test_parity import (
-    BF16_TOL,
+from helpers import (
     CLIP,
     FP32_TOL,
-    NORM_RTOL,
-    _groups,
-    _lm_loss,
-    _max_diff,
-    fp32_master_step,
+    error_report,
+    fp32_average,
+    lm_loss,
+    markov_loss,
+    max_diff,
+    owned_grad_pieces,
+    parity_groups,
+    state_diff,
 )
+from models import AwkwardLM, TinyTransformer, batches, rank_slice
 
 WORLD = 4
-LAYOUTS = [(2, 2), (1, 4), (4, 1)]
 FP32_ACCUMULATION_LAYOUTS = [(2, 2), (4, 1)]
-STEPS = 20
 
 
 def _mesh(replicate: int, shard: int):
     return init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-
-
-def parity(replicate: int, shard: int, dtype: torch.dtype) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = AwkwardLM().to(dtype)
-    ref = copy.deepcopy(model)
-    ddp = distopt.DistributedDataParallel(
-        model, bucket_size=40, find_unused_parameters=True, device_mesh=_mesh(replicate, shard)
-    )
-    opt = distopt.DistributedOptimizer(
-        ddp, torch.optim.AdamW, params=_groups(model, "adamw"), clip_grad=CLIP,
-        overlap_param_gather=True, lr=1e-2,
-    )
-    sched = CosineAnnealingLR(opt, T_max=STEPS)
-    # The reference keeps fp32 master weights and casts them into the model after each step.
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    masters = [torch.nn.Parameter(p.detach().float()) for p in trainable]
-    index = {p: i for i, p in enumerate(trainable)}
-    ref_groups = [{**g, "params": [masters[index[p]] for p in g["params"]]}
-                  for g in _groups(ref, "adamw")]
-    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-2)
-    ref_sched = CosineAnnealingLR(ref_opt, T_max=STEPS)
-
-    worst, worst_norm, per_step = 0.0, 0.0, None
-    for step in range(STEPS):
-        tokens, targets = batches(step)
-        ddp.comm_stats.reset()
-        opt.zero_grad()
-        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
-                 step).backward()
-        result = opt.step()
-        sched.step()
-        per_step = (dict(ddp.comm_stats.calls), dict(ddp.comm_stats.bytes))
-
-        ref_norm = fp32_master_step(trainable, masters, ref_opt,
-                                    _lm_loss(ref, tokens, targets, step))
-        ref_sched.step()
-
-        ddp.finish_param_sync()
-        worst = max(worst, _max_diff(model, ref))
-        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
-    report = distopt.measure_state_bytes(opt)
-    padded = sum(buf.layout.numel for buf in ddp.flat_buffers)
-    owned_padded = sum(b.owned_grad.numel() for b in ddp.buckets)
-    return {
-        "max_diff": worst, "norm_diff": worst_norm, "calls": per_step[0], "bytes": per_step[1],
-        "buckets": len(ddp.buckets), "padded": padded, "owned_padded": owned_padded,
-        "dp_size": ddp.dp_size, "report": report, "moved": _max_diff(model, AwkwardLM()),
-        "owned": sum(m.numel() for m in opt.main_params),
-        "num_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }
 
 
 SAVE_AT, END = 3, 6
@@ -107,7 +52,7 @@ def _build_for_checkpoint(mesh):
     model = AwkwardLM()
     ddp = distopt.DistributedDataParallel(model, bucket_size=40, device_mesh=mesh)
     opt = distopt.DistributedOptimizer(
-        ddp, torch.optim.AdamW, params=_groups(model, "adamw"), clip_grad=CLIP, lr=1e-2
+        ddp, torch.optim.AdamW, params=parity_groups(model, "adamw"), clip_grad=CLIP, lr=1e-2
     )
     return model, ddp, opt
 
@@ -117,7 +62,7 @@ def _train(ddp, opt, steps) -> None:
     for step in steps:
         tokens, targets = batches(step)
         opt.zero_grad()
-        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+        lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
                  step).backward()
         opt.step()
 
@@ -138,7 +83,7 @@ def save_hierarchical(replicate: int, shard: int, path: str) -> dict:
     ref["final"] = _params(model)
     if dist.get_rank() == 0:
         torch.save(ref, f"{path}-ref.pt")
-    return {"moved": _max_diff(model, AwkwardLM())}
+    return {"moved": max_diff(model, AwkwardLM())}
 
 
 def resume(path: str, layout: tuple[int, int] | None, saved_world: int) -> dict:
@@ -154,12 +99,12 @@ def resume(path: str, layout: tuple[int, int] | None, saved_world: int) -> dict:
     saved = merge_state_dicts(
         [torch.load(f"{path}-sd-{r}.pt", weights_only=False) for r in range(saved_world)]
     )
-    state_diff = _state_diff(opt, saved)
+    worst_state = state_diff(opt, saved)
     _train(ddp, opt, range(SAVE_AT, END))
     final = max(
         (p.detach() - ref["final"][k]).abs().max().item() for k, p in model.named_parameters()
     )
-    return {"at_load": at_load, "state_diff": state_diff, "final": final,
+    return {"at_load": at_load, "state_diff": worst_state, "final": final,
             "dp_size": ddp.dp_size, "replicas": ddp.parallel.replicate_size,
             "owned": sum(m.numel() for m in opt.main_params)}
 
@@ -177,7 +122,7 @@ def fp32_accumulated_reduction(replicate: int, shard: int) -> dict:
     per_rank = []
     for r in range(world):
         ref.zero_grad()
-        _local_loss(ref, 0, r, world).backward()
+        markov_loss(ref, 0, r, world).backward()
         per_rank.append([p.grad.clone() for p in ref.parameters()])
     ddp = distopt.DistributedDataParallel(
         model, grad_dtype=torch.bfloat16, bucket_size=5000, device_mesh=_mesh(replicate, shard),
@@ -186,11 +131,11 @@ def fp32_accumulated_reduction(replicate: int, shard: int) -> dict:
     opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.0)
     opt.zero_grad()
     ddp.comm_stats.reset()
-    _local_loss(ddp, 0, rank, world).backward()
+    markov_loss(ddp, 0, rank, world).backward()
     ddp.finish_grad_sync()
     index = {p: i for i, p in enumerate(model.parameters())}
     two_stage, single, pieces, worst = True, True, 0, -1.0
-    for param, piece in _owned_pieces(ddp):
+    for param, piece in owned_grad_pieces(ddp):
         rows = [grads[index[param]].reshape(-1)[piece] for grads in per_rank]
         groups = [fp32_average(rows[k * shard : (k + 1) * shard], torch.bfloat16)
                   for k in range(replicate)]
@@ -214,37 +159,6 @@ def fp32_accumulated_reduction(replicate: int, shard: int) -> dict:
             "owned_padded": sum(b.owned_grad.numel() for b in ddp.buckets),
             "collective": torch.equal(p2p, fp32_average(copies, torch.bfloat16)),
             "gathered_same": torch.equal(gathered, p2p)}
-
-
-def fp32_accumulated_parity(replicate: int, shard: int) -> dict:
-    """bf16 params and grads with fp32-accumulated reductions on a mesh against a reference
-    keeping fp32 master weights, AdamW with clipping: the flat path's test (in
-    test_fp32_accumulation.py) on a mesh."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = AwkwardLM().to(torch.bfloat16)
-    ref = copy.deepcopy(model)
-    initial = copy.deepcopy(model)
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    masters = [torch.nn.Parameter(p.detach().float()) for p in trainable]
-    ddp = distopt.DistributedDataParallel(
-        model, grad_dtype=torch.bfloat16, bucket_size=40, find_unused_parameters=True,
-        device_mesh=_mesh(replicate, shard), reduce_scatter_with_fp32_accumulation=True,
-    )
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2)
-    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
-    worst = 0.0
-    for step in range(10):
-        tokens, targets = batches(step)
-        opt.zero_grad()
-        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
-                 step).backward()
-        opt.step()
-        fp32_master_step(trainable, masters, ref_opt, _lm_loss(ref, tokens, targets, step))
-        worst = max(worst, _max_diff(model, ref))
-    return {"max_diff": worst, "moved": _max_diff(model, initial),
-            "fp32_buckets": sum(b.fp32_accumulation for b in ddp.buckets),
-            "buckets": len(ddp.buckets)}
 
 
 def bad_meshes() -> dict:
@@ -272,7 +186,7 @@ def nan_check_names_the_rank() -> str:
     ddp = distopt.DistributedDataParallel(model, bucket_size=40, overlap_grad_reduce=False,
                                           check_for_nan_in_grad=True, device_mesh=_mesh(2, 2))
     tokens, targets = (rank_slice(t, rank, world) for t in batches(0))
-    _lm_loss(ddp, tokens, targets, 0).backward()
+    lm_loss(ddp, tokens, targets, 0).backward()
     if rank == world - 1:
         model.l2.weight.main_grad[0, 0] = float("nan")  # before the reduction: launched later
     try:
@@ -284,12 +198,8 @@ def nan_check_names_the_rank() -> str:
 
 def _cases(tmp: str) -> list:
     cases = [("nan-check-2x2", nan_check_names_the_rank, ())]
-    for r, s in LAYOUTS:
-        cases.append((f"fp32-{r}x{s}", parity, (r, s, torch.float32)))
-    cases.append(("bf16-2x2", parity, (2, 2, torch.bfloat16)))
     for r, s in FP32_ACCUMULATION_LAYOUTS:
         cases.append((f"fp32acc-reduction-{r}x{s}", fp32_accumulated_reduction, (r, s)))
-    cases.append(("fp32acc-parity-2x2", fp32_accumulated_parity, (2, 2)))
     cases.append(("save-2x2", save_hierarchical, (2, 2, f"{tmp}/ckpt-2x2")))
     cases.append(("resume-flat4", resume, (f"{tmp}/ckpt-2x2", None, WORLD)))
     cases.append(("bad-meshes", bad_meshes, ()))
@@ -315,51 +225,6 @@ def resumed_on_two(results, checkpoints):
                          ("resume-1x2", resume, (path, (1, 2), WORLD))])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
-def test_trains_like_single_process_torch(results, layout):
-    r, s = layout
-    for v in case_result(results, f"fp32-{r}x{s}"):
-        assert v["dp_size"] == s
-        assert v["max_diff"] < FP32_TOL, v["max_diff"]
-        assert v["norm_diff"] < NORM_RTOL, v["norm_diff"]
-        assert v["moved"] > 0.05
-
-
-def test_bf16_params_with_fp32_masters(results):
-    for v in case_result(results, "bf16-2x2"):
-        assert v["max_diff"] < BF16_TOL, v["max_diff"]
-        assert v["moved"] > 0.05
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
-def test_each_group_carries_what_it_should(results, layout):
-    r, s = layout
-    for v in case_result(results, f"fp32-{r}x{s}"):
-        calls, nbytes, n = v["calls"], v["bytes"], v["buckets"]
-        # The shard group: one reduce-scatter and one all-gather per bucket (none when s = 1).
-        assert calls.get("reduce_scatter", 0) == (n if s > 1 else 0)
-        assert calls.get("all_gather", 0) == (n if s > 1 else 0)
-        # The replicate group: this rank's reduced chunk of every bucket, N/s elements, once.
-        assert calls.get("replicate_all_reduce", 0) == (n if r > 1 else 0)
-        assert nbytes.get("replicate_all_reduce", 0) == (4 * v["padded"] // s if r > 1 else 0)
-        assert v["owned_padded"] * s == v["padded"]
-        assert "all_reduce" not in calls
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
-def test_memory_is_the_table_at_the_shard_size(results, layout):
-    r, s = layout
-    values = case_result(results, f"fp32-{r}x{s}")
-    for v in values:
-        report, padded = v["report"], v["padded"]
-        assert report.params == report.grads == 4 * padded
-        assert report.main_params == report.main_grads == 0  # views, fp32 params and grads
-        assert report.optimizer_state == 8 * v["owned"]
-    # The ranks of one replica (global ranks 0..s-1) own every element once: state is 8/s.
-    assert sum(v["owned"] for v in values[:s]) == values[0]["num_params"]
-    assert all(v["owned"] == values[i % s]["owned"] for i, v in enumerate(values))
-
-
 @pytest.mark.parametrize("layout", FP32_ACCUMULATION_LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
 def test_fp32_accumulation_sums_both_stages_in_fp32(results, layout):
     r, s = layout
@@ -376,13 +241,6 @@ def test_fp32_accumulation_sums_both_stages_in_fp32(results, layout):
         assert v["calls"]["replicate_all_reduce"] == v["buckets"]
         assert v["bytes"]["replicate_all_reduce"] == 2 * v["owned_padded"]
         assert v["collective"] and v["gathered_same"]
-
-
-def test_fp32_accumulation_trains_like_fp32_master_weights(results):
-    for v in case_result(results, "fp32acc-parity-2x2"):
-        assert v["fp32_buckets"] == v["buckets"]
-        assert v["max_diff"] <= BF16_TOL, v  # the flat path's tolerance
-        assert v["moved"] > 2 * BF16_TOL
 
 
 def test_checkpoint_saved_hierarchical_resumes_flat(results):

@@ -21,6 +21,7 @@ import distopt
 from distopt.optim import grad_stats as clip
 
 from dist_harness import case_result, run_cases
+from helpers import markov_loss, max_diff, same, snapshot, world_params
 from models import TT_USED, TT_VOCAB, TinyTransformer, markov_batch, mlp, rank_slice
 
 FP32_TOL = 1e-5  # AdamW, lr 1e-2: as in test_parity.py
@@ -182,31 +183,6 @@ def _poison(param: nn.Parameter, index: int, value: float, on_rank: bool):
     return param.register_hook(hook) if on_rank else None
 
 
-def _snapshot(ddp, opt) -> list[torch.Tensor]:
-    ddp.finish_param_sync()
-    tensors = [p.detach().clone() for p in ddp.module.parameters()]
-    tensors += [m.detach().clone() for m in opt.main_params]
-    for main in opt.main_params:
-        tensors += [v.clone() for v in opt.state.get(main, {}).values()]
-    return tensors
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((pa.detach().float() - pb.detach().float()).abs().max().item()
-               for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
-
-
-def _local_loss(forward, step: int, rank: int, world: int) -> torch.Tensor:
-    tokens, targets = markov_batch(step)
-    logits = forward(rank_slice(tokens, rank, world))
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                       rank_slice(targets, rank, world).flatten())
-
-
 def _full_loss(model: TinyTransformer, step: int) -> torch.Tensor:
     return model.loss(*markov_batch(step))
 
@@ -241,9 +217,9 @@ def scripted_skips(bad_value: float) -> dict:
             injector = owner if step % 2 else (owner + 1) % world
             owners_differ += injector != owner
             handle = _poison(param, index, bad_value, rank == injector)
-        before = _snapshot(ddp, opt)
+        before = snapshot(ddp, opt)
         opt.zero_grad()
-        opt.scale_loss(_local_loss(ddp, step, rank, world)).backward()
+        opt.scale_loss(markov_loss(ddp, step, rank, world)).backward()
         result = opt.step()
         if handle is not None:
             handle.remove()
@@ -252,7 +228,7 @@ def scripted_skips(bad_value: float) -> dict:
         scales.append(opt.loss_scaler.scale)
         updated.append(result.updated)
         if verdict == "O":
-            unchanged.append(_same(before, _snapshot(ddp, opt))
+            unchanged.append(same(before, snapshot(ddp, opt))
                              and result.grad_norm is None and result.num_zeros is None)
             continue
         ref_opt.zero_grad()
@@ -261,7 +237,7 @@ def scripted_skips(bad_value: float) -> dict:
         ref_opt.step()
         ref_sched.step()
         ddp.finish_param_sync()
-        worst = max(worst, _max_diff(model, ref))
+        worst = max(worst, max_diff(model, ref))
         worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
     steps = {int(s["step"]) for s in opt.state.values()}
     return {"scales": scales, "updated": updated, "unchanged": unchanged,
@@ -280,14 +256,14 @@ def fp16_reduction_overflow(grad_dtype: torch.dtype | None) -> dict:
                                        loss_scaler=distopt.ConstantLossScaler(1.0))
     weight = model[0].weight
     handle = _poison(weight, 5, 40000.0, True)
-    before = _snapshot(ddp, opt)
+    before = snapshot(ddp, opt)
     opt.zero_grad()
     model_in = torch.randn(4, 8, dtype=torch.float16)
     opt.scale_loss(ddp(model_in).float().mean()).backward()
     local_finite = bool(torch.isfinite(weight.main_grad).all()) and weight.main_grad.max() > 3e4
     result = opt.step()
     handle.remove()
-    return {"updated": result.updated, "unchanged": _same(before, _snapshot(ddp, opt)),
+    return {"updated": result.updated, "unchanged": same(before, snapshot(ddp, opt)),
             "local_finite": local_finite}
 
 
@@ -311,9 +287,9 @@ def nan_check(param_dtype: torch.dtype) -> dict:
     messages, unchanged, updated = [], [], []
     for step, plan in enumerate(plans):
         handles = [_poison(p, i, v, r is None or rank == r) for p, i, v, r in plan]
-        before = _snapshot(ddp, opt)
+        before = snapshot(ddp, opt)
         opt.zero_grad()
-        _local_loss(ddp, step, rank, world).backward()
+        markov_loss(ddp, step, rank, world).backward()
         try:
             updated.append(opt.step().updated)
             messages.append(None)
@@ -322,7 +298,7 @@ def nan_check(param_dtype: torch.dtype) -> dict:
         for h in handles:
             if h is not None:
                 h.remove()
-        unchanged.append(_same(before, _snapshot(ddp, opt)))
+        unchanged.append(same(before, snapshot(ddp, opt)))
     return {"messages": messages, "unchanged": unchanged, "updated": updated}
 
 
@@ -343,7 +319,7 @@ def norm_and_zeros(scale: float | None) -> dict:
     for step in range(3):
         opt.zero_grad()
         ddp.comm_stats.reset()
-        opt.scale_loss(_local_loss(ddp, step, rank, world)).backward()
+        opt.scale_loss(markov_loss(ddp, step, rank, world)).backward()
         result = opt.step()
         small_reductions.append(ddp.comm_stats.calls["all_reduce_small"])
         ref_opt.zero_grad()
@@ -356,7 +332,7 @@ def norm_and_zeros(scale: float | None) -> dict:
     ddp.finish_param_sync()
     split = sum(1 for p in model.parameters()
                 if len({_owner(ddp, p, 0), _owner(ddp, p, p.numel() - 1)}) > 1)
-    return {"rows": rows, "max_diff": _max_diff(model, ref), "split_params": split,
+    return {"rows": rows, "max_diff": max_diff(model, ref), "split_params": split,
             "small_reductions": small_reductions}
 
 
@@ -371,14 +347,14 @@ def grad_dtype_paths(param_dtype: torch.dtype, grad_dtype: torch.dtype) -> dict:
     opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.0)
     opt.zero_grad()
     ddp.comm_stats.reset()
-    _local_loss(ddp, 0, rank, world).backward()
+    markov_loss(ddp, 0, rank, world).backward()
     opt.step()
     # The average of every rank's grads, as each rank's backward computes it, summed in fp64.
     expected = {p: torch.zeros(p.shape, dtype=torch.float64) for p in ref.parameters()}
     magnitude = {p: torch.zeros(p.shape, dtype=torch.float64) for p in ref.parameters()}
     for r in range(world):
         ref.zero_grad()
-        _local_loss(ref, 0, r, world).backward()
+        markov_loss(ref, 0, r, world).backward()
         for p in ref.parameters():
             expected[p] += p.grad.to(torch.float64) / world
             magnitude[p] += p.grad.to(torch.float64).abs() / world
@@ -443,7 +419,7 @@ def model_parallel_group() -> dict:
                 handle = _poison(model.blocks[0].qkv.weight, 9, math.inf, rank == 3)
             opt.zero_grad()
             ddp.comm_stats.reset()
-            opt.scale_loss(_local_loss(ddp, step, dp_rank, 2)).backward()
+            opt.scale_loss(markov_loss(ddp, step, dp_rank, 2)).backward()
             result = opt.step()
             if handle is not None:
                 handle.remove()
@@ -459,7 +435,7 @@ def model_parallel_group() -> dict:
                 ref_opt.step()
                 norms[-1] = (result.grad_norm, ref_norm)
                 ddp.finish_param_sync()
-                worst = max(worst, _max_diff(model, refs[part]))
+                worst = max(worst, max_diff(model, refs[part]))
         if use_group:
             out.update(updated=updated, norms=norms, max_diff=worst)
         else:
@@ -495,7 +471,7 @@ def autocast_parity() -> dict:
         ref.zero_grad()
         for r in range(world):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                ref_loss = _local_loss(ref, step, r, world)
+                ref_loss = markov_loss(ref, step, r, world)
             ref_loss.backward()
         ref_grads = [p.grad / world for p in ref.parameters()]
         scale = max(g.abs().max().item() for g in ref_grads)
@@ -519,7 +495,7 @@ def autocast_parity() -> dict:
     ddp.finish_param_sync()
     return {"logits_dtypes": logits_dtypes, "grad_rel_diff": worst,
             "param_dtypes": {p.dtype for p in model.parameters()},
-            "moved": _max_diff(model, initial), "losses": losses}
+            "moved": max_diff(model, initial), "losses": losses}
 
 
 def _cases(world: int) -> list:
@@ -550,7 +526,7 @@ GRAD_PATHS = [
 WORLDS = [2, 4]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases(request.param))
 

@@ -22,6 +22,8 @@ import distopt
 from dist_harness import case_result, run_cases
 from models import TinyTransformer, markov_batch, rank_slice
 
+pytestmark = pytest.mark.slow
+
 STEPS = 100
 WORLD = 2
 LR = 1e-2

@@ -31,6 +31,7 @@ import distopt
 from distopt import collectives as comm
 
 from dist_harness import case_result, run_cases
+from helpers import StrictCollectives, world_params
 from models import batches, rank_slice
 
 VOCAB, WIDTH = 11, 32
@@ -60,65 +61,6 @@ class Shuffled(nn.Module):
 
 def _loss(forward, tokens, targets) -> torch.Tensor:
     return F.cross_entropy(forward(tokens).flatten(0, 1), targets.flatten())
-
-
-class _Deferred:
-    """A handle whose work runs when it is first waited for."""
-
-    def __init__(self, run) -> None:
-        self._run = run
-
-    def wait(self) -> bool:
-        run, self._run = self._run, None
-        if run is not None:
-            run()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._run is None
-
-
-class StrictCollectives:
-    """Patch distopt's collectives to check its waits; see the module docstring."""
-
-    def __init__(self) -> None:
-        self.violations: list[str] = []
-        self.launched_before_sync = 0
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self) -> StrictCollectives:
-        for name in ("reduce_scatter_avg", "all_gather"):
-            self._saved[name] = getattr(comm, name)
-        comm.reduce_scatter_avg = self._reduce_scatter_avg
-        comm.all_gather = self._all_gather
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, fn in self._saved.items():
-            setattr(comm, name, fn)
-
-    def _reduce_scatter_avg(self, shard, full, group, *, async_op, stats=None):
-        real = self._saved["reduce_scatter_avg"]
-        if not async_op:
-            return real(shard, full, group, async_op=False, stats=stats)
-        self.launched_before_sync += 1
-        snapshot = full.clone()
-
-        def run() -> None:
-            if not torch.equal(full, snapshot):
-                self.violations.append("a grad was accumulated into a bucket after its launch")
-            real(shard, full, group, async_op=False, stats=stats)
-
-        return _Deferred(run)
-
-    def _all_gather(self, full, shard, group, *, async_op, stats=None):
-        real = self._saved["all_gather"]
-        if not async_op:
-            return real(full, shard, group, async_op=False, stats=stats)
-        mine = shard.clone()
-        full.fill_(float("nan"))  # others' chunks are unknown until the gather is waited for
-        shard.copy_(mine)
-        return _Deferred(lambda: real(full, shard, group, async_op=False, stats=stats))
 
 
 class Delays:
@@ -374,7 +316,7 @@ def _cases() -> list:
 WORLDS = [2, 3]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 

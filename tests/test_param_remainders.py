@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import copy
 import shutil
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_step_files import STEP_FILES, _files_run_by
 from torch import nn
 
 import distopt
@@ -26,57 +24,22 @@ from distopt.memory import bytes_per_param_breakdown
 from distopt.optim.remainders import bf16_of_fp32, join_fp32, split_fp32
 
 from dist_harness import case_result, run_cases
+from helpers import (
+    REMAINDER_OPTIMIZERS,
+    STEP_FILES,
+    adversarial_init,
+    files_run_by,
+    linear_loss,
+    remainders_model,
+    shared_tmpdir,
+    world_params,
+)
 from models import mlp
 
 WORLDS = [1, 2, 3, 4]
 STEPS = 6
 OPTION = "store_param_remainders"
-OPTIMIZERS = {
-    "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)),
-    # lr = 1: the first step moves each param by exactly its averaged grad (see _coefficients).
-    "sgd": (torch.optim.SGD, dict(lr=1.0, momentum=0.9)),
-}
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return mlp([24, 40, 17], dtype=torch.bfloat16)
-
-
-def _adversarial_init(model: nn.Module) -> None:
-    """Params of every sign and scale: bf16 subnormals, huge values, zeros and -0.0."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            exponents = torch.randint(-132, 100, p.shape, generator=g).float()
-            values = torch.randn(p.shape, generator=g) * torch.exp2(exponents)
-            values.view(-1)[::11] = 0.0
-            values.view(-1)[5::11] = -0.0
-            p.copy_(values.to(torch.bfloat16))
-
-
-def _coefficients(p: nn.Parameter, kind: str, step: int, rank: int, world: int,
-                  index: int) -> torch.Tensor:
-    """This rank's grad of ``p`` at ``step``: fixed by (kind, step, rank, index) alone."""
-    g = torch.Generator().manual_seed(10_000 * step + 100 * index + rank)
-    c = torch.randn(p.shape, generator=g)
-    if kind == "random":
-        return c
-    if step == 0:
-        # Every rank gives minus half a bf16 ulp of the initial param: with SGD at lr = 1 the
-        # fp32 master lands exactly on a tie (low half 0x8000) of every nonzero element.
-        _, exponent = torch.frexp(p.detach().float())
-        return -torch.exp2((exponent - 9).float()) * (p.detach() != 0)
-    # Later: grads of wildly different scales that nearly cancel over the ranks.
-    scale = torch.exp2(torch.randint(-30, 30, p.shape, generator=g).float())
-    sign = 1.0 if rank % 2 == 0 else -1.0
-    return c * scale + sign * 1e4 * (rank < world - world % 2)
-
-
-def _linear_loss(model: nn.Module, kind: str, step: int, rank: int, world: int):
-    terms = [(p.float() * _coefficients(p, kind, step, rank, world, i)).sum()
-             for i, p in enumerate(model.parameters())]
-    return torch.stack(terms).sum()
+OPTIMIZERS = REMAINDER_OPTIMIZERS
 
 
 def _low_half(x: torch.Tensor) -> torch.Tensor:
@@ -85,9 +48,9 @@ def _low_half(x: torch.Tensor) -> torch.Tensor:
 
 def remainders_vs_fp32_master(opt_name: str, kind: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = _model()
+    base = remainders_model()
     if kind == "adversarial":
-        _adversarial_init(base)
+        adversarial_init(base)
     opt_cls, kwargs = OPTIMIZERS[opt_name]
     runs = {}
     for remainders in (True, False):
@@ -101,7 +64,7 @@ def remainders_vs_fp32_master(opt_name: str, kind: str) -> dict:
     for step in range(STEPS):
         for model, ddp, opt in runs.values():
             opt.zero_grad()
-            _linear_loss(model, kind, step, rank, world).backward()
+            linear_loss(model, kind, step, rank, world).backward()
             opt.step()
             ddp.finish_param_sync()
         masters = opt_r.main_param_values()
@@ -175,7 +138,7 @@ def checkpoints() -> dict:
     """Checkpoints hold fp32 masters with or without the option: a run with remainders saved
     and resumed continues bit for bit, and loads into and from the fp32-master path."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    path = comm_path()
+    path = shared_tmpdir("distopt-remainders-")
     base = _adversarial_init_copy()
     opt_cls, kwargs = OPTIMIZERS["adamw"]
 
@@ -187,7 +150,7 @@ def checkpoints() -> dict:
     def train(ddp, opt, steps) -> None:
         for step in steps:
             opt.zero_grad()
-            _linear_loss(ddp.module, "random", step, rank, world).backward()
+            linear_loss(ddp.module, "random", step, rank, world).backward()
             opt.step()
         ddp.finish_param_sync()
 
@@ -225,16 +188,9 @@ def checkpoints() -> dict:
     return out
 
 
-def comm_path() -> str:
-    """A fresh directory, the same on every rank."""
-    box = [tempfile.mkdtemp(prefix="distopt-remainders-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _adversarial_init_copy() -> nn.Module:
-    model = _model()
-    _adversarial_init(model)
+    model = remainders_model()
+    adversarial_init(model)
     return model
 
 
@@ -244,7 +200,7 @@ def _cases() -> list:
     return cases + [("memory", memory, ()), ("checkpoints", checkpoints, ())]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 
@@ -312,7 +268,7 @@ def test_a_step_with_remainders_touches_only_the_step_modules():
         assert opt.step().updated
 
     train_step()
-    touched = _files_run_by(train_step)
+    touched = files_run_by(train_step)
     assert "optim/step.py" in touched and touched <= STEP_FILES, sorted(touched)
 
 

@@ -1,145 +1,61 @@
-"""distopt against single-process torch.optim: trajectories, no_sync and memory, d = 1..4.
+"""The parity grid: distopt against single-process torch.optim, d = 1..4.
 
-Every rank trains its slice of the same global batches with distopt and, in the same process,
-a plain torch reference on the full batches; the cases return the largest difference seen after
-any step. One spawned group per world size runs the whole grid.
+Every point of the grid (helpers.ParityRun) trains AwkwardLM on this rank's slice of the same
+global batches with distopt and, in the same process, a plain torch reference on the full
+batches (with fp32 master weights when the params are in low precision); the cases return the
+largest difference seen after any step, what the last step sent and what each rank holds. The
+axes: the optimizer (AdamW, SGD, Adagrad), the param and grad dtypes, fp32-accumulated
+reductions, None or zero grads for unused params, overlap on or off, param groups with a
+schedule or one group, the mesh (flat, or replicate x shard at d = 4; see
+[Note: hierarchical data parallelism]) and d. Also here: no_sync accumulation and the memory
+table. One spawned group per world size runs the whole grid.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distopt
 
 from dist_harness import case_result, run_cases
+from helpers import (
+    BF16_TOL,
+    FP32_TOL,
+    NORM_RTOL,
+    PARITY_OPTIMIZERS,
+    ParityRun,
+    lm_loss,
+    max_diff,
+    parity_trajectory,
+    world_params,
+)
 from models import AwkwardLM, batches, mlp, rank_slice
 
-STEPS = 20
-CLIP = 0.5
-FP32_TOL = 1e-5
-# bf16 params: each rank computes its grads on a slice of the batch in bf16, so rounding
-# differs from the full-batch reference. The weights here stay below 4 in magnitude, where one
-# bf16 ulp is 2**-6; allow two ulps.
-BF16_TOL = 2 * 2**-6
-# Grad norms of ~1-10 summed in another order (per shard, then across ranks): relative.
-NORM_RTOL = 1e-5
-
-OPTIMIZERS = {
-    "adamw": (torch.optim.AdamW, {"betas": (0.8, 0.95)}, {"lr": 1e-2}),
-    "sgd": (torch.optim.SGD, {"dampening": 0.0}, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
-    "adagrad": (torch.optim.Adagrad, {}, {"lr": 0.05}),
+BF16 = torch.bfloat16
+# name -> the point of the grid; the flat points run at every d
+FLAT = {
+    **{f"fp32-{name}": ParityRun(optimizer=name) for name in PARITY_OPTIMIZERS},
+    "fp32-adamw-zero-grads": ParityRun(find_unused=False),
+    "fp32-adamw-no-overlap": ParityRun(overlap_grad=False, overlap_gather=False),
+    "bf16-fp32grads": ParityRun(dtype=BF16, groups=False, overlap_gather=False),
+    "bf16-bf16grads": ParityRun(dtype=BF16, grad_dtype=BF16, groups=False,
+                                overlap_gather=False),
 }
-
-
-def _groups(model: AwkwardLM, opt_name: str) -> list[dict]:
-    groups = model.param_groups(wd_lr=2e-2, other_lr=1e-2)
-    groups[1].update(OPTIMIZERS[opt_name][1])
-    return groups
-
-
-def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max(
-        (pa.detach().float() - pb.detach().float()).abs().max().item()
-        for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
-    )
-
-
-def _lm_loss(forward, tokens, targets, step):
-    logits = forward(tokens, use_sometimes=step % 2 == 0)
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def fp32_master_step(trainable: list[torch.nn.Parameter], masters: list[torch.nn.Parameter],
-                     ref_opt: torch.optim.Optimizer, loss: torch.Tensor) -> torch.Tensor:
-    """One step of the reference for low-precision params: the grads of ``loss`` go to
-    the fp32 ``masters`` (one per trainable param), are clipped to ``CLIP`` and stepped, and
-    the masters are cast back into the params. Returns the grad norm before clipping."""
-    for p in trainable:
-        p.grad = None
-    loss.backward()
-    for master, p in zip(masters, trainable, strict=True):
-        master.grad = None if p.grad is None else p.grad.float()
-    norm = torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], CLIP)
-    ref_opt.step()
-    with torch.no_grad():
-        for master, p in zip(masters, trainable, strict=True):
-            p.copy_(master)
-    return norm
-
-
-def parity_fp32(opt_name: str, find_unused: bool, overlap: bool) -> dict:
-    """distopt vs torch.optim on one process; find_unused pairs with set_to_none=True."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = AwkwardLM()
-    ref = copy.deepcopy(model)
-    opt_cls, _, kwargs = OPTIMIZERS[opt_name]
-    ddp = distopt.DistributedDataParallel(
-        model, bucket_size=40, overlap_grad_reduce=overlap, find_unused_parameters=find_unused
-    )
-    opt = distopt.DistributedOptimizer(
-        ddp, opt_cls, params=_groups(model, opt_name), clip_grad=CLIP,
-        overlap_param_gather=overlap, **kwargs,
-    )
-    sched = CosineAnnealingLR(opt, T_max=STEPS)
-    ref_opt = opt_cls(_groups(ref, opt_name), **kwargs)
-    ref_sched = CosineAnnealingLR(ref_opt, T_max=STEPS)
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-
-    worst, worst_norm = 0.0, 0.0
-    for step in range(STEPS):
-        tokens, targets = batches(step)
-        opt.zero_grad()
-        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
-                 step).backward()
-        result = opt.step()
-        sched.step()
-
-        ref_opt.zero_grad(set_to_none=find_unused)
-        _lm_loss(ref, tokens, targets, step).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in trainable if p.grad is not None], CLIP
-        )
-        ref_opt.step()
-        ref_sched.step()
-
-        ddp.finish_param_sync()
-        worst = max(worst, _max_diff(model, ref))
-        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
-    return {"max_diff": worst, "norm_diff": worst_norm, "moved": _max_diff(model, AwkwardLM())}
-
-
-def parity_bf16(grad_dtype: torch.dtype) -> dict:
-    """bf16 params vs a reference that keeps fp32 master weights and casts after each step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = AwkwardLM().to(torch.bfloat16)
-    ref = copy.deepcopy(model)
-    ref_trainable = [p for p in ref.parameters() if p.requires_grad]
-    masters = [torch.nn.Parameter(p.detach().float()) for p in ref_trainable]
-    ddp = distopt.DistributedDataParallel(
-        model, grad_dtype=grad_dtype, bucket_size=40, find_unused_parameters=True
-    )
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2)
-    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
-    worst = 0.0
-    for step in range(STEPS):
-        tokens, targets = batches(step)
-        opt.zero_grad()
-        _lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
-                 step).backward()
-        opt.step()
-
-        fp32_master_step(ref_trainable, masters, ref_opt,
-                         _lm_loss(ref, tokens, targets, step))
-        worst = max(worst, _max_diff(model, ref))
-    dtypes = {p.dtype for p in model.parameters()}
-    return {"max_diff": worst, "dtypes": dtypes}
+# bf16 grads reduced with fp32 accumulation (d > 1)
+FP32_ACCUMULATION = ParityRun(dtype=BF16, grad_dtype=BF16, fp32_accumulation=True, groups=False,
+                              overlap_gather=False, steps=10)
+# d = 4 as (replicate, shard) meshes
+LAYOUTS = [(2, 2), (1, 4), (4, 1)]
+MESH = {
+    **{f"fp32-{r}x{s}": ParityRun(mesh=(r, s)) for r, s in LAYOUTS},
+    "bf16-2x2": ParityRun(mesh=(2, 2), dtype=BF16),
+    "fp32acc-2x2": dataclasses.replace(FP32_ACCUMULATION, mesh=(2, 2)),
+}
 
 
 def no_sync_accumulation() -> dict:
@@ -158,7 +74,7 @@ def no_sync_accumulation() -> dict:
         opt.zero_grad()
         ddp.comm_stats.reset()
         for i in range(4):
-            loss = _lm_loss(ddp, micro[0][i], micro[1][i], 0) / 4
+            loss = lm_loss(ddp, micro[0][i], micro[1][i], 0) / 4
             if i < 3:
                 with ddp.no_sync():
                     loss.backward()
@@ -167,9 +83,9 @@ def no_sync_accumulation() -> dict:
                 loss.backward()
         opt.step()
         ref_opt.zero_grad()
-        _lm_loss(ref, tokens, targets, 0).backward()
+        lm_loss(ref, tokens, targets, 0).backward()
         ref_opt.step()
-        worst = max(worst, _max_diff(model, ref))
+        worst = max(worst, max_diff(model, ref))
     return {"max_diff": worst, "calls_in_no_sync": calls_in_no_sync,
             "reduce_scatters": ddp.comm_stats.calls["reduce_scatter"],
             "buckets": len(ddp.buckets)}
@@ -199,13 +115,9 @@ def memory_row(param_dtype: torch.dtype, grad_dtype: torch.dtype) -> dict:
 
 
 def _cases(world: int) -> list:
-    cases = []
-    for opt_name in OPTIMIZERS:
-        cases.append((f"fp32-{opt_name}", parity_fp32, (opt_name, True, True)))
-    cases.append(("fp32-adamw-zero-grads", parity_fp32, ("adamw", False, True)))
-    cases.append(("fp32-adamw-no-overlap", parity_fp32, ("adamw", True, False)))
-    cases.append(("bf16-fp32grads", parity_bf16, (torch.float32,)))
-    cases.append(("bf16-bf16grads", parity_bf16, (torch.bfloat16,)))
+    cases = [(name, parity_trajectory, (run,)) for name, run in FLAT.items()]
+    if world > 1:
+        cases.append(("fp32acc", parity_trajectory, (FP32_ACCUMULATION,)))
     cases.append(("no-sync", no_sync_accumulation, ()))
     for pd, gd in MEMORY_ROWS:
         cases.append((f"memory-{pd}-{gd}", memory_row, (pd, gd)))
@@ -215,7 +127,7 @@ def _cases(world: int) -> list:
 WORLDS = [1, 2, 3, 4]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases(request.param))
 
@@ -272,3 +184,90 @@ def test_memory_matches_design_table(world, param_dtype, grad_dtype):
         assert r.bytes_per_param == pytest.approx(theory + slack, rel=1e-9)
         assert 0 <= padding_bytes / num_params < 0.2  # padding stays a small excess
     assert owned_total == num_params  # every element's state exists on exactly one rank
+
+
+# ---------------------------------------------------------------- fp32-accumulated reductions
+
+
+def test_fp32_accumulation_trains_like_fp32_master_weights(world):
+    """bf16 params and bf16 grads reduced with fp32 accumulation, AdamW with clipping, against
+    fp32 master weights on the full batch: the flat path's bound (test_fp32_accumulation.py
+    checks the reduction itself)."""
+    d, results = world
+    if d == 1:
+        pytest.skip("a reduction needs two ranks")
+    for value in case_result(results, "fp32acc"):
+        assert value["fp32_buckets"] == value["buckets"]
+        assert value["max_diff"] <= BF16_TOL, (d, value)
+        assert value["moved"] > 2 * BF16_TOL  # it trained: ~lr per step
+
+
+# ---------------------------------------------------------------- meshes (d = 4)
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    """Every mesh point at d = 4 (the tests that use it are slow)."""
+    return run_cases(4, [(name, parity_trajectory, (run,)) for name, run in MESH.items()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
+def test_mesh_trains_like_single_process_torch(meshes, layout):
+    """Shard over "dp_shard", replicate over "dp_replicate": each rank trains its slice of the
+    global batch, as flat data parallelism at d = 4 does."""
+    r, s = layout
+    for v in case_result(meshes, f"fp32-{r}x{s}"):
+        assert v["dp_size"] == s
+        assert v["max_diff"] < FP32_TOL, v["max_diff"]
+        assert v["norm_diff"] < NORM_RTOL, v["norm_diff"]
+        assert v["moved"] > 0.05
+
+
+@pytest.mark.slow
+def test_mesh_bf16_params_with_fp32_masters(meshes):
+    for v in case_result(meshes, "bf16-2x2"):
+        assert v["max_diff"] < BF16_TOL, v["max_diff"]
+        assert v["moved"] > 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
+def test_mesh_each_group_carries_what_it_should(meshes, layout):
+    r, s = layout
+    for v in case_result(meshes, f"fp32-{r}x{s}"):
+        calls, nbytes, n = v["calls"], v["bytes"], v["buckets"]
+        # The shard group: one reduce-scatter and one all-gather per bucket (none when s = 1).
+        assert calls.get("reduce_scatter", 0) == (n if s > 1 else 0)
+        assert calls.get("all_gather", 0) == (n if s > 1 else 0)
+        # The replicate group: this rank's reduced chunk of every bucket, N/s elements, once.
+        assert calls.get("replicate_all_reduce", 0) == (n if r > 1 else 0)
+        assert nbytes.get("replicate_all_reduce", 0) == (4 * v["padded"] // s if r > 1 else 0)
+        assert v["owned_padded"] * s == v["padded"]
+        assert "all_reduce" not in calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}x{x[1]}")
+def test_mesh_memory_is_the_table_at_the_shard_size(meshes, layout):
+    r, s = layout
+    values = case_result(meshes, f"fp32-{r}x{s}")
+    for v in values:
+        report, padded = v["report"], v["padded"]
+        assert report.params == report.grads == 4 * padded
+        assert report.main_params == report.main_grads == 0  # views, fp32 params and grads
+        assert report.optimizer_state == 8 * v["owned"]
+    # The ranks of one replica (global ranks 0..s-1) own every element once: state is 8/s.
+    assert sum(v["owned"] for v in values[:s]) == values[0]["num_params"]
+    assert all(v["owned"] == values[i % s]["owned"] for i, v in enumerate(values))
+
+
+@pytest.mark.slow
+def test_mesh_fp32_accumulation_trains_like_fp32_master_weights(meshes):
+    """bf16 params and grads with fp32-accumulated reductions on a (2, 2) mesh against a
+    reference keeping fp32 master weights, AdamW with clipping: the flat path's test on a
+    mesh."""
+    for v in case_result(meshes, "fp32acc-2x2"):
+        assert v["fp32_buckets"] == v["buckets"]
+        assert v["max_diff"] <= BF16_TOL, v  # the flat path's tolerance
+        assert v["moved"] > 2 * BF16_TOL

@@ -28,6 +28,7 @@ from distopt.memory import bytes_per_param_breakdown
 from distopt.optim.remainders import bf16_of_fp32
 
 from dist_harness import case_result, run_cases
+from helpers import world_params
 from models import mlp
 
 WORLDS = [1, 2, 4]
@@ -263,7 +264,7 @@ def _cases() -> list:
     return cases
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 

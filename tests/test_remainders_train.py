@@ -10,8 +10,8 @@ first tie event the runs are the same bit for bit; at it the params differ exact
 elements; from the next step on the forward passes differ there, and so do all grads, a little.
 bf16 training amplifies such a difference like any other one-ulp change of a weight: the run
 with remainders stays within 2 bf16 ulps at the weights' magnitude of the fp32-master path
-(test_parity.BF16_TOL), and about as many of its elements stay bit for bit equal as in the
-control. The tie events are counted and printed.
+(helpers.BF16_TOL, test_parity.py's bound), and about as many of its elements stay bit for bit
+equal as in the control. The tie events are counted and printed.
 
 Plain checkpoints: an export of a run with remainders holds its exact fp32 masters, and
 ``load_plain_checkpoint`` splits them back into bf16 params and remainders on every rank alike.
@@ -29,15 +29,23 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_param_remainders import OPTIMIZERS, _adversarial_init, _linear_loss, _model, comm_path
 from torch import nn
 
 import distopt
 from distopt.optim.remainders import bf16_of_fp32
 
 from dist_harness import case_result, run_cases
+from helpers import (
+    BF16_TOL,
+    REMAINDER_OPTIMIZERS,
+    adversarial_init,
+    linear_loss,
+    remainders_model,
+    shared_tmpdir,
+)
 from models import TinyTransformer, markov_batch, rank_slice
-from test_parity import BF16_TOL
+
+pytestmark = pytest.mark.slow
 
 WORLD = 2
 STEPS = 20
@@ -147,9 +155,9 @@ def plain_round_trip() -> dict:
     """A run with remainders -> save_checkpoint -> export (fp32 masters) -> load_plain_checkpoint
     into runs with and without remainders."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = _model()
-    _adversarial_init(base)
-    opt_cls, kwargs = OPTIMIZERS["sgd"]
+    base = remainders_model()
+    adversarial_init(base)
+    opt_cls, kwargs = REMAINDER_OPTIMIZERS["sgd"]
 
     def build(remainders: bool):
         model = copy.deepcopy(base)
@@ -159,13 +167,13 @@ def plain_round_trip() -> dict:
     def train(ddp, opt, kind: str, steps) -> None:
         for step in steps:
             opt.zero_grad()
-            _linear_loss(ddp.module, kind, step, rank, world).backward()
+            linear_loss(ddp.module, kind, step, rank, world).backward()
             opt.step()
         ddp.finish_param_sync()
 
     ddp, opt = build(True)
     train(ddp, opt, "adversarial", [0])  # puts masters exactly on ties
-    path = comm_path()
+    path = shared_tmpdir("distopt-remainders-")
     distopt.save_checkpoint(path, ddp, opt)
     exported = os.path.join(path, "plain.pt")
     if rank == 0:

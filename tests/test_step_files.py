@@ -9,38 +9,12 @@ the same code as d ranks with communication skipped, so one process sees every f
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from torch import nn
 
 import distopt
 
-STEP_FILES = {
-    "ddp.py", "buckets.py", "collectives.py", "optimizer.py", "optim/base.py", "optim/step.py",
-    "optim/main_params.py", "optim/grad_stats.py", "scaler.py",
-}
-PACKAGE = Path(distopt.__file__).parent
-
-
-def _files_run_by(fn) -> set[str]:
-    """Files of the distopt package whose Python functions run while ``fn()`` runs."""
-    seen: set[str] = set()
-
-    def profile(frame, event, _arg) -> None:
-        if event == "call":
-            seen.add(frame.f_code.co_filename)
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return {
-        str(Path(name).relative_to(PACKAGE)) for name in seen
-        if Path(name).is_relative_to(PACKAGE)
-    }
+from helpers import STEP_FILES, files_run_by
 
 
 def test_a_step_touches_only_the_step_modules():
@@ -67,7 +41,7 @@ def test_a_step_touches_only_the_step_modules():
             assert result.updated
 
     train_step()  # the first step also builds the inner optimizers' state
-    touched = _files_run_by(train_step)
+    touched = files_run_by(train_step)
     assert {"ddp.py", "buckets.py", "optim/base.py", "optim/step.py", "optim/grad_stats.py",
             "scaler.py"} <= touched
     assert touched <= STEP_FILES, f"a step ran code of {sorted(touched - STEP_FILES)}"

@@ -19,8 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
@@ -29,72 +27,18 @@ from distopt.optim.remainders import bf16_of_fp32
 from distopt.parallel.tensor_parallel import some_shard_is_empty
 
 from dist_harness import case_result, run_cases
+from helpers import full, max_diff
+from models import TP_BATCH, TP_DIM, TP_FFN, TP_HEAD_DIM, TP_HEADS, TP_SEQ, Block, batch, tp_plan
 
 WORLD = 4
 STEPS = 10
 FP32_TOL = 1e-5
 NORM_RTOL = 1e-5
 CLIP = 0.05  # below every step's grad norm here, so every step clips
-DIM, HEADS, HEAD_DIM, FFN, SEQ, BATCH = 8, 4, 2, 16, 4, 8
-
-
-class Block(nn.Module):
-    """Pre-norm attention + MLP block. TP-agnostic: heads and sequence length are read from
-    the local tensors (fewer heads under TP, a sequence chunk under sequence parallelism)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(DIM)
-        self.q = nn.Linear(DIM, HEADS * HEAD_DIM)
-        # No key bias: softmax ignores it, so its true grad is 0 and Adam would amplify the
-        # rounding noise there into differences that say nothing about distopt.
-        self.k = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
-        self.v = nn.Linear(DIM, HEADS * HEAD_DIM)
-        self.o = nn.Linear(HEADS * HEAD_DIM, DIM)
-        self.ln2 = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, FFN)
-        self.fc2 = nn.Linear(FFN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        q, k, v = (lin(h).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
-                   for lin in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).flatten(-2))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-def tp_plan(sequence_parallel: bool = False) -> dict:
-    col, row = ColwiseParallel, RowwiseParallel
-    if not sequence_parallel:
-        return {"q": col(), "k": col(), "v": col(), "o": row(), "fc1": col(), "fc2": row()}
-    # Activations outside attention and MLP stay split along the sequence; the LayerNorms hold
-    # Replicate DTensor params whose grads come back Partial (summed over the TP ranks).
-    seq = Shard(1)
-    return {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-            "q": col(input_layouts=seq), "k": col(input_layouts=seq), "v": col(input_layouts=seq),
-            "o": row(output_layouts=seq), "fc1": col(input_layouts=seq),
-            "fc2": row(output_layouts=seq)}
 
 
 def mesh_2d(dp: int, tp: int, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh:
     return DeviceMesh("cpu", torch.arange(WORLD).reshape(dp, tp), mesh_dim_names=names)
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
-
-
-def full(p: torch.Tensor) -> torch.Tensor:
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-
-
-def max_diff(model: nn.Module, ref: nn.Module) -> float:
-    return max(
-        (full(p) - q.detach()).abs().max().item()
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
-    )
 
 
 def tp_block(mesh: DeviceMesh, sequence_parallel: bool = False) -> tuple[Block, Block]:
@@ -132,10 +76,10 @@ def parity(dp: int, tp: int, sharded: bool, sequence_parallel: bool) -> dict:
     clipped, calls = 0, []
     for step in range(STEPS):
         x, y = batch(step)
-        per = BATCH // dp
+        per = TP_BATCH // dp
         mine = (slice(dp_rank * per, (dp_rank + 1) * per),)
         if sequence_parallel:  # and this TP rank's chunk of the sequence
-            mine += (slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp),)
+            mine += (slice(tp_rank * TP_SEQ // tp, (tp_rank + 1) * TP_SEQ // tp),)
         opt.zero_grad()
         ddp.comm_stats.reset()
         loss = F.mse_loss(ddp(x[mine]), y[mine])
@@ -195,8 +139,8 @@ def remainders_match_fp32_masters() -> dict:
     out = {"results": {True: [], False: []}, "same_masters": [], "ties": []}
     for step in range(4):
         x, y = batch(step)
-        mine = (slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2),
-                slice(tp_rank * SEQ // 2, (tp_rank + 1) * SEQ // 2))
+        mine = (slice(dp_rank * TP_BATCH // 2, (dp_rank + 1) * TP_BATCH // 2),
+                slice(tp_rank * TP_SEQ // 2, (tp_rank + 1) * TP_SEQ // 2))
         for remainders, (ddp, opt) in runs.items():
             opt.zero_grad()
             (F.mse_loss(ddp(x[mine].bfloat16()).float(), y[mine]) / 2).backward()
@@ -379,7 +323,8 @@ def test_trains_like_single_process_torch(results, config):
 
 def test_buffers_hold_local_shards_and_dp_collectives_cover_them(results):
     for v in case_result(results, "parity-dp2-tp2-zero"):
-        sharded_numel = 4 * (DIM * HEADS * HEAD_DIM) + 2 * DIM * FFN + 2 * HEADS * HEAD_DIM + FFN
+        width = TP_HEADS * TP_HEAD_DIM
+        sharded_numel = 4 * TP_DIM * width + 2 * TP_DIM * TP_FFN + 2 * width + TP_FFN
         assert v["global_numel"] - v["local_numel"] == sharded_numel // 2
         assert v["local_numel"] <= v["buffer_numel"] < v["local_numel"] + v["buckets"] * 2 * 64
         for calls in v["calls"]:

@@ -24,15 +24,12 @@ from distopt.checkpoint.dcp import read_metadata
 from distopt.checkpoint.format import piece_runs
 
 from dist_harness import case_result, run_cases
-from test_tensor_parallel import BATCH, Block, batch, tp_plan
+from helpers import full
+from models import TP_BATCH, Block, batch, tp_plan
 
 STEPS = 5
 FP32_TOL = 1e-5
 LR, WD = 1e-2, 0.1
-
-
-def full(p: torch.Tensor) -> torch.Tensor:
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
 def build(dp: int, tp: int | None, seed: int) -> tuple[nn.Module, distopt.DistributedDataParallel,
@@ -61,7 +58,7 @@ def build(dp: int, tp: int | None, seed: int) -> tuple[nn.Module, distopt.Distri
 def train(model, ddp, opt, dp: int, dp_rank: int, steps: range) -> list[list[torch.Tensor]]:
     """Train ``steps`` on this rank's DP slice; the full params after each step."""
     out = []
-    per = BATCH // dp
+    per = TP_BATCH // dp
     for step in steps:
         x, y = batch(step)
         opt.zero_grad()
@@ -69,7 +66,7 @@ def train(model, ddp, opt, dp: int, dp_rank: int, steps: range) -> list[list[tor
         F.mse_loss(ddp(x[mine]), y[mine]).backward()
         opt.step()
         ddp.finish_param_sync()
-        out.append([full(p) for p in model.parameters()])
+        out.append([full(p).clone() for p in model.parameters()])
     return out
 
 
@@ -82,7 +79,7 @@ def save_and_reference(path: str) -> dict:
     """dp=2, tp=2: 5 steps, save, 5 more steps (the reference)."""
     model, ddp, opt, dp_rank = build(2, 2, seed=0)
     train(model, ddp, opt, 2, dp_rank, range(STEPS))
-    saved = [full(p) for p in model.parameters()]
+    saved = [full(p).clone() for p in model.parameters()]
     distopt.save_checkpoint(path, ddp, opt, extra={"step": STEPS})
     reference = train(model, ddp, opt, 2, dp_rank, range(STEPS, 2 * STEPS))
     return {"saved": saved, "reference": reference}
@@ -91,9 +88,9 @@ def save_and_reference(path: str) -> dict:
 def resume(path: str, dp: int, tp: int | None, saved: list, reference: list) -> dict:
     """Load the checkpoint at (dp, tp), then train the reference's last 5 steps."""
     model, ddp, opt, dp_rank = build(dp, tp, seed=1)
-    before = worst([[full(p) for p in model.parameters()]], [saved])
+    before = worst([[full(p).clone() for p in model.parameters()]], [saved])
     extra = distopt.load_checkpoint(path, ddp, opt)
-    loaded = worst([[full(p) for p in model.parameters()]], [saved])
+    loaded = worst([[full(p).clone() for p in model.parameters()]], [saved])
     resumed = train(model, ddp, opt, dp, dp_rank, range(STEPS, 2 * STEPS))
     return {"extra": extra, "before": before, "loaded": loaded,
             "max_diff": worst(resumed, reference),

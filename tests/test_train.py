@@ -15,22 +15,14 @@ from pathlib import Path
 import pytest
 
 import distopt
+from distopt import cli
 from distopt.train.config import default_shard_size
 
-SMALL = ["--model", "tiny", "--steps", "8", "--batch-size", "8", "--seq-len", "32",
-         "--max-bytes", "300000", "--eval-every", "4", "--eval-batches", "2",
-         "--save-every", "4", "--no-progress", "--warmup", "2"]
-
-
-def _run(args: list[str], env: dict[str, str] | None = None, timeout: int = 240,
-         module: str = "distopt") -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+from helpers import SMALL_TRAIN, free_port, run_distopt
 
 
 def _train(out: Path, *extra: str, env: dict[str, str] | None = None):
-    return _run(["train", "--nproc", "2", *SMALL, "--out", str(out), *extra], env=env)
+    return run_distopt(["train", "--nproc", "2", *SMALL_TRAIN, "--out", str(out), *extra], env=env)
 
 
 def _final_heldout(out: Path) -> float:
@@ -45,6 +37,7 @@ def baseline(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_run_writes_metrics_summary_plot_and_checkpoints(baseline):
     records = [json.loads(line) for line in (baseline / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "loss" in r]
@@ -63,6 +56,7 @@ def test_run_writes_metrics_summary_plot_and_checkpoints(baseline):
     assert distopt.has_checkpoint(baseline / "checkpoints")
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_matches_the_uninterrupted_run(baseline, tmp_path):
     crashed = _train(tmp_path, env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
                                     "DISTOPT_TRAIN_FAIL_RANK": "1"})
@@ -73,6 +67,7 @@ def test_resume_after_a_crash_matches_the_uninterrupted_run(baseline, tmp_path):
     assert _final_heldout(tmp_path) == _final_heldout(baseline)
 
 
+@pytest.mark.slow
 def test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically(baseline, tmp_path):
     proc = _train(tmp_path, "--max-restarts", "1",
                   env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0"})
@@ -134,13 +129,14 @@ def shard_size_one(tmp_path_factory) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_two_launchers_as_two_nodes_match_one_launcher(shard_size_one, tmp_path):
     """Two launchers of one rank each: by default each node's rank is its own shard group (the
     replicate all-reduce crosses the launchers), as one launcher with --shard-size 1 does."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-           "--rdzv-id", "distopt-two-nodes", "-m", "distopt.train", *SMALL,
+           "--rdzv-id", "distopt-two-nodes", "-m", "distopt.train", *SMALL_TRAIN,
            "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -152,6 +148,7 @@ def test_two_launchers_as_two_nodes_match_one_launcher(shard_size_one, tmp_path)
     assert _final_heldout(tmp_path) == _final_heldout(shard_size_one.out)
 
 
+@pytest.mark.slow
 def test_shard_size_shards_within_groups_and_replicates_across(baseline, shard_size_one):
     """Two ranks each shard alone and replicate each other: memory is the table at d = 1, and
     the run learns what the flat run learns (the same average, summed in another order)."""
@@ -179,6 +176,7 @@ def test_default_shard_size_is_one_node_on_several(node_of_rank, shard):
     assert default_shard_size(node_of_rank) == shard
 
 
+@pytest.mark.slow
 def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
     proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
                   "--reduce-scatter-fp32-accumulation", "--store-param-remainders")
@@ -211,11 +209,23 @@ def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
      (["--reduce-scatter-fp32-accumulation", "--grad-dtype", "bf16", "--no-shard"],
       "--reduce-scatter-fp32-accumulation needs the sharded optimizer; drop --no-shard")],
 )
-def test_bad_options_give_one_line(tmp_path, args, message):
+def test_bad_options_give_one_line(tmp_path, capsys, args, message):
+    """Every check runs before any rank starts, so the command itself is called here: what
+    ``python -m distopt`` exits with is what it returns (the next test runs one for real)."""
     args = [str(tmp_path) if a == "EMPTY" else a for a in args]
-    proc = _run(["train", *args], timeout=60)
+    code = cli.main(["train", *args])
+    stderr = capsys.readouterr().err
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distopt train: error:"), stderr
+    assert message in lines[0]
+    assert "Traceback" not in stderr
+
+
+def test_bad_option_exits_2_with_one_line_from_the_shell():
+    proc = run_distopt(["train", "--nproc", "0"], timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("distopt train: error:"), proc.stderr
-    assert message in lines[0]
+    assert "--nproc must be >= 1" in lines[0]
     assert "Traceback" not in proc.stderr

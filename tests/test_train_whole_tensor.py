@@ -12,24 +12,28 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train import SMALL, _run
 
 from distopt.train.model import gpt_config
 
-# SMALL saves checkpoints every 4 steps; the runs here write none, but the last test's.
-_AT = SMALL.index("--save-every")
-NO_SAVE = [*SMALL[:_AT], *SMALL[_AT + 2 :], "--no-save"]
+from helpers import SMALL_TRAIN, run_distopt
+
+pytestmark = pytest.mark.slow
+
+# SMALL_TRAIN saves checkpoints every 4 steps; the runs here write none, but the last test's.
+_AT = SMALL_TRAIN.index("--save-every")
+NO_SAVE = [*SMALL_TRAIN[:_AT], *SMALL_TRAIN[_AT + 2 :], "--no-save"]
 
 
 def _train(out: Path, optimizer: str, *extra: str, save: bool = False,
            env: dict[str, str] | None = None):
-    args = SMALL if save else NO_SAVE
-    return _run(["train", "--nproc", "2", *args, "--optimizer", optimizer, "--out", str(out),
-                 *extra], env=env)
+    args = SMALL_TRAIN if save else NO_SAVE
+    return run_distopt(["train", "--nproc", "2", *args, "--optimizer", optimizer,
+                        "--out", str(out), *extra], env=env)
 
 
 def _shapes() -> tuple[list[tuple[int, int]], int]:
-    """The tiny GPT of SMALL (seq_len 32): its hidden matrices, and the elements of the rest."""
+    """The tiny GPT of SMALL_TRAIN (seq_len 32): its hidden matrices, and the elements of the
+    rest."""
     config = gpt_config("tiny", seq_len=32)
     e, layers = config.n_embd, config.n_layer
     matrices = layers * [(3 * e, e), (e, e), (4 * e, e), (e, 4 * e)]
@@ -113,12 +117,11 @@ def test_adafactor_keeps_rows_and_columns(runs):
 
 
 def test_muon_run_resumes_after_a_crash(runs, tmp_path):
-    """A Muon run killed at step 6 and resumed from its step-4 checkpoint ends exactly where
-    the uninterrupted run (without checkpoints) ends."""
-    crashed = _train(tmp_path, "muon", save=True,
-                     env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "1"})
-    assert crashed.returncode != 0
-    resumed = _train(tmp_path, "muon", "--resume", save=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    """A Muon run whose rank 1 is killed at step 6 is restarted by the launcher, resumes from
+    its step-4 checkpoint and ends exactly where the uninterrupted run (without checkpoints)
+    ends. (test_train.py checks ``--resume`` after a run that stopped.)"""
+    proc = _train(tmp_path, "muon", "--max-restarts", "1", save=True,
+                  env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
     uninterrupted = _summary(runs["muon"][0])["heldout_loss_end"]
     assert _summary(tmp_path)["heldout_loss_end"] == uninterrupted

@@ -10,7 +10,6 @@ same mesh, and single-process torch.optim within 1e-5. Both runs go at once.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,19 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import FP32_TOL, fp32_master_step, free_port, lm_loss, parity_groups
 from models import AwkwardLM, batches
-from test_parity import FP32_TOL, _groups, _lm_loss, fp32_master_step
 from two_node_worker import STEPS
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "two_node_worker.py"
 LAUNCHERS = ("0", "1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(out: Path, launcher: str, *args: str) -> subprocess.Popen:
@@ -49,7 +44,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     two, one = tmp_path_factory.mktemp("two-launchers"), tmp_path_factory.mktemp("one-launcher")
     # Static rendezvous at launcher 0's store: launcher i's ranks are 2i and 2i + 1.
     nodes = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         _torchrun(two, launcher, *nodes, "--master-port", port, "--node-rank", launcher)
         for launcher in LAUNCHERS
@@ -77,12 +72,13 @@ def _reference() -> dict[str, torch.Tensor]:
     masters = [torch.nn.Parameter(p.detach().clone()) for p in trainable]
     index = {p: i for i, p in enumerate(trainable)}
     groups = [
-        {**g, "params": [masters[index[p]] for p in g["params"]]} for g in _groups(model, "adamw")
+        {**g, "params": [masters[index[p]] for p in g["params"]]}
+        for g in parity_groups(model, "adamw")
     ]
     opt = torch.optim.AdamW(groups, lr=1e-2)
     for step in range(STEPS):
         tokens, targets = batches(step)
-        fp32_master_step(trainable, masters, opt, _lm_loss(model, tokens, targets, step))
+        fp32_master_step(trainable, masters, opt, lm_loss(model, tokens, targets, step))
     return {name: p.detach() for name, p in model.named_parameters()}
 
 

@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 import distopt
 
 from dist_harness import case_result, run_cases
+from helpers import max_diff, muon_groups, world_params
 from models import AwkwardLM, batches, rank_slice
 
 STEPS = 20
@@ -50,17 +51,9 @@ class NewtonSchulzCounter:
         torch_muon._zeropower_via_newtonschulz = self._original
 
 
-def _muon_groups(model: AwkwardLM) -> list[dict]:
-    """Muon for every matrix (the tied embedding included), AdamW for the rest."""
-    matrices = [model.emb.weight, model.l1.weight, model.l2.weight, model.sometimes.weight]
-    rest = [model.l1.bias, model.l2.bias, model.norm.weight, model.norm.bias]
-    return [{"params": matrices, **MUON},
-            {"params": rest, "optimizer": torch.optim.AdamW, **ADAMW}]
-
-
 def _reference(model: AwkwardLM, kind: str) -> list[torch.optim.Optimizer]:
     if kind == "muon":
-        muon, adamw = _muon_groups(model)
+        muon, adamw = muon_groups(model, MUON, ADAMW)
         return [torch.optim.Muon(muon["params"], **MUON),
                 torch.optim.AdamW(adamw["params"], foreach=True, **ADAMW)]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -70,7 +63,8 @@ def _reference(model: AwkwardLM, kind: str) -> list[torch.optim.Optimizer]:
 def _distopt(ddp: distopt.DistributedDataParallel, model: AwkwardLM, kind: str):
     if kind == "muon":
         # With the gather overlapped with the next forward: the wait hooks follow the layout.
-        return distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model),
+        return distopt.DistributedOptimizer(ddp, torch.optim.Muon,
+                                            params=muon_groups(model, MUON, ADAMW),
                                             clip_grad=CLIP, overlap_param_gather=True)
     return distopt.DistributedOptimizer(ddp, torch.optim.Adafactor, clip_grad=CLIP, **ADAFACTOR)
 
@@ -85,11 +79,6 @@ def _averaged_grads(ddp: distopt.DistributedDataParallel) -> dict[torch.nn.Param
         for param, rng in zip(bucket.params, bucket.param_ranges, strict=True):
             grads[param] = full[rng.start : rng.end].view_as(param).clone()
     return grads
-
-
-def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((pa.detach() - pb.detach()).abs().max().item()
-               for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def exact(kind: str, mesh_shape: tuple[int, int] | None = None) -> dict:
@@ -114,7 +103,7 @@ def exact(kind: str, mesh_shape: tuple[int, int] | None = None) -> dict:
 
     def compare(step: int) -> None:
         if not all(torch.equal(p, ref_of[p]) for p in model.parameters()):
-            unequal_steps.append((step, _max_diff(model, ref)))
+            unequal_steps.append((step, max_diff(model, ref)))
 
     for step in range(STEPS):
         tokens, targets = batches(step)
@@ -154,7 +143,7 @@ def exact(kind: str, mesh_shape: tuple[int, int] | None = None) -> dict:
               if buf.layout.params[i].owner is not None}
     return {
         "unequal_steps": unequal_steps,
-        "moved": _max_diff(model, start),
+        "moved": max_diff(model, start),
         "ns_calls": ns_calls,
         "comm": comm,
         "buckets": len(ddp.buckets),
@@ -174,7 +163,8 @@ def trajectory_muon() -> dict:
     model = AwkwardLM()
     ref, ref_sliced = copy.deepcopy(model), copy.deepcopy(model)
     ddp = distopt.DistributedDataParallel(model, bucket_size=60, find_unused_parameters=True)
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model))
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon,
+                                       params=muon_groups(model, MUON, ADAMW))
     ref_opts, sliced_opts = _reference(ref, "muon"), _reference(ref_sliced, "muon")
     worst, noise = 0.0, 0.0
     for step in range(STEPS):
@@ -194,8 +184,8 @@ def trajectory_muon() -> dict:
              / world).backward()
         for o in ref_opts + sliced_opts:
             o.step()
-        worst = max(worst, _max_diff(model, ref))
-        noise = max(noise, _max_diff(ref_sliced, ref))
+        worst = max(worst, max_diff(model, ref))
+        noise = max(noise, max_diff(ref_sliced, ref))
     return {"max_diff": worst, "noise": noise}
 
 
@@ -208,7 +198,8 @@ def remainders_match_fp32_masters() -> dict:
         torch.manual_seed(0)
         model = AwkwardLM().to(torch.bfloat16)
         ddp = distopt.DistributedDataParallel(model, bucket_size=60, find_unused_parameters=True)
-        opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model),
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon,
+                                           params=muon_groups(model, MUON, ADAMW),
                                            clip_grad=CLIP, store_param_remainders=remainders)
         runs.append((model, ddp, opt))
     unequal = []
@@ -266,7 +257,7 @@ def _cases(world: int) -> list:
 WORLDS = [1, 2, 3, 4]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases(request.param))
 

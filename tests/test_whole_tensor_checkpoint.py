@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR
 
@@ -33,7 +32,10 @@ import distopt
 from distopt.checkpoint import merge_state_dicts
 
 from dist_harness import case_result, run_cases
-from models import VOCAB, AwkwardLM, batches
+from helpers import lm_loss, max_diff, muon_groups, params_of, same, snapshot, state_diff
+from models import AwkwardLM, batches
+
+pytestmark = pytest.mark.slow
 
 SAVE_AT, END = 5, 10
 MUON = {"lr": 0.02, "momentum": 0.9}
@@ -87,14 +89,6 @@ RUNS = {
 }
 
 
-def _muon_groups(model: AwkwardLM) -> list[dict]:
-    """Muon for every matrix (the tied embedding included), AdamW for the rest."""
-    matrices = [model.emb.weight, model.l1.weight, model.l2.weight, model.sometimes.weight]
-    rest = [model.l1.bias, model.l2.bias, model.norm.weight, model.norm.bias]
-    return [{"params": matrices, **MUON},
-            {"params": rest, "optimizer": torch.optim.AdamW, **ADAMW}]
-
-
 def _round_to_bf16(grad: torch.Tensor) -> torch.Tensor:
     return grad.to(torch.bfloat16).to(grad.dtype)
 
@@ -113,7 +107,7 @@ def build(kind, second_group=torch.optim.AdamW, group=None):
     ddp = distopt.DistributedDataParallel(model, process_group=group, bucket_size=60,
                                           find_unused_parameters=True)
     if kind == "muon":
-        groups = _muon_groups(model)
+        groups = muon_groups(model, MUON, ADAMW)
         groups[1]["optimizer"] = second_group
         opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=groups)
     elif kind == "adafactor":
@@ -125,8 +119,7 @@ def build(kind, second_group=torch.optim.AdamW, group=None):
 
 def _loss(forward, step: int) -> torch.Tensor:
     tokens, targets = batches(step)  # the whole global batch on every rank
-    logits = forward(tokens, use_sometimes=step % 2 == 0)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    return lm_loss(forward, tokens, targets, step)
 
 
 def train(ddp, opt, sched, steps) -> None:
@@ -137,37 +130,9 @@ def train(ddp, opt, sched, steps) -> None:
         sched.step()
 
 
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def max_diff(model: nn.Module, ref: dict[str, torch.Tensor]) -> float:
-    return max((p.detach() - ref[k]).abs().max().item() for k, p in model.named_parameters())
-
-
 def _saved_state_dicts(root: Path, run: str) -> dict:
     return merge_state_dicts([torch.load(root / f"{run}-sd-{r}.pt", weights_only=False)
                               for r in range(2)])
-
-
-def _state_diff(opt, saved: dict) -> float:
-    """The largest difference between this rank's state and the saved one (inf if keys or
-    shapes differ)."""
-    from distopt.checkpoint.format import owned_pieces, piece_of
-
-    worst = 0.0
-    for owned in owned_pieces(opt):
-        main = piece_of(saved["main_params"][owned.name], owned, "main")
-        worst = max(worst, (owned.main.detach() - main).abs().max().item())
-        entries, mine = saved["state"].get(owned.name, {}), opt.state.get(owned.main, {})
-        if set(entries) != set(mine):
-            return float("inf")
-        for key, value in entries.items():
-            theirs = value if isinstance(value, torch.Tensor) else piece_of(value, owned, key)
-            if mine[key].shape != theirs.shape:
-                return float("inf")
-            worst = max(worst, (mine[key] - theirs).abs().max().item())
-    return worst
 
 
 # ---------------------------------------------------------------------- cases (in the ranks)
@@ -222,10 +187,10 @@ def resume(run: str, root: Path, how: str, d: int | None = None) -> dict | None:
                                                             opt)["sched"])
     calls = dict(ddp.comm_stats.calls)
     at_load = max_diff(model, ref["saved"])
-    state_diff = _state_diff(opt, _saved_state_dicts(root, run))
+    worst_state = state_diff(opt, _saved_state_dicts(root, run))
     classes = [g.get("optimizer") for g in opt.param_groups]
     train(ddp, opt, sched, range(SAVE_AT, END))
-    return {"at_load": at_load, "state_diff": state_diff, "final": max_diff(model, ref["final"]),
+    return {"at_load": at_load, "state_diff": worst_state, "final": max_diff(model, ref["final"]),
             "calls": calls, "buckets": len(ddp.buckets), "classes": classes}
 
 
@@ -239,16 +204,6 @@ def control(root: Path) -> float:
     sched.load_state_dict(ref["sched"])
     train(ddp, opt, sched, range(SAVE_AT, END))
     return max_diff(model, ref["final"])
-
-
-def snapshot(model: nn.Module, opt) -> list[torch.Tensor]:
-    """Every number the model and the optimizer hold on this rank, copied."""
-    values = [v.detach().clone() for v in model.state_dict().values()]
-    values += [m.detach().clone() for m in opt.main_params]
-    for main in opt.main_params:
-        values += [v.clone() for v in opt.state.get(main, {}).values()]
-    values.append(torch.tensor([g["lr"] for g in opt.param_groups]))
-    return values
 
 
 def bad_load(case: str, root: Path, d: int) -> dict | None:
@@ -272,10 +227,7 @@ def bad_load(case: str, root: Path, d: int) -> dict | None:
             distopt.load_plain_checkpoint(root / f"{run}.pt", ddp, opt)
     except distopt.CheckpointError as exc:
         error = str(exc)
-    after = snapshot(model, opt)
-    unchanged = len(before) == len(after) and all(
-        torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    return {"error": error, "unchanged": unchanged}
+    return {"error": error, "unchanged": same(before, snapshot(model, opt))}
 
 
 BAD = {
@@ -508,7 +460,7 @@ def test_export_continues_bitwise_in_plain_torch(exported, root):
         model = _model()
         model.load_state_dict(ckpt["model"])
         if run == "muon":
-            muon_group, adamw_group = _muon_groups(model)
+            muon_group, adamw_group = muon_groups(model, MUON, ADAMW)
             optimizers = [torch.optim.Muon(muon_group["params"], **MUON),
                           torch.optim.AdamW(adamw_group["params"], **ADAMW)]
             for opt, state in zip(optimizers, ckpt["optimizers"].values(), strict=True):

@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import distopt
 from distopt import collectives as comm
 
+from helpers import CLIP, lm_loss, parity_groups
 from models import AwkwardLM, batches, rank_slice
-from test_parity import CLIP, _groups, _lm_loss
 
 STEPS = 5
 SHAPE = (2, 2)  # (replicate, shard): one shard group per launcher of two ranks
@@ -40,7 +40,7 @@ def build() -> tuple[torch.nn.Module, Any, Any]:
     opt = distopt.DistributedOptimizer(
         ddp,
         torch.optim.AdamW,
-        params=_groups(model, "adamw"),
+        params=parity_groups(model, "adamw"),
         clip_grad=CLIP,
         overlap_param_gather=True,
         lr=1e-2,
@@ -89,7 +89,7 @@ def main(out: str) -> None:
         tokens, targets = batches(step)
         ddp.comm_stats.reset()
         opt.zero_grad()
-        loss = _lm_loss(
+        loss = lm_loss(
             ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world), step
         )
         loss.backward()

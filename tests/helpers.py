@@ -1,0 +1,492 @@
+"""What several test modules share: tolerances, losses, the fp32-master reference step and the
+parity grid's trajectory, comparisons and snapshots of models and optimizers, parameter groups,
+the arithmetic of fp32-accumulated reductions, and launching ``distopt train``. Models and
+batches live in models.py."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import CosineAnnealingLR
+
+import distopt
+from distopt import collectives as comm
+
+from models import AwkwardLM, batches, markov_batch, mlp, rank_slice
+
+# ---------------------------------------------------------------- world sizes
+
+
+def world_params(worlds: list[int]) -> list:
+    """The world sizes of a module's grid as pytest params "d<n>"; those above 2 are slow (the
+    inner loop, ``pytest -m "not slow"``, runs d = 1 and 2)."""
+    return [pytest.param(w, id=f"d{w}", marks=[pytest.mark.slow] if w > 2 else [])
+            for w in worlds]
+
+
+# ---------------------------------------------------------------- tolerances of the parity runs
+
+FP32_TOL = 1e-5
+# bf16 params: each rank computes its grads on a slice of the batch in bf16, so rounding
+# differs from the full-batch reference. The weights here stay below 4 in magnitude, where one
+# bf16 ulp is 2**-6; allow two ulps.
+BF16_TOL = 2 * 2**-6
+# Grad norms of ~1-10 summed in another order (per shard, then across ranks): relative.
+NORM_RTOL = 1e-5
+CLIP = 0.5  # the clipping of the AwkwardLM parity runs
+PARITY_STEPS = 20
+
+# name -> (class, options of AwkwardLM's second param group, optimizer options)
+PARITY_OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"betas": (0.8, 0.95)}, {"lr": 1e-2}),
+    "sgd": (torch.optim.SGD, {"dampening": 0.0}, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    "adagrad": (torch.optim.Adagrad, {}, {"lr": 0.05}),
+}
+
+
+def parity_groups(model: AwkwardLM, opt_name: str) -> list[dict]:
+    """AwkwardLM's two param groups, the second with ``opt_name``'s own options."""
+    groups = model.param_groups(wd_lr=2e-2, other_lr=1e-2)
+    groups[1].update(PARITY_OPTIMIZERS[opt_name][1])
+    return groups
+
+
+def muon_groups(model: AwkwardLM, muon: dict, adamw: dict, embedding: bool = True
+                ) -> list[dict]:
+    """Muon (options ``muon``) for the matrices of AwkwardLM, the tied embedding included
+    unless ``embedding`` is False; AdamW (options ``adamw``) for the rest."""
+    matrices = [model.l1.weight, model.l2.weight, model.sometimes.weight]
+    rest = [model.l1.bias, model.l2.bias, model.norm.weight, model.norm.bias]
+    if embedding:
+        matrices.insert(0, model.emb.weight)
+    else:
+        rest.insert(0, model.emb.weight)
+    return [{"params": matrices, **muon},
+            {"params": rest, "optimizer": torch.optim.AdamW, **adamw}]
+
+
+# ---------------------------------------------------------------- losses and the reference step
+
+
+def lm_loss(forward, tokens: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
+    """AwkwardLM's loss at ``step`` (its sometimes-used layer runs on even steps)."""
+    logits = forward(tokens, use_sometimes=step % 2 == 0)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def markov_loss(forward, step: int, rank: int, world: int) -> torch.Tensor:
+    """The loss of ``rank``'s slice of the Markov batch of ``step``."""
+    tokens, targets = markov_batch(step)
+    logits = forward(rank_slice(tokens, rank, world))
+    return F.cross_entropy(logits.float().flatten(0, 1),
+                           rank_slice(targets, rank, world).flatten())
+
+
+def fp32_master_step(trainable: list[nn.Parameter], masters: list[nn.Parameter],
+                     ref_opt: torch.optim.Optimizer, loss: torch.Tensor,
+                     clip: float = CLIP) -> torch.Tensor:
+    """One step of the reference for low-precision params: the grads of ``loss`` go to
+    the fp32 ``masters`` (one per trainable param), are clipped to ``clip`` and stepped, and
+    the masters are cast back into the params. Returns the grad norm before clipping."""
+    for p in trainable:
+        p.grad = None
+    loss.backward()
+    for master, p in zip(masters, trainable, strict=True):
+        master.grad = None if p.grad is None else p.grad.float()
+    norm = torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], clip)
+    ref_opt.step()
+    with torch.no_grad():
+        for master, p in zip(masters, trainable, strict=True):
+            p.copy_(master)
+    return norm
+
+
+# ---------------------------------------------------------------- comparisons and snapshots
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (gathered), or the tensor itself; detached."""
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+
+
+def max_diff(a: nn.Module, b: nn.Module | dict[str, torch.Tensor]) -> float:
+    """The largest elementwise difference between the params of two models (or of a model and
+    a {name: tensor} copy, see ``params_of``), in fp32 on the CPU; nan if any element is nan."""
+    if isinstance(b, dict):
+        pairs = [(p, b[name]) for name, p in a.named_parameters()]
+    else:
+        pairs = list(zip(a.parameters(), b.parameters(), strict=True))
+    diffs = [(full(x).cpu().float() - full(y).cpu().float()).abs().max() for x, y in pairs]
+    return torch.stack(diffs).max().item()
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of a model's params by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every number the model (params and buffers) and the optimizer (main params, state,
+    learning rates) hold on this rank, copied. A DDP's pending param gathers finish first."""
+    if isinstance(model, distopt.DistributedDataParallel):
+        model.finish_param_sync()
+        model = model.module
+    values = [v.detach().clone() for v in model.state_dict().values()]
+    values += [m.detach().clone() for m in opt.main_params]
+    for main in opt.main_params:
+        values += [v.clone() for v in opt.state.get(main, {}).values()
+                   if isinstance(v, torch.Tensor)]
+    values.append(torch.tensor([g["lr"] for g in opt.param_groups]))
+    return values
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Two snapshots hold the same numbers, bit for bit."""
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def state_diff(opt, saved: dict) -> float:
+    """The largest difference between this rank's main params and optimizer state and those of
+    a merged state dict ``saved``; inf if their keys or shapes differ."""
+    from distopt.checkpoint.format import owned_pieces, piece_of
+
+    worst = 0.0
+    for owned in owned_pieces(opt):
+        main = piece_of(saved["main_params"][owned.name], owned, "main")
+        worst = max(worst, (owned.main.detach() - main).abs().max().item())
+        entries, mine = saved["state"].get(owned.name, {}), opt.state.get(owned.main, {})
+        if set(entries) != set(mine):
+            return float("inf")
+        for key, value in entries.items():
+            theirs = value if isinstance(value, torch.Tensor) else piece_of(value, owned, key)
+            if mine[key].shape != theirs.shape:
+                return float("inf")
+            worst = max(worst, (mine[key].float() - theirs.float()).abs().max().item())
+    return worst
+
+
+def shared_tmpdir(prefix: str) -> str:
+    """A fresh directory, the same on every rank of the default group."""
+    box = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------- reduced grads
+
+
+def owned_grad_pieces(ddp: distopt.DistributedDataParallel
+                      ) -> Iterator[tuple[nn.Parameter, slice]]:
+    """(param, flat slice) of every piece of a grad this rank holds reduced."""
+    for bucket in ddp.buckets:
+        for param, slot in zip(bucket.params, bucket.param_ranges, strict=True):
+            owned = slot.intersect(bucket.owned_range)
+            if owned is not None:
+                yield param, slice(owned.start - slot.start, owned.end - slot.start)
+
+
+FP32_EPS = 2.0**-24  # unit roundoff of fp32
+MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}  # implicit bit included
+
+
+def ulp_of(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` numbers around each fp64 value of ``exact``."""
+    _, exponent = torch.frexp(exact)  # exact = m * 2**e with 0.5 <= |m| < 1
+    spacing = torch.pow(2.0, (exponent - MANTISSA_BITS[dtype]).to(torch.float64))
+    return spacing.clamp_min(torch.finfo(dtype).smallest_normal * 2.0 ** (1 - MANTISSA_BITS[dtype]))
+
+
+def fp32_average(rows: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """What fp32 accumulation promises: the rows added in fp32 in rank order, divided, rounded
+    once."""
+    total = rows[0].float()
+    for row in rows[1:]:
+        total = total + row.float()
+    return (total / len(rows)).to(dtype)
+
+
+def exact_average(rows: list[torch.Tensor]) -> torch.Tensor:
+    return sum(row.double() for row in rows) / len(rows)
+
+
+def error_report(result: torch.Tensor, rows: list[torch.Tensor]) -> dict:
+    """Errors of ``result`` against the exact average: in ulps of the exact value, and how far
+    over half an ulp, after allowing the fp32 sum's own roundoff (d fp32 roundings of the
+    summed magnitudes)."""
+    exact = exact_average(rows)
+    ulps = (result.double() - exact).abs() / ulp_of(exact, result.dtype)
+    magnitude = sum(row.double().abs() for row in rows) / len(rows)
+    slack = len(rows) * FP32_EPS * magnitude / ulp_of(exact, result.dtype)
+    return {"max_ulps": ulps.max().item(), "mean_ulps": ulps.mean().item(),
+            "over_half_ulp": (ulps - slack - 0.5).max().item()}
+
+
+# ---------------------------------------------------------------- launching distopt train
+
+# A small `distopt train` run: 8 steps of the tiny GPT, evaluated and saved every 4 steps.
+SMALL_TRAIN = ["--model", "tiny", "--steps", "8", "--batch-size", "8", "--seq-len", "32",
+               "--max-bytes", "300000", "--eval-every", "4", "--eval-batches", "2",
+               "--save-every", "4", "--no-progress", "--warmup", "2"]
+
+
+def run_distopt(args: list[str], env: dict[str, str] | None = None, timeout: int = 240,
+                module: str = "distopt") -> subprocess.CompletedProcess:
+    """``python -m distopt ARGS`` with one thread per process; its output captured."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a launcher's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- which files a call runs
+
+STEP_FILES = {
+    "ddp.py", "buckets.py", "collectives.py", "optimizer.py", "optim/base.py", "optim/step.py",
+    "optim/main_params.py", "optim/grad_stats.py", "scaler.py",
+}
+PACKAGE = Path(distopt.__file__).parent
+
+
+def files_run_by(fn) -> set[str]:
+    """Files of the distopt package whose Python functions run while ``fn()`` runs."""
+    seen: set[str] = set()
+
+    def profile(frame, event, _arg) -> None:
+        if event == "call":
+            seen.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return {
+        str(Path(name).relative_to(PACKAGE)) for name in seen
+        if Path(name).is_relative_to(PACKAGE)
+    }
+
+
+# ---------------------------------------------------------------- collectives that check waits
+
+
+class _Deferred:
+    """A handle whose work runs when it is first waited for."""
+
+    def __init__(self, run) -> None:
+        self._run = run
+
+    def wait(self) -> bool:
+        run, self._run = self._run, None
+        if run is not None:
+            run()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._run is None
+
+
+class StrictCollectives:
+    """Patch distopt's collectives to make the ordering contract observable instead of hoping a
+    race shows: an async reduction is only run when it is waited for, and records a violation
+    if its bucket's grads changed after launch (a grad accumulated after its bucket was sent);
+    an async gather fills the bucket's other ranks' chunks with NaN until it is waited for, so a
+    module reading a param it did not wait for poisons the loss."""
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.launched_before_sync = 0
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> StrictCollectives:
+        for name in ("reduce_scatter_avg", "all_gather"):
+            self._saved[name] = getattr(comm, name)
+        comm.reduce_scatter_avg = self._reduce_scatter_avg
+        comm.all_gather = self._all_gather
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(comm, name, fn)
+
+    def _reduce_scatter_avg(self, shard, full, group, *, async_op, stats=None):
+        real = self._saved["reduce_scatter_avg"]
+        if not async_op:
+            return real(shard, full, group, async_op=False, stats=stats)
+        self.launched_before_sync += 1
+        snapshot = full.clone()
+
+        def run() -> None:
+            if not torch.equal(full, snapshot):
+                self.violations.append("a grad was accumulated into a bucket after its launch")
+            real(shard, full, group, async_op=False, stats=stats)
+
+        return _Deferred(run)
+
+    def _all_gather(self, full, shard, group, *, async_op, stats=None):
+        real = self._saved["all_gather"]
+        if not async_op:
+            return real(full, shard, group, async_op=False, stats=stats)
+        mine = shard.clone()
+        full.fill_(float("nan"))  # others' chunks are unknown until the gather is waited for
+        shard.copy_(mine)
+        return _Deferred(lambda: real(full, shard, group, async_op=False, stats=stats))
+
+
+# ---------------------------------------------------------------- bf16 params with remainders
+
+# name -> (class, options) of the param-remainder runs
+REMAINDER_OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)),
+    # lr = 1: the first step moves each param by exactly its averaged grad (see grad_coefficients).
+    "sgd": (torch.optim.SGD, dict(lr=1.0, momentum=0.9)),
+}
+
+
+def remainders_model() -> nn.Module:
+    """The bf16 MLP of the param-remainder tests."""
+    torch.manual_seed(0)
+    return mlp([24, 40, 17], dtype=torch.bfloat16)
+
+
+def adversarial_init(model: nn.Module) -> None:
+    """Params of every sign and scale: bf16 subnormals, huge values, zeros and -0.0."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            exponents = torch.randint(-132, 100, p.shape, generator=g).float()
+            values = torch.randn(p.shape, generator=g) * torch.exp2(exponents)
+            values.view(-1)[::11] = 0.0
+            values.view(-1)[5::11] = -0.0
+            p.copy_(values.to(torch.bfloat16))
+
+
+def grad_coefficients(p: nn.Parameter, kind: str, step: int, rank: int, world: int,
+                  index: int) -> torch.Tensor:
+    """This rank's grad of ``p`` at ``step``: fixed by (kind, step, rank, index) alone."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * index + rank)
+    c = torch.randn(p.shape, generator=g)
+    if kind == "random":
+        return c
+    if step == 0:
+        # Every rank gives minus half a bf16 ulp of the initial param: with SGD at lr = 1 the
+        # fp32 master lands exactly on a tie (low half 0x8000) of every nonzero element.
+        _, exponent = torch.frexp(p.detach().float())
+        return -torch.exp2((exponent - 9).float()) * (p.detach() != 0)
+    # Later: grads of wildly different scales that nearly cancel over the ranks.
+    scale = torch.exp2(torch.randint(-30, 30, p.shape, generator=g).float())
+    sign = 1.0 if rank % 2 == 0 else -1.0
+    return c * scale + sign * 1e4 * (rank < world - world % 2)
+
+
+def linear_loss(model: nn.Module, kind: str, step: int, rank: int, world: int):
+    terms = [(p.float() * grad_coefficients(p, kind, step, rank, world, i)).sum()
+             for i, p in enumerate(model.parameters())]
+    return torch.stack(terms).sum()
+
+
+# ---------------------------------------------------------------- the parity grid's trajectory
+
+
+@dataclass(frozen=True)
+class ParityRun:
+    """One point of the parity grid: how AwkwardLM is trained by distopt on this rank's slice of
+    every global batch, while a single-process torch reference trains on the whole batch."""
+
+    optimizer: str = "adamw"  # a PARITY_OPTIMIZERS name
+    dtype: torch.dtype = torch.float32  # of the params; low precision: fp32 masters in the ref
+    grad_dtype: torch.dtype = torch.float32
+    fp32_accumulation: bool = False  # reduce_scatter_with_fp32_accumulation
+    mesh: tuple[int, int] | None = None  # (replicate, shard); None: flat over every rank
+    find_unused: bool = True  # else zero grads for unused params (set_to_none=False in the ref)
+    overlap_grad: bool = True  # overlap_grad_reduce
+    overlap_gather: bool = True  # overlap_param_gather
+    groups: bool = True  # AwkwardLM's two param groups and a cosine schedule, else one group
+    steps: int = PARITY_STEPS
+
+
+def parity_trajectory(run: ParityRun) -> dict:
+    """Train ``run`` and its reference side by side; the largest difference of the params and
+    of the grad norm seen after any step, and what the last step sent and each rank holds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = AwkwardLM().to(run.dtype)
+    ref = copy.deepcopy(model)
+    initial = copy.deepcopy(model)
+    opt_cls, _, kwargs = PARITY_OPTIMIZERS[run.optimizer]
+    mesh = None if run.mesh is None else init_device_mesh(
+        "cpu", run.mesh, mesh_dim_names=("dp_replicate", "dp_shard"))
+    ddp = distopt.DistributedDataParallel(
+        model, grad_dtype=run.grad_dtype, bucket_size=40, device_mesh=mesh,
+        overlap_grad_reduce=run.overlap_grad, find_unused_parameters=run.find_unused,
+        reduce_scatter_with_fp32_accumulation=run.fp32_accumulation,
+    )
+    params = parity_groups(model, run.optimizer) if run.groups else None
+    opt = distopt.DistributedOptimizer(ddp, opt_cls, params=params, clip_grad=CLIP,
+                                       overlap_param_gather=run.overlap_gather, **kwargs)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    if run.dtype == torch.float32:
+        masters = trainable  # the reference steps the params themselves
+    else:  # the reference keeps fp32 master weights and casts them into the model each step
+        masters = [nn.Parameter(p.detach().float()) for p in trainable]
+    index = {p: i for i, p in enumerate(trainable)}
+    ref_params = ([{**g, "params": [masters[index[p]] for p in g["params"]]}
+                   for g in parity_groups(ref, run.optimizer)] if run.groups else masters)
+    ref_opt = opt_cls(ref_params, **kwargs)
+    scheds = ([CosineAnnealingLR(o, T_max=run.steps) for o in (opt, ref_opt)] if run.groups
+              else [])
+
+    worst, worst_norm = 0.0, 0.0
+    for step in range(run.steps):
+        tokens, targets = batches(step)
+        ddp.comm_stats.reset()
+        opt.zero_grad()
+        lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                step).backward()
+        result = opt.step()
+        calls, nbytes = dict(ddp.comm_stats.calls), dict(ddp.comm_stats.bytes)
+        ref_loss = lm_loss(ref, tokens, targets, step)
+        if run.dtype == torch.float32:
+            ref_opt.zero_grad(set_to_none=run.find_unused)
+            ref_loss.backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in trainable if p.grad is not None], CLIP)
+            ref_opt.step()
+        else:
+            ref_norm = fp32_master_step(trainable, masters, ref_opt, ref_loss)
+        for sched in scheds:
+            sched.step()
+        ddp.finish_param_sync()
+        worst = max(worst, max_diff(model, ref))
+        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
+    return {
+        "max_diff": worst, "norm_diff": worst_norm, "moved": max_diff(model, initial),
+        "dtypes": {p.dtype for p in model.parameters()},
+        "calls": calls, "bytes": nbytes, "buckets": len(ddp.buckets),
+        "fp32_buckets": sum(b.fp32_accumulation for b in ddp.buckets),
+        "padded": sum(buf.layout.numel for buf in ddp.flat_buffers),
+        "owned_padded": sum(b.owned_grad.numel() for b in ddp.buckets),
+        "dp_size": ddp.dp_size, "report": distopt.measure_state_bytes(opt),
+        "owned": sum(m.numel() for m in opt.main_params),
+        "num_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
