@@ -111,8 +111,9 @@ def test_padding_at_most_two_percent_where_a_layout_can_be(optimizer, backend, d
     else:
         # d = 8: two matrices of 4 units on some rank would give it 8; so every rank holds one,
         # and some rank also a 3 (Muon, Adafactor: 7 units). One bucket would pad 14% (Muon),
-        # but no bucket may hold more than 9 x 4 units, and the two buckets needed each hold a
-        # matrix of 4 units: two shards of 4 units, the least the cut can give.
+        # but no bucket may hold more than 9 x 4 units, and each of the two buckets needed has
+        # shards of at least 4 units (one without a 4-unit matrix holds too little to fill 8
+        # shards of 3): 8 units per rank, the least the cut can give.
         assert d == 8 and floor in (8 * 7 * UNIT - 3_145_728, 8 * 7 * UNIT - 3_290_624)
         assert sum(b.whole_tensor for b in buffer.layout.buckets) == 2
         assert report.whole_padding == 8 * 2 * 4 * UNIT - (
