@@ -151,13 +151,14 @@ def test_muon_balance_of_gpt_small(capsys):
     for row in rows:
         assert row[:4] == pytest.approx([table, 0, 0, table], abs=1e-4)
         assert row[4] == 8 * 3_290_624 + (4 * 3_145_728 + 8 * 144_896) / 4
-    # Gloo's default bucket size (half the model): 131,072 padding elements per rank.
-    assert main(["--model", "small", "--dp", "4", "--optimizer", "muon", "--dtype", "fp32",
-                 "--bucket-size", "1628928"]) == 0
-    out = capsys.readouterr().out
-    assert "padding 524,288 elements = 13.74% of the buffer" in out
-    for row in _rows(out):
-        assert row[1] == pytest.approx(8 * 524_288 / 3_290_624, abs=1e-4)
+    # Gloo's default bucket size (half the model), and the same size given: the buckets are
+    # cut where their shards come out equal, so no padding either.
+    for argv in (["--backend", "gloo"], ["--bucket-size", "1645312"]):
+        assert main(["--model", "small", "--dp", "4", "--optimizer", "muon", "--dtype", "fp32",
+                     *argv]) == 0
+        out = capsys.readouterr().out
+        assert "padding 0 elements = 0.00% of the buffer" in out
+        assert [row[1] for row in _rows(out)] == [0] * 4
 
 
 def test_adafactor_and_bad_whole_tensor_options(capsys):
@@ -168,5 +169,8 @@ def test_adafactor_and_bad_whole_tensor_options(capsys):
     assert "--optimizer needs --model" in capsys.readouterr().err
     assert main(["--model", "tiny", "--optimizer", "muon", "--nodes", "2"]) == 2
     assert "drop --nodes" in capsys.readouterr().err
+    assert main(["--model", "small", "--backend", "gloo"]) == 2
+    assert "--backend picks the buckets of a --model under an --optimizer" in (
+        capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["--model", "small", "--optimizer", "lbfgs"])

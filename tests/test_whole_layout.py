@@ -147,7 +147,7 @@ def test_random_layouts_keep_every_invariant(seed):
     for bucket in layout.buckets:
         if bucket.whole_tensor:  # within capacity, see [Note: whole-tensor layout]
             largest = max(numels[i] for i in bucket.param_indices)
-            assert bucket.num_param_elements <= max(bucket_size, d * largest)
+            assert bucket.num_param_elements <= max(bucket_size, (d + 1) * largest)
     report = balance_report(layout, costs)
     assert sum(report.padding) == layout.numel - sum(numels)  # every padding element, once
     assert report.whole_padding <= sum(report.padding)

@@ -3,7 +3,7 @@
     distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype fp32
     distopt memory --model small --dp 4
     distopt memory --params 7e9 --nodes 4 --gpus-per-node 8 --shard-size 8
-    distopt memory --model small --dp 4 --optimizer muon
+    distopt memory --model small --dp 4 --optimizer muon --backend gloo
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
@@ -22,6 +22,7 @@ import sys
 import torch
 
 from ..dtypes import DTYPES, dtype_name
+from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
 from ..options import fp32_accumulation_problem, remainders_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.optimizer is not None:
         return _whole_tensor(args)
+    if args.backend is not None:
+        print("distopt memory: --backend picks the buckets of a --model under an --optimizer "
+              "(e.g. --optimizer muon); the table has no buckets", file=sys.stderr)
+        return 2
     if args.model is not None:
         from ..train.model import GPT, gpt_config  # the preset's exact parameter count
 
@@ -232,6 +237,9 @@ def _cluster(args: argparse.Namespace, num_params: int, label: str, grad_dtype: 
 
 # ---------------------------------------------------------------- whole-tensor optimizers
 
+BUCKET_TARGETS = {"nccl": TARGET_BUCKETS, "gloo": TARGET_BUCKETS_GLOO}
+"""The buckets ``DistributedDataParallel`` cuts a model into by default, by backend."""
+
 WHOLE_TENSOR_RECIPES = {
     "muon": "Muon for the hidden matrices, AdamW for embeddings, norms and biases",
     "adafactor": "Adafactor for every param",
@@ -245,7 +253,10 @@ def _add_whole_tensor_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--optimizer", choices=WHOLE_TENSOR_RECIPES, default=None,
                        help="the recipe of distopt train --optimizer (needs --model)")
     group.add_argument("--bucket-size", type=_positive_count, default=None,
-                       help="elements per bucket (default: distopt's default on NCCL)")
+                       help="elements per bucket (default: distopt's default on --backend)")
+    group.add_argument("--backend", choices=BUCKET_TARGETS, default=None,
+                       help="whose default bucket size (default nccl; on gloo the DDP cuts a "
+                            "model into fewer, larger buckets)")
 
 
 def _whole_tensor(args: argparse.Namespace) -> int:
@@ -288,12 +299,13 @@ def _whole_tensor(args: argparse.Namespace) -> int:
     else:
         optimizer_cls, groups = torch.optim.Adafactor, None
         what, unit = WHOLE_TENSOR_RECIPES["adafactor"], "elements"
+    backend = args.backend or "nccl"
     plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
-                        bucket_size=args.bucket_size,
+                        bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
                         store_param_remainders=args.store_param_remainders)
     layout = plan.buffers[0].layout
     whole = sum(bucket.whole_tensor for bucket in layout.buckets)
-    size = args.bucket_size or "distopt's default on NCCL"
+    size = args.bucket_size or f"distopt's default on {backend}"
     print(f"--model {args.model} ({plan.num_params:,} params): {what}; {args.dtype} params, "
           f"{dtype_name(grad_dtype)} grads, data-parallel size {dp}; {len(layout.buckets)} "
           f"buckets ({whole} of params owned whole), bucket size {size}\n")
