@@ -10,8 +10,9 @@ import random
 
 import pytest
 
+from distopt.layout.balance import balance_report
 from distopt.layout.elementwise import SHARD_ALIGN, Range, build_layout, default_bucket_size, pad_to
-from distopt.layout.whole import balance_report, build_mixed_layout, newton_schulz_cost
+from distopt.layout.whole import build_mixed_layout, newton_schulz_cost
 
 
 def gpt_params(d_model: int = 256, layers: int = 4, vocab: int = 1024, seq: int = 256):

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..layout.balance import BalanceReport, balance_report
 from ..layout.elementwise import TARGET_BUCKETS, BufferLayout
 from ..layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
-from ..layout.whole import BalanceReport, balance_report
 from ..memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
 from ..optim.groups import group_class, whole_tensor_costs
 from ..optim.kinds import check_optimizer_cls, state_bytes
