@@ -30,18 +30,19 @@ def write_summary(
     beside what the ranks measured (see [Note: memory of whole-tensor ownership] in
     distopt/plan/ownership.py)."""
 
-    def breakdown(remainders: bool):
+    def breakdown(remainders: bool, state_dtype: str):
         return bytes_per_param_breakdown(
             DTYPES[config.dtype], DTYPES[config.grad_dtype],
             optimizer_state_bytes=optimizer_state_bytes,
-            store_param_remainders=remainders,
+            store_param_remainders=remainders, state_dtype=DTYPES[state_dtype],
         )
 
     # Optimizer state is sharded over the shard group only (replicated across groups); the
-    # replicated figure is plain DDP's, which keeps fp32 masters.
+    # replicated figure is plain DDP's, which keeps fp32 masters and fp32 state.
     theory = {
-        "distopt": breakdown(config.store_param_remainders).total(shard_size or world),
-        "replicated": breakdown(False).total(world, distributed=False),
+        "distopt": breakdown(config.store_param_remainders, config.state_dtype).total(
+            shard_size or world),
+        "replicated": breakdown(False, "fp32").total(world, distributed=False),
     }
     evals = [h for h in history if "heldout_loss" in h]
     first, last = evals[0]["heldout_loss"], evals[-1]["heldout_loss"]
