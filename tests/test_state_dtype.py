@@ -263,11 +263,11 @@ def checkpoints() -> dict[str, bool]:
     distopt.load_checkpoint(f"{path}/bf16", resumed_ddp, resumed)
     _train(model, ddp, opt, range(3, 5))
     _train(resumed_model, resumed_ddp, resumed, range(3, 5))
+    got, want = _state_by_name(resumed), _state_by_name(opt)
     out["bf16_resumes_bit_for_bit"] = all(
         torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters(),
-                                          strict=True)) and all(
-        torch.equal(_state_by_name(opt)[n][k], v)
-        for n, e in _state_by_name(resumed).items() for k, v in e.items())
+                                          strict=True)) and got.keys() == want.keys() and all(
+        torch.equal(got[n][k], v) for n, e in want.items() for k, v in e.items())
 
     model, ddp, opt = _build("adamw", None, bucket_size=300)
     distopt.load_checkpoint(f"{path}/bf16", ddp, opt)
@@ -284,9 +284,10 @@ def checkpoints() -> dict[str, bool]:
     other.load_state_dict(copy.deepcopy(sd))
     _, _, back = _build("adamw", BF16)
     back.load_state_dict(other.state_dict())
-    out["state_dict_round_trip"] = _state_by_name(back).keys() == _state_by_name(opt).keys() and all(
-        torch.equal(_state_by_name(back)[n][k], v)
-        for n, e in _state_by_name(opt).items() for k, v in e.items())
+    got, want = _state_by_name(back), _state_by_name(opt)
+    out["state_dict_round_trip"] = got.keys() == want.keys() and all(
+        got[n][k].dtype == BF16 and torch.equal(got[n][k], v)
+        for n, e in want.items() for k, v in e.items())
 
     if dist.get_rank() == 0:
         file = distopt.export_checkpoint(f"{path}/bf16", f"{path}/plain.pt")
