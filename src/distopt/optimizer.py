@@ -144,8 +144,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
 
     Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
     (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
-    plain ``nn.Module`` trained on one process. ``model_parallel_group`` is as for
-    DistributedOptimizer.
+    plain ``nn.Module`` trained on one process. ``model_parallel_group`` and ``state_dtype``
+    are as for DistributedOptimizer.
     """
 
     _sharded = False

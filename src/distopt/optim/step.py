@@ -27,8 +27,9 @@ in one fixed order (the counted main params', whatever the chunks), zero counts 
 an element-wise or whole-tensor optimizer updates each element, or each param, alone, so
 stepping a chunk is stepping its params within the whole. Params no rank computed a grad for
 (``find_unused_parameters``) are left out of the inner step, as torch.optim skips ``.grad``
-None; that is the one way the step skips a param. The next state format or precision is a new
-chunk source, not another copy of the step.
+None; that is the one way the step skips a param. The next state format is a new chunk source,
+not another copy of the step; the state's precision is one stage around each chunk's inner step
+(see [Note: state precision] in optim/state_precision.py).
 """
 
 from __future__ import annotations
