@@ -20,6 +20,7 @@ from torch import nn
 
 import distopt
 from distopt.optim.groups import CLASS_KEY
+from distopt.plan.ownership import plan_of, predict_plan
 
 from dist_harness import case_result, run_cases
 from models import mlp
@@ -191,6 +192,12 @@ def memory(kind: str) -> dict:
         theory = distopt.theoretical_bytes_per_param(BF16, BF16, dist.get_world_size(),
                                                      store_param_remainders=True,
                                                      state_dtype=BF16)
+    elif kind == "muon":
+        model = mlp([64, 96, 80, 33])
+        ddp = distopt.DistributedDataParallel(model, bucket_size=6000)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.Muon, params=_muon_groups(model),
+                                           state_dtype=BF16, lr=0.02)
+        theory = None
     else:
         model = mlp([64, 96, 80, 33])
         ddp = distopt.DistributedDataParallel(model, bucket_size=6000)
@@ -200,8 +207,18 @@ def memory(kind: str) -> dict:
     opt.zero_grad()
     _linear_loss(list(model.parameters()), 0).backward()
     opt.step()
+    # The ownership plan, from the optimizer and predicted from the module, in the same dtypes.
+    plan = plan_of(opt)
+    predicted = predict_plan(model, torch.optim.Muon if kind == "muon" else torch.optim.AdamW,
+                             _muon_groups(model) if kind == "muon" else None,
+                             dp_size=dist.get_world_size(), grad_dtype=ddp.options.grad_dtype,
+                             bucket_size=6000, store_param_remainders=kind == "remainders",
+                             state_dtype=BF16)
     return {"report": distopt.measure_state_bytes(opt), "theory": theory,
+            "plan": plan.ranks[dist.get_rank()], "predicted_equal": predicted.ranks == plan.ranks,
             "owned": sum(m.numel() for m in opt.main_params),
+            "state_elements": sum(v.numel() for s in opt.state.values() for k, v in s.items()
+                                  if k != "step"),
             "padded": sum(buf.layout.numel for buf in ddp.flat_buffers)}
 
 
@@ -316,6 +333,7 @@ def _cases() -> list:
         ("skipped", skipped_step, ()),
         ("memory-remainders", memory, ("remainders",)),
         ("memory-fp32", memory, ("fp32",)),
+        ("memory-muon", memory, ("muon",)),
         ("checkpoints", checkpoints, ()),
     ]
     return cases
@@ -344,12 +362,17 @@ def test_a_skipped_step_leaves_the_state(world):
         assert value == {"skipped": True, "state_untouched": True, "bf16": True}
 
 
-@pytest.mark.parametrize("kind", ["remainders", "fp32"])
+@pytest.mark.parametrize("kind", ["remainders", "fp32", "muon"])
 def test_memory_follows_the_new_rows(world, kind):
     d, results = world
     for value in case_result(results, f"memory-{kind}"):
         report = value["report"]
-        assert report.optimizer_state == 2 * 2 * value["owned"]  # two bf16 moments
+        assert value["plan"] == report and value["predicted_equal"]  # to the byte
+        # Every state element in bf16: AdamW's two moments, Muon's one momentum.
+        assert report.optimizer_state == 2 * value["state_elements"]
+        if kind == "muon":
+            continue
+        assert value["state_elements"] == 2 * value["owned"]
         if kind == "remainders":
             assert value["theory"] == 4 + 6 / d
             assert report.params == report.grads == 2 * value["padded"]
