@@ -421,3 +421,25 @@ def test_table_of_state_bytes():
     assert state_bytes(torch.optim.SGD, (10,), {"momentum": 0.9}, {"momentum_buffer": FP16}) == 20
     assert state_bytes(torch.optim.Adafactor, (4, 6), None, {"variance": BF16}) == 40  # rows+cols
     assert state_bytes(torch.optim.Adafactor, (6,), None, {"variance": BF16}) == 12
+
+
+@pytest.mark.parametrize("args, total", [
+    (["--dtype", "bf16", "--grad-dtype", "bf16", "--store-param-remainders"], 4 + 6 / 4),
+    (["--dtype", "fp32"], 8 + 4 / 4),
+])
+def test_memory_command_prints_the_rows(capsys, args, total):
+    from distopt.cli.memory import main
+
+    assert main(["--params", "1e9", "--dp", "4", "--state-dtype", "bf16", *args]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip()}
+    assert float(rows["total"][2]) == total
+    assert float(rows["opt."][-2]) == 4 / 4  # "opt. state (bf16)": Adam's 4 B/param over d
+
+
+def test_train_refuses_fp16_state_for_adam_before_any_rank_starts():
+    from distopt.train.config import parse_args
+
+    with pytest.raises(ValueError, match="--state-dtype fp16: .*squares of grads"):
+        parse_args(["--state-dtype", "fp16"])
+    assert parse_args(["--state-dtype", "fp16", "--optimizer", "sgd"]).state_dtype == "fp16"
