@@ -23,7 +23,7 @@ def test_a_step_touches_only_the_step_modules():
     ddp = distopt.DistributedDataParallel(model, bucket_size=100, check_for_nan_in_grad=True)
     opt = distopt.DistributedOptimizer(
         ddp, torch.optim.AdamW, clip_grad=1.0, overlap_param_gather=True, log_num_zeros=True,
-        lr=1e-2,
+        state_dtype=torch.bfloat16, lr=1e-2,
     )
     fp16 = distopt.DistributedDataParallel(nn.Linear(8, 4).to(torch.float16))
     fp16_opt = distopt.DistributedOptimizer(

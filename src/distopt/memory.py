@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from .dtypes import DTYPES
-from .options import remainders_problem
+from .options import check_state_dtype, remainders_problem
 from .parallel.dtensor import local_tensor
 
 
@@ -49,7 +49,8 @@ class BytesPerParam:
     """fp32 copies of the reduced grads, when the grad buffer is bf16/fp16 (with remainders
     they exist only during the step, one bucket at a time, and cost nothing here)."""
     optimizer_state: float
-    """The torch optimizer's state: 8 for Adam's two fp32 moments, 4 for SGD's momentum; with
+    """The torch optimizer's state: 8 for Adam's two fp32 moments (4 in bf16), 4 for SGD's
+    momentum; with
     several optimizers (Muon's 4 beside AdamW's 8), the model's mean (distopt.plan.ownership)."""
 
     def per_rank(self, dp_size: int, *, distributed: bool = True) -> dict[str, float]:
@@ -84,6 +85,7 @@ def bytes_per_param_breakdown(
     *,
     optimizer_state_bytes: float = 8,
     store_param_remainders: bool = False,
+    state_dtype: torch.dtype | None = None,
 ) -> BytesPerParam:
     """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
 
@@ -91,8 +93,21 @@ def bytes_per_param_breakdown(
     Adam's two fp32 moments, 4 for SGD with momentum. ``store_param_remainders`` (bf16 params
     only) keeps 2-byte remainders instead of 4-byte fp32 main params, and steps one bucket at
     a time, so bf16/fp16 grads get their fp32 copies only for that bucket's step (none kept).
+    ``state_dtype`` (e.g. torch.bfloat16) holds every per-element state tensor in that dtype,
+    so ``optimizer_state_bytes`` (counted in fp32) shrinks by its itemsize over 4; for a mix
+    of dtypes per key pass ``optimizer_state_bytes=distopt.optim.kinds.state_bytes(cls,
+    (1,), None, {key: dtype})`` instead. See [Note: state precision] in
+    optim/state_precision.py.
     """
     grad_dtype = grad_dtype or param_dtype
+    if state_dtype is not None:
+        check_state_dtype(state_dtype)
+        if not isinstance(state_dtype, torch.dtype):
+            raise TypeError(
+                "the memory table takes one state_dtype for every state tensor; for a dtype "
+                "per key pass optimizer_state_bytes=distopt.optim.kinds.state_bytes(...)"
+            )
+        optimizer_state_bytes = optimizer_state_bytes * state_dtype.itemsize / 4
     problem = remainders_problem({param_dtype}) if store_param_remainders else None
     if problem:
         raise ValueError(
@@ -120,6 +135,7 @@ def theoretical_bytes_per_param(
     distributed: bool = True,
     optimizer_state_bytes: float = 8,
     store_param_remainders: bool = False,
+    state_dtype: torch.dtype | None = None,
 ) -> float:
     """Bytes per parameter of params, grads, fp32 main params/grads and optimizer state.
 
@@ -127,12 +143,14 @@ def theoretical_bytes_per_param(
     ``distributed=False`` gives the replicated (DDP + torch optimizer) figure.
     ``store_param_remainders``: int16 remainders instead of fp32 main params, and no
     persistent fp32 main grads (bf16 params).
+    ``state_dtype``: the state held in that dtype (bf16 params and grads, remainders, bf16
+    state: 4 + 6/d; fp32 params and grads with bf16 state: 8 + 4/d).
     ``bytes_per_param_breakdown`` gives the same figure component by component.
     """
     _check_dp_size(dp_size)
     breakdown = bytes_per_param_breakdown(
         param_dtype, grad_dtype, optimizer_state_bytes=optimizer_state_bytes,
-        store_param_remainders=store_param_remainders,
+        store_param_remainders=store_param_remainders, state_dtype=state_dtype,
     )
     return breakdown.total(dp_size, distributed=distributed)
 

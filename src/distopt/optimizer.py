@@ -40,7 +40,7 @@ from .checkpoint import state_dict as state_dict_format
 from .ddp import DistributedDataParallel
 from .optim.base import BufferOptimizer, as_model_list
 from .optim.step import StepResult
-from .options import StepOptions
+from .options import StateDtype, StepOptions
 from .scaler import LossScaler
 
 __all__ = ["BasicOptimizer", "DistributedOptimizer", "StepResult"]
@@ -86,6 +86,13 @@ class DistributedOptimizer(_CheckpointedOptimizer):
             pipeline parallel), or None. The inf/nan verdict is agreed over it and the grad
             norm and zero count are summed over it, besides the data-parallel group; each
             grad element must belong to exactly one of its ranks.
+        store_param_remainders: keep int16 remainders instead of fp32 main params (bf16
+            params only); see [Note: param remainders] in optim/remainders.py.
+        state_dtype: hold every per-element state tensor of the inner optimizer (Adam's
+            moments, momentum buffers) in this dtype between steps, e.g. ``torch.bfloat16``,
+            or per state key (``{"exp_avg": torch.float16, "exp_avg_sq": torch.bfloat16}``);
+            each chunk's state is expanded to fp32 for the inner step and rounded back. None:
+            fp32. See [Note: state precision] in optim/state_precision.py.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
 
     The DDP's buffers are laid out when the optimizer is built, for the owners of its
@@ -107,6 +114,7 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         log_num_zeros: bool = False,
         model_parallel_group: dist.ProcessGroup | None = None,
         store_param_remainders: bool = False,
+        state_dtype: StateDtype = None,
         **optimizer_kwargs: Any,
     ) -> None:
         models = as_model_list(model, "DistributedOptimizer")
@@ -119,7 +127,8 @@ class DistributedOptimizer(_CheckpointedOptimizer):
                 )
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
                               overlap_param_gather=overlap_param_gather,
-                              store_param_remainders=store_param_remainders)
+                              store_param_remainders=store_param_remainders,
+                              state_dtype=state_dtype)
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,
@@ -135,8 +144,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
 
     Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
     (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
-    plain ``nn.Module`` trained on one process. ``model_parallel_group`` is as for
-    DistributedOptimizer.
+    plain ``nn.Module`` trained on one process. ``model_parallel_group`` and ``state_dtype``
+    are as for DistributedOptimizer.
     """
 
     _sharded = False
@@ -152,6 +161,7 @@ class BasicOptimizer(_CheckpointedOptimizer):
         log_num_zeros: bool = False,
         grad_dtype: torch.dtype | None = torch.float32,
         model_parallel_group: dist.ProcessGroup | None = None,
+        state_dtype: StateDtype = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if isinstance(model, nn.Module) and not isinstance(model, DistributedDataParallel):
@@ -167,7 +177,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
                     "reduce-scatters them: build it with use_distributed_optimizer=False, or "
                     "use distopt.DistributedOptimizer"
                 )
-        options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros)
+        options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
+                              state_dtype=state_dtype)
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,

@@ -9,13 +9,45 @@ record it belongs to, with its check beside it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+StateDtype = torch.dtype | Mapping[str, torch.dtype] | None
+"""One dtype for every per-element optimizer state tensor, one per state key, or None (fp32);
+see [Note: state precision] in optim/state_precision.py."""
+
+
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_state_dtype(state_dtype: Any) -> None:
+    """Raise unless ``state_dtype`` is None, a supported float dtype or a dict of them by key
+    (what can be checked without the optimizer classes)."""
+    if state_dtype is None:
+        return
+    items = state_dtype.items() if isinstance(state_dtype, Mapping) else [(None, state_dtype)]
+    if isinstance(state_dtype, Mapping) and not state_dtype:
+        raise ValueError("state_dtype={} names no state key; pass None for fp32 state")
+    for key, dtype in items:
+        where = "state_dtype" if key is None else f"state_dtype[{key!r}]"
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"state_dtype keys are state names such as 'exp_avg', got {key!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"{where} must be a torch.dtype (torch.bfloat16, torch.float16 or "
+                f"torch.float32), got {dtype!r}"
+            )
+        if dtype not in STATE_DTYPES:
+            kind = "not a float type" if not dtype.is_floating_point else "not supported"
+            raise ValueError(
+                f"{where}={dtype} is {kind}: distopt holds optimizer state in "
+                "torch.bfloat16, torch.float16 or torch.float32"
+            )
 
 
 # The rules that tie one option to dtypes, each written once: the library's records below,
@@ -115,8 +147,13 @@ class StepOptions:
     store_param_remainders: bool = False
     """Keep int16 remainders instead of fp32 main params (bf16 params only); see
     [Note: param remainders] in optim/remainders.py."""
+    state_dtype: StateDtype = None
+    """The dtype per-element optimizer state is held in between steps (one, or a dict per
+    state key), expanded to fp32 one chunk at a time for the inner step; None: fp32. See
+    [Note: state precision] in optim/state_precision.py."""
 
     def __post_init__(self) -> None:
+        check_state_dtype(self.state_dtype)
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ValueError(
                 f"clip_grad must be a positive max norm or None, got {self.clip_grad}"

@@ -64,7 +64,7 @@ class _Placeholder:
         numel = 1
         for n in shape:
             numel *= n
-        self.record = _Record(fqn=fqn, dtype=dtype, numel=numel)
+        self.record = _Record(fqn=fqn, dtype=dtype, numel=numel)  # read, then cast to dtype
         self.shape = tuple(shape)
 
     def __reduce_ex__(self, protocol: int) -> Any:
@@ -191,7 +191,11 @@ def _export_tree(manifest: dict[str, Any], index: dict[str, Any], objects: dict[
         elif key in whole_state.get(name, {}) or not len(entry.size):
             value = tensor(fqn, list(entry.size))  # whole-parameter state, or a scalar
         else:
-            value = tensor(fqn, shape_of[name])
+            # Per-element state held below fp32 is exported in fp32, what torch.optim steps;
+            # see [Note: state precision] in distopt/optim/state_precision.py.
+            dtype = entry.properties.dtype
+            value = _Placeholder(fqn, shape_of[name],
+                                 torch.float32 if dtype.is_floating_point else dtype)
         cls, pid = position[name]
         per_class[cls]["state"].setdefault(pid, {})[key] = value
     for sd in per_class.values():
@@ -245,4 +249,4 @@ def _read(record: _Record, ckpt_dir: Path, metadata: Metadata) -> torch.UntypedS
     target = torch.empty(entry.size, dtype=entry.properties.dtype)
     state = {record.fqn: target}
     dcp.load(state, ckpt_dir, None, metadata)
-    return target.untyped_storage()
+    return target.to(record.dtype).untyped_storage()

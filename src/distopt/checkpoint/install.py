@@ -44,12 +44,15 @@ def install(opt: Optimizer, states: Iterable[tuple[OwnedPiece, dict[str, Any]]],
     checks compared with the saved path) and the loss scaler's state (when both sides have a
     scaler).
 
+    Per-element state takes the dtype the optimizer holds it in (rounded once, or widened).
     The model params are left as they are: a loader that loaded the main params rebuilds them
     with ``opt.sync_model_params()``.
     """
     for owned, state in states:
         if state:
-            opt.optimizer.state[owned.main] = state
+            # Per-element state in the dtypes this run holds it in: see [Note: state
+            # precision] in optim/state_precision.py.
+            opt.optimizer.state[owned.main] = opt.state_precision.hold(owned.main, state)
         else:
             opt.optimizer.state.pop(owned.main, None)
     for group, saved in zip(opt.param_groups, options, strict=True):

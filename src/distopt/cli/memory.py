@@ -4,6 +4,8 @@
     distopt memory --model small --dp 4
     distopt memory --params 7e9 --nodes 4 --gpus-per-node 8 --shard-size 8
     distopt memory --model small --dp 4 --optimizer muon --backend gloo
+    distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype bf16 --store-param-remainders \
+        --state-dtype bf16
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
@@ -64,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="distopt keeps bf16 params + 2-byte remainders as fp32 masters")
     parser.add_argument("--optimizer-state-bytes", type=int, default=8,
                         help="fp32 optimizer state per param: 8 for Adam, 4 for SGD momentum")
+    parser.add_argument("--state-dtype", choices=DTYPES, default="fp32",
+                        help="dtype distopt holds the optimizer state in between steps "
+                        "(DistributedOptimizer(state_dtype=...)); fp16 only for state linear "
+                        "in the grads, not Adam's second moment")
     cluster = parser.add_argument_group(
         "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
         "flat over every rank")
@@ -184,13 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         ours = bytes_per_param_breakdown(
             param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes,
             store_param_remainders=args.store_param_remainders,
+            state_dtype=DTYPES[args.state_dtype],
         )
     except ValueError as error:
         print(f"distopt memory: --store-param-remainders: {error}", file=sys.stderr)
         return 2
-    labels = dict(LABELS)
-    if args.store_param_remainders:
-        labels["main_params"] = "remainders"
+    labels = _labels(args)
     if args.nodes is not None:
         return _cluster(args, num_params, label, grad_dtype, ours, labels)
     dp = args.dp or 8
@@ -210,7 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.store_param_remainders:
         print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
               "bf16/fp16 grads) one bucket's shard at a time; that transient is not included")
+    if args.state_dtype != "fp32":
+        print(f"with --state-dtype {args.state_dtype} the step expands one bucket's shard of "
+              "the state to fp32 at a time; that transient is not included (the replicated "
+              "column keeps torch's fp32 state)")
     return 0
+
+
+def _labels(args: argparse.Namespace) -> dict[str, str]:
+    labels = dict(LABELS)
+    if args.store_param_remainders:
+        labels["main_params"] = "remainders"
+    if args.state_dtype != "fp32":
+        labels["optimizer_state"] = f"opt. state ({args.state_dtype})"
+    return labels
 
 
 def _cluster(args: argparse.Namespace, num_params: int, label: str, grad_dtype: torch.dtype,
@@ -300,9 +318,14 @@ def _whole_tensor(args: argparse.Namespace) -> int:
         optimizer_cls, groups = torch.optim.Adafactor, None
         what, unit = WHOLE_TENSOR_RECIPES["adafactor"], "elements"
     backend = args.backend or "nccl"
-    plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
-                        bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
-                        store_param_remainders=args.store_param_remainders)
+    try:
+        plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
+                            bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
+                            store_param_remainders=args.store_param_remainders,
+                            state_dtype=DTYPES[args.state_dtype])
+    except ValueError as error:
+        print(f"distopt memory: --state-dtype {args.state_dtype}: {error}", file=sys.stderr)
+        return 2
     layout = plan.buffers[0].layout
     whole = sum(bucket.whole_tensor for bucket in layout.buckets)
     size = args.bucket_size or f"distopt's default on {backend}"

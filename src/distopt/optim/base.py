@@ -33,6 +33,7 @@ from .groups import (
 )
 from .kinds import check_optimizer_cls
 from .main_params import ShardMainParams
+from .state_precision import StatePrecision, resolve_state_dtypes
 from .step import BucketByBucket, StepPipeline, StepResult, WholeShard
 
 
@@ -96,6 +97,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         self.default_param_groups = params is None
         options.check_param_dtypes({p.dtype for m in models for p in m.params})
         group_classes = [group_class(g, optimizer_cls) for g in param_groups]
+        # Checked here, on every rank, before the buffers are laid out.
+        state_dtypes = resolve_state_dtypes(options.state_dtype, group_classes)
         names = {p: m.param_names[p] for m in self.models for p in m.params}
         whole_costs = whole_tensor_costs(param_groups, group_classes, names)
         # The buffers are laid out once, now that the owners of whole tensors are known; see
@@ -134,13 +137,16 @@ class BufferOptimizer(torch.optim.Optimizer):
         # Tensor parallelism leaves TP-replicated grads out of the sums on all but one TP rank;
         # see [Note: TP grad statistics].
         counted = counted_grads(self.parallel.tp, [self.piece_info(m)[0] for m in mains], mains)
+        # See [Note: state precision] in optim/state_precision.py.
+        self.state_precision = StatePrecision(self.optimizer.state, state_dtypes)
         source = (BucketByBucket(self._owned) if options.store_param_remainders
-                  else WholeShard(self._owned, mains))
+                  else WholeShard(self._owned, mains, by_bucket=bool(state_dtypes)))
         self._pipeline = StepPipeline(
             source=source, optimizers=self.optimizers, param_groups=user_order,
             counted=dict.fromkeys(counted), reduce_groups=self._reduce_groups,
             device=self._device, stats=self.models[0].comm_stats,
             clip_grad=options.clip_grad, log_num_zeros=options.log_num_zeros,
+            state_precision=self.state_precision if state_dtypes else None,
         )
 
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these

@@ -43,6 +43,25 @@ StateBytes = Callable[[Sequence[int], Mapping[str, Any]], float]
 given shape, under a param group's options."""
 
 
+@dataclass(frozen=True, slots=True)
+class StateKey:
+    """One per-element state tensor a class keeps (shaped like the param), by its torch name."""
+
+    name: str
+    option: str | None = None
+    """Kept only when the param group's value of this option is truthy (SGD's momentum)."""
+    square: bool = False
+    """It holds squares of grads (Adam's second moment): beyond fp16's range (see
+    [Note: state precision] in optim/state_precision.py)."""
+    vectors_only: bool = False
+    """Per-element only for 1-D params (Adafactor's full second moment of a vector)."""
+
+    def present(self, shape: Sequence[int], options: Mapping[str, Any]) -> bool:
+        if self.vectors_only and len(shape) >= 2:
+            return False
+        return self.option is None or bool(options.get(self.option))
+
+
 def newton_schulz_shape_cost(shape: Sequence[int]) -> float:
     """Muon's work on a matrix: its Newton-Schulz products, ``max * min**2`` multiply-adds."""
     if len(shape) != 2:
@@ -55,24 +74,20 @@ def numel_cost(shape: Sequence[int]) -> float:
     return float(math.prod(shape))
 
 
-def per_element(
-    fp32_tensors: int, *optional: tuple[str, Callable[[Any], bool]]
-) -> StateBytes:
-    """State of ``fp32_tensors`` tensors shaped like the param, plus one more for each
-    ``(option, test)`` whose test passes on the group's value of that option."""
+def per_element(fp32_tensors: int) -> StateBytes:
+    """State of ``fp32_tensors`` tensors shaped like the param (a registered class's default)."""
 
     def state(shape: Sequence[int], options: Mapping[str, Any]) -> float:
-        extra = sum(1 for key, test in optional if key in options and test(options[key]))
-        return 4.0 * (fp32_tensors + extra) * math.prod(shape)
+        return 4.0 * fp32_tensors * math.prod(shape)
 
     return state
 
 
-def adafactor_state(shape: Sequence[int], options: Mapping[str, Any]) -> float:
+def adafactor_matrix_state(shape: Sequence[int], options: Mapping[str, Any]) -> float:
     """Adafactor's row and column statistics of a matrix (of every matrix of a stacked
-    tensor), or the full second moment of a vector."""
+    tensor), kept in fp32; a vector's full second moment is per-element state."""
     if len(shape) < 2:
-        return 4.0 * math.prod(shape)
+        return 0.0
     rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
     return 4.0 * (rows + cols)
 
@@ -81,32 +96,40 @@ def adafactor_state(shape: Sequence[int], options: Mapping[str, Any]) -> float:
 class OptimizerKind:
     """How distopt shards one optimizer class, what its owners balance, what it keeps."""
 
-    state_bytes: StateBytes
+    state_keys: tuple[StateKey, ...] | None
+    """Its per-element state tensors; None: not known (a registered class of the user's)."""
+    other_state_bytes: StateBytes | None = None
+    """fp32 bytes of the state that is not per element (Adafactor's row and column
+    statistics of a matrix), or, with unknown keys, of all its state."""
     whole_tensor_cost: WholeTensorCost | None = None
     """None: element-wise shards; else each param is owned whole, and this is its cost."""
     matrices_only: bool = False
     """It steps 2-D matrices only (Muon)."""
 
 
-def _on(value: Any) -> bool:
-    return bool(value)
-
+_EXP_AVG, _EXP_AVG_SQ = StateKey("exp_avg"), StateKey("exp_avg_sq", square=True)
+_ADAM = (_EXP_AVG, _EXP_AVG_SQ, StateKey("max_exp_avg_sq", option="amsgrad", square=True))
 
 _KINDS: dict[type[torch.optim.Optimizer], OptimizerKind] = {
-    torch.optim.SGD: OptimizerKind(per_element(0, ("momentum", _on))),
-    torch.optim.Adam: OptimizerKind(per_element(2, ("amsgrad", _on))),
-    torch.optim.AdamW: OptimizerKind(per_element(2, ("amsgrad", _on))),
-    torch.optim.Adagrad: OptimizerKind(per_element(1)),
-    torch.optim.RMSprop: OptimizerKind(
-        per_element(1, ("momentum", _on), ("centered", _on))),
-    torch.optim.Adamax: OptimizerKind(per_element(2)),
-    torch.optim.NAdam: OptimizerKind(per_element(2)),
-    torch.optim.RAdam: OptimizerKind(per_element(2)),
-    torch.optim.ASGD: OptimizerKind(per_element(1)),
-    torch.optim.Rprop: OptimizerKind(per_element(2)),
-    torch.optim.Adadelta: OptimizerKind(per_element(2)),
-    torch.optim.Muon: OptimizerKind(per_element(1), newton_schulz_shape_cost, matrices_only=True),
-    torch.optim.Adafactor: OptimizerKind(adafactor_state, numel_cost),
+    torch.optim.SGD: OptimizerKind((StateKey("momentum_buffer", option="momentum"),)),
+    torch.optim.Adam: OptimizerKind(_ADAM),
+    torch.optim.AdamW: OptimizerKind(_ADAM),
+    torch.optim.Adagrad: OptimizerKind((StateKey("sum", square=True),)),
+    torch.optim.RMSprop: OptimizerKind((
+        StateKey("square_avg", square=True), StateKey("momentum_buffer", option="momentum"),
+        StateKey("grad_avg", option="centered"))),
+    torch.optim.Adamax: OptimizerKind((_EXP_AVG, StateKey("exp_inf"))),
+    torch.optim.NAdam: OptimizerKind((_EXP_AVG, _EXP_AVG_SQ)),
+    torch.optim.RAdam: OptimizerKind((_EXP_AVG, _EXP_AVG_SQ)),
+    torch.optim.ASGD: OptimizerKind((StateKey("ax"),)),
+    torch.optim.Rprop: OptimizerKind((StateKey("prev"), StateKey("step_size"))),
+    torch.optim.Adadelta: OptimizerKind((
+        StateKey("square_avg", square=True), StateKey("acc_delta", square=True))),
+    torch.optim.Muon: OptimizerKind((StateKey("momentum_buffer"),), None,
+                                    newton_schulz_shape_cost, matrices_only=True),
+    torch.optim.Adafactor: OptimizerKind(
+        (StateKey("variance", square=True, vectors_only=True),), adafactor_matrix_state,
+        numel_cost),
 }
 """The one table of optimizer classes: every place that asks how a class shards, what its
 owners balance or how much state it keeps reads it through ``kind_of``."""
@@ -138,7 +161,7 @@ def register_whole_tensor_optimizer(
             f"{optimizer_cls!r}"
         )
     _KINDS[optimizer_cls] = OptimizerKind(
-        state_bytes or per_element(2), numel_cost if cost is None else cost
+        None, state_bytes or per_element(2), numel_cost if cost is None else cost
     )
     return optimizer_cls
 
@@ -164,14 +187,20 @@ def needs_matrices(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
     return kind is not None and kind.matrices_only
 
 
+StateDtypes = Mapping[str, torch.dtype]
+"""The dtype each per-element state key is held in between steps (absent: fp32)."""
+
+
 def state_bytes(
     optimizer_cls: type[torch.optim.Optimizer] | None,
     shape: Sequence[int],
     options: Mapping[str, Any] | None = None,
+    state_dtypes: StateDtypes | None = None,
 ) -> float:
-    """Bytes of fp32 state (step counters aside) ``optimizer_cls`` keeps for a param of
-    ``shape`` (a whole param, or an element-wise piece of it) under a group's ``options``
-    (None: the class's defaults). None (a param no group steps) keeps nothing."""
+    """Bytes of state (step counters aside) ``optimizer_cls`` keeps for a param of ``shape``
+    (a whole param, or an element-wise piece of it) under a group's ``options`` (None: the
+    class's defaults), each per-element key in its dtype of ``state_dtypes`` (fp32 when
+    absent; see [Note: state precision]). None (a param no group steps) keeps nothing."""
     if optimizer_cls is None:
         return 0.0
     kind = kind_of(optimizer_cls)
@@ -179,7 +208,19 @@ def state_bytes(
         raise TypeError(f"{optimizer_cls.__name__} is not an optimizer class distopt shards")
     if options is None:
         options = _defaults(optimizer_cls)
-    return kind.state_bytes(shape, options)
+    dtypes = state_dtypes or {}
+    other = 0.0 if kind.other_state_bytes is None else kind.other_state_bytes(shape, options)
+    if kind.state_keys is None:  # unknown keys: fp32, whatever was asked
+        return other
+    numel = math.prod(shape)
+    return other + sum(dtypes.get(key.name, torch.float32).itemsize * numel
+                       for key in kind.state_keys if key.present(shape, options))
+
+
+def state_keys(optimizer_cls: type[torch.optim.Optimizer]) -> tuple[StateKey, ...] | None:
+    """The per-element state tensors of a class (under any options), or None where unknown."""
+    kind = kind_of(optimizer_cls)
+    return None if kind is None else kind.state_keys
 
 
 def _defaults(optimizer_cls: type[torch.optim.Optimizer]) -> dict[str, Any]:

@@ -141,6 +141,10 @@ class ShardMainParams:
     def num_buckets(self) -> int:
         return len(self.param_regions)
 
+    def bucket_main_params(self, bucket: int) -> list[nn.Parameter]:
+        """The main params of one bucket's shard, for steps one bucket at a time."""
+        return [main for main, _ in self._bucket_mains[bucket]]
+
     @contextlib.contextmanager
     def bucket_masters(self, bucket: int) -> Iterator[list[nn.Parameter]]:
         """With remainders: the bucket's main params hold its fp32 masters (one transient

@@ -14,7 +14,9 @@ A chunk source says what a chunk is:
 
 * ``WholeShard``: every main param at once, one chunk. The fp32 main grads are persistent (the
   reduced grads themselves, or one copy per step), so pass 1 unscales them for good, and pass 2
-  steps every inner optimizer once.
+  steps every inner optimizer once; with state held below fp32 (``state_dtype``) pass 2 steps
+  one bucket's shard per chunk instead, so that only that chunk's state is expanded to fp32
+  (see [Note: state precision] in optim/state_precision.py).
 * ``BucketByBucket``: one bucket's shard at a time, for state that exists only during the step:
   with ``store_param_remainders`` the fp32 masters (and, for bf16/fp16 grads, the fp32 main
   grads) are built for one bucket, stepped and dropped (see [Note: param remainders]). Fresh
@@ -25,8 +27,9 @@ in one fixed order (the counted main params', whatever the chunks), zero counts 
 an element-wise or whole-tensor optimizer updates each element, or each param, alone, so
 stepping a chunk is stepping its params within the whole. Params no rank computed a grad for
 (``find_unused_parameters``) are left out of the inner step, as torch.optim skips ``.grad``
-None; that is the one way the step skips a param. The next state format or precision is a new
-chunk source, not another copy of the step.
+None; that is the one way the step skips a param. The next state format is a new chunk source,
+not another copy of the step; the state's precision is one stage around each chunk's inner step
+(see [Note: state precision] in optim/state_precision.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ..collectives import CommStats
 from ..scaler import LossScaler
 from . import grad_stats
 from .main_params import ShardMainParams
+from .state_precision import StatePrecision
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +85,14 @@ class ChunkSource(Protocol):
 
 
 class WholeShard:
-    """Every main param at once, with persistent fp32 grads."""
+    """Every main param at once, with persistent fp32 grads; ``by_bucket``: pass 2 steps one
+    bucket's shard at a time."""
 
-    def __init__(self, owned: Sequence[ShardMainParams], mains: list[nn.Parameter]) -> None:
+    def __init__(self, owned: Sequence[ShardMainParams], mains: list[nn.Parameter],
+                 by_bucket: bool = False) -> None:
         self.owned = owned
         self.mains = mains
+        self.by_bucket = by_bucket
 
     def begin(self) -> None:
         for owned in self.owned:
@@ -97,7 +104,12 @@ class WholeShard:
     def step_chunks(
         self,
     ) -> Iterator[contextlib.AbstractContextManager[tuple[list[nn.Parameter], bool]]]:
-        yield contextlib.nullcontext((self.mains, False))
+        if not self.by_bucket:
+            yield contextlib.nullcontext((self.mains, False))
+            return
+        for owned in self.owned:
+            for bucket in range(owned.num_buckets):
+                yield contextlib.nullcontext((owned.bucket_main_params(bucket), False))
 
     def end(self) -> None:
         for owned in self.owned:
@@ -155,6 +167,8 @@ class StepPipeline:
     stats: CommStats | None
     clip_grad: float | None
     log_num_zeros: bool
+    state_precision: StatePrecision | None = None
+    """With state held below fp32: expands each chunk's state around its inner step."""
 
     def run(self, loss_scaler: LossScaler | None, unused: set[nn.Parameter]) -> StepResult:
         """One step over grads already synced; ``unused``: main params no rank computed a
@@ -198,7 +212,10 @@ class StepPipeline:
                     torch._foreach_mul_(grads, coef)
                 if zeros is not None:
                     grad_stats.add_zeros(zeros, _grads([m for m in mains if m in counted]))
-                self._inner_step([m for m in mains if m not in unused])
+                stepped = [m for m in mains if m not in unused]
+                with (self.state_precision.fp32(stepped) if self.state_precision
+                      else contextlib.nullcontext()):
+                    self._inner_step(stepped)
         self.source.end()
         num_zeros = None if zeros is None else grad_stats.total_zeros(zeros, groups, stats)
         return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros)

@@ -46,7 +46,9 @@ from ..layout.elementwise import TARGET_BUCKETS, BufferLayout
 from ..layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
 from ..memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
 from ..optim.groups import group_class, whole_tensor_costs
-from ..optim.kinds import check_optimizer_cls, state_bytes
+from ..optim.kinds import StateDtypes, check_optimizer_cls, state_bytes
+from ..optim.state_precision import resolve_state_dtypes
+from ..options import StateDtype
 from ..parallel.dtensor import local_tensor
 
 OptimizerClass = type[torch.optim.Optimizer]
@@ -54,14 +56,16 @@ Stepper = tuple[OptimizerClass, Mapping[str, Any]]
 """What steps a param: an optimizer class and its group's options."""
 
 
-def mean_state_bytes(params: Iterable[tuple[Sequence[int], Stepper | None]]) -> float:
+def mean_state_bytes(params: Iterable[tuple[Sequence[int], Stepper | None]],
+                     state_dtypes: StateDtypes | None = None) -> float:
     """The model's optimizer state per parameter: every param's ``state_bytes`` over all its
-    elements; ``params`` are (shape, (optimizer class, group options)) pairs. See
-    [Note: memory of whole-tensor ownership]."""
+    elements; ``params`` are (shape, (optimizer class, group options)) pairs, the state keys
+    in their ``state_dtypes`` (fp32 when absent). See [Note: memory of whole-tensor
+    ownership]."""
     total = numel = 0.0
     for shape, stepper in params:
         if stepper is not None:
-            total += state_bytes(stepper[0], shape, stepper[1])
+            total += state_bytes(stepper[0], shape, stepper[1], state_dtypes)
         numel += math.prod(shape)
     return total / numel if numel else 0.0
 
@@ -145,6 +149,7 @@ def _plan(
     dp_size: int,
     *,
     store_param_remainders: bool,
+    state_dtypes: StateDtypes | None = None,
 ) -> OwnershipPlan:
     num_params = sum(math.prod(shape) for buf in buffers for shape in buf.shapes)
     padding = sum(buf.layout.numel for buf in buffers) - num_params
@@ -172,16 +177,18 @@ def _plan(
                     continue
                 whole = layout.params[index].owner is not None
                 shape = buf.shapes[index] if whole else (piece.param_range.size,)
-                held["optimizer_state"] += state_bytes(stepper[0], shape, stepper[1])
+                held["optimizer_state"] += state_bytes(stepper[0], shape, stepper[1],
+                                                       state_dtypes)
     # The table: one buffer's dtypes (a model of several dtypes gets the first one's).
     first = buffers[0]
     table = bytes_per_param_breakdown(
         first.param_dtype, first.grad_dtype, store_param_remainders=store_param_remainders,
         optimizer_state_bytes=mean_state_bytes(
-            (shape, stepper) for buf in buffers
-            for shape, stepper in zip(buf.shapes, buf.steppers, strict=True)
-        ),
+            ((shape, stepper) for buf in buffers
+             for shape, stepper in zip(buf.shapes, buf.steppers, strict=True)),
+            state_dtypes),
     )
+
     reports = tuple(
         MemoryReport(num_params=num_params, **{k: int(v) for k, v in held.items()})
         for held in ranks
@@ -224,7 +231,8 @@ def plan_of(optimizer: Any) -> OwnershipPlan:
             ))
     # The layout's ranks: the shard group's, on a hierarchical mesh.
     return _plan(buffers, buffers[0].layout.dp_size,
-                 store_param_remainders=optimizer.options.store_param_remainders)
+                 store_param_remainders=optimizer.options.store_param_remainders,
+                 state_dtypes=optimizer.state_precision.dtypes)
 
 
 def predict_plan(
@@ -238,6 +246,7 @@ def predict_plan(
     target_buckets: int = TARGET_BUCKETS,
     store_param_remainders: bool = False,
     optimizer_kwargs: Mapping[str, Any] | None = None,
+    state_dtype: StateDtype = None,
 ) -> OwnershipPlan:
     """The plan ``DistributedDataParallel(module, grad_dtype=..., bucket_size=...)`` and
     ``DistributedOptimizer(ddp, optimizer_cls, params=..., **optimizer_kwargs)`` would give on
@@ -274,7 +283,8 @@ def predict_plan(
             param_dtype=buf.param_dtype,
             grad_dtype=buf.grad_dtype,
         ))
-    return _plan(buffers, dp_size, store_param_remainders=store_param_remainders)
+    return _plan(buffers, dp_size, store_param_remainders=store_param_remainders,
+                 state_dtypes=resolve_state_dtypes(state_dtype, classes))
 
 
 __all__ = [

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..dtypes import DTYPES
+from ..optim.state_precision import resolve_state_dtypes
 from ..options import fp32_accumulation_problem, remainders_problem
 from .model import MODEL_PRESETS
 
@@ -87,6 +88,9 @@ class TrainConfig:
     """Send bf16/fp16 grads as they are but sum each shard in fp32 and round it once."""
     store_param_remainders: bool = False
     """Keep the fp32 masters of bf16 params as the params plus 16-bit remainders."""
+    state_dtype: str = "fp32"
+    """Dtype the optimizer state is held in between steps: fp32, bf16 or fp16 (fp16 only for
+    state linear in the grads); see [Note: state precision] in distopt/optim/state_precision.py."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -167,10 +171,26 @@ class TrainConfig:
             if self.no_shard:
                 problems.append("--store-param-remainders needs the sharded optimizer; drop "
                                 "--no-shard")
+        if self.state_dtype not in DTYPES:
+            problems.append(f"--state-dtype must be one of fp32, bf16, fp16, got "
+                            f"{self.state_dtype}")
+        elif self.optimizer in OPTIMIZERS:
+            problems += self._state_dtype_problems()
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _state_dtype_problems(self) -> list[str]:
+        # The library raises the same on every rank; here it is one line before any starts.
+        classes = [OPTIMIZERS[self.optimizer][0]]
+        if self.optimizer == "muon":
+            classes.append(torch.optim.AdamW)  # the recipe's other params; see recipes.py
+        try:
+            resolve_state_dtypes(DTYPES[self.state_dtype], classes)
+        except ValueError as error:
+            return [f"--state-dtype {self.state_dtype}: {error}"]
+        return []
 
     def _fp32_accumulation_problems(self) -> list[str]:
         # The library raises the same; here it is one line before any rank starts.
@@ -258,6 +278,9 @@ def parser() -> argparse.ArgumentParser:
                    help="sum bf16/fp16 grads in fp32 on the receiving rank (one rounding)")
     p.add_argument("--store-param-remainders", action="store_true",
                    help="bf16 params + 16-bit remainders as the fp32 masters (2 bytes, exact)")
+    p.add_argument("--state-dtype", default=defaults.state_dtype,
+                   help="dtype of the optimizer state between steps: fp32, bf16, or fp16 "
+                   "(not for Adam's second moment)")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")

@@ -23,25 +23,27 @@ def write_summary(
     num_files: tuple[int, int],
     shard_size: int | None = None,
     optimizer_state_bytes: float,
+    held_state_bytes: float | None = None,
     ownership: OwnershipPlan | None = None,
 ) -> dict[str, Any]:
     """``optimizer_state_bytes``: the model's mean state per param (from the table of
-    optimizer classes); ``ownership``: the plan of a run whose params are owned whole, printed
-    beside what the ranks measured (see [Note: memory of whole-tensor ownership] in
-    distopt/plan/ownership.py)."""
+    optimizer classes), in fp32; ``held_state_bytes``: the same in the dtypes the run holds
+    it in (``--state-dtype``; None: fp32); ``ownership``: the plan of a run whose params are
+    owned whole, printed beside what the ranks measured (see [Note: memory of whole-tensor
+    ownership] in distopt/plan/ownership.py)."""
 
-    def breakdown(remainders: bool):
+    def breakdown(remainders: bool, state_bytes: float):
         return bytes_per_param_breakdown(
             DTYPES[config.dtype], DTYPES[config.grad_dtype],
-            optimizer_state_bytes=optimizer_state_bytes,
-            store_param_remainders=remainders,
+            optimizer_state_bytes=state_bytes, store_param_remainders=remainders,
         )
 
     # Optimizer state is sharded over the shard group only (replicated across groups); the
-    # replicated figure is plain DDP's, which keeps fp32 masters.
+    # replicated figure is plain DDP's, which keeps fp32 masters and fp32 state.
+    held = optimizer_state_bytes if held_state_bytes is None else held_state_bytes
     theory = {
-        "distopt": breakdown(config.store_param_remainders).total(shard_size or world),
-        "replicated": breakdown(False).total(world, distributed=False),
+        "distopt": breakdown(config.store_param_remainders, held).total(shard_size or world),
+        "replicated": breakdown(False, optimizer_state_bytes).total(world, distributed=False),
     }
     evals = [h for h in history if "heldout_loss" in h]
     first, last = evals[0]["heldout_loss"], evals[-1]["heldout_loss"]

@@ -91,7 +91,8 @@ class Trainer:
         )
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
-        common = dict(clip_grad=config.clip, loss_scaler=scaler, lr=config.lr, **opt_kwargs)
+        common = dict(clip_grad=config.clip, loss_scaler=scaler, lr=config.lr,
+                      state_dtype=DTYPES[config.state_dtype], **opt_kwargs)
         groups = param_groups(config.optimizer, model, config.lr)
         if groups is not None:
             common["params"] = groups
@@ -271,8 +272,12 @@ class Trainer:
         and with params owned whole (Muon, Adafactor) the plan of what each rank holds; see
         [Note: memory of whole-tensor ownership] in distopt/plan/ownership.py."""
         steppers = ownership.steppers_of(self.opt)
-        memory: dict[str, Any] = {"optimizer_state_bytes": ownership.mean_state_bytes(
-            (tuple(p.shape), steppers.get(p)) for p in self.ddp.params)}
+        shapes = [(tuple(p.shape), steppers.get(p)) for p in self.ddp.params]
+        memory: dict[str, Any] = {
+            "optimizer_state_bytes": ownership.mean_state_bytes(shapes),
+            "held_state_bytes": ownership.mean_state_bytes(
+                shapes, self.opt.state_precision.dtypes),
+        }
         owned_whole = any(whole_tensor_cost(cls) is not None for cls, _ in steppers.values())
         if owned_whole and self.opt.sharded:
             memory["ownership"] = ownership.plan_of(self.opt)
