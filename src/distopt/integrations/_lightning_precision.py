@@ -115,10 +115,10 @@ class DistoptPrecision(Precision):
                 "distopt clips by the global grad norm only; clipping by value is not "
                 "supported: use gradient_clip_algorithm='norm'"
             )
-        if optimizer.clip_grad != clip_val:
+        if optimizer.options.clip_grad != clip_val:
             raise ValueError(
                 f"distopt clips by norm inside its step, at the gradient_clip_val the optimizer "
-                f"was built with ({optimizer.clip_grad}); clipping at {clip_val} here would need "
+                f"was built with ({optimizer.options.clip_grad}); clipping at {clip_val} here would need "
                 "a second pass: set Trainer(gradient_clip_val=...) instead"
             )
         # Nothing to do now: the step clips every shard by the one global norm.
