@@ -118,8 +118,8 @@ class DistoptPrecision(Precision):
         if optimizer.options.clip_grad != clip_val:
             raise ValueError(
                 f"distopt clips by norm inside its step, at the gradient_clip_val the optimizer "
-                f"was built with ({optimizer.options.clip_grad}); clipping at {clip_val} here would need "
-                "a second pass: set Trainer(gradient_clip_val=...) instead"
+                f"was built with ({optimizer.options.clip_grad}); clipping at {clip_val} here "
+                "would need a second pass: set Trainer(gradient_clip_val=...) instead"
             )
         # Nothing to do now: the step clips every shard by the one global norm.
 
