@@ -19,9 +19,11 @@ Megatron-Core 0.19.2:
   of which there are none): ``_cuda_calls_on_cpu`` answers ``"cpu"`` and a stream that waits on
   nothing, while Megatron code runs.
 - Its optimizer makes a few scalars with ``device="cuda"`` (a found-inf flag, the grad norm)
-  and dispatches on ``param.type() == "torch.cuda.FloatTensor"``: ``_CudaNamesOnCpu``, a torch
-  function mode active during its construction and ``step()``, makes those tensors on the CPU
-  and names CPU tensors' types as their CUDA counterparts.
+  and dispatches on ``param.type() == "torch.cuda.FloatTensor"``: while it is built,
+  ``_CudaNamesOnCpu``, a torch function mode, makes those tensors on the CPU and names CPU
+  tensors' types as their CUDA counterparts; in ``step()``, which only makes scalars, the
+  factories ``torch.zeros`` and the like do (a mode there would cost every tensor operation
+  of the step a Python call, about 2,000 per step on the benchmark's MLP).
 - It is built with explicit process groups (a ``ProcessGroupCollection`` over the benchmark's
   group), not with its global ``parallel_state``; weight decay applies to every param (its
   ``wd_mult`` is applied only by its ``OptimizerParamScheduler``, which is not used), as for
@@ -154,10 +156,44 @@ class _CudaNamesOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
 @contextlib.contextmanager
-def megatron_on_cpu() -> Iterator[None]:
-    """Every shim Megatron-Core needs on a CPU, for the duration of the block."""
+def _cuda_factories_on_cpu() -> Iterator[None]:
+    # Only the factories pay, not every tensor operation as under a torch function mode.
+    saved = {name: getattr(torch, name) for name in _FACTORIES}
+
+    def on_cpu(factory):
+        def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name, factory in saved.items():
+        setattr(torch, name, on_cpu(factory))
+    try:
+        yield
+    finally:
+        for name, factory in saved.items():
+            setattr(torch, name, factory)
+
+
+@contextlib.contextmanager
+def megatron_built_on_cpu() -> Iterator[None]:
+    """Every shim Megatron-Core's constructors need on a CPU, for the duration of the block."""
     with _cuda_calls_on_cpu(), _CudaNamesOnCpu():
+        yield
+
+
+@contextlib.contextmanager
+def megatron_stepping_on_cpu() -> Iterator[None]:
+    """The shims its ``step()`` needs: no torch function mode, whose Python call on every
+    tensor operation (about 2,000 per step here) would be timed as Megatron-Core's."""
+    with _cuda_calls_on_cpu(), _cuda_factories_on_cpu():
         yield
 
 
@@ -192,7 +228,7 @@ class MegatronSystem(System):
             adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=1e-8, clip_grad=0.0,
             use_distributed_optimizer=True, overlap_param_gather=overlap,
         )
-        with megatron_on_cpu():
+        with megatron_built_on_cpu():
             self.model = mc.DistributedDataParallel(
                 config, ddp_config, module, pg_collection=groups
             )
@@ -221,7 +257,7 @@ class MegatronSystem(System):
             self.model.finish_grad_sync()
 
     def step(self) -> None:
-        with megatron_on_cpu():
+        with megatron_stepping_on_cpu():
             self.optimizer.step()
 
     def finish_param_sync(self) -> None:
