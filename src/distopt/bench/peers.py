@@ -2,9 +2,10 @@
 shims that let them run on a CPU over gloo.
 
 Both are installed by the ``peers`` extra (``make peers``; Megatron-Core needs a special install,
-see the Makefile) and run only in the benchmark's and the tests' own processes: nothing here is
-imported by distopt itself. They train the benchmark's model with torch's ``AdamW`` and the same
-hyperparameters as the other systems (``systems.ADAMW``), in fp32, grads averaged over the ranks.
+see the Makefile) and imported only when one of these configurations is built, in the
+benchmark's and the tests' own processes; the library never imports them. They train the
+benchmark's model with torch's ``AdamW`` and the same hyperparameters as the other systems
+(``systems.ADAMW``), in fp32, grads averaged over the ranks.
 
 [Note: peers on CPU]
 Neither peer changes its arithmetic here; the shims only let code written for CUDA run on a CPU.
