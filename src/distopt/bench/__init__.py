@@ -1,5 +1,8 @@
 """``distopt bench``: distopt against torch DDP, ZeroRedundancyOptimizer and FSDP2, side by side.
 
+With the ``peers`` extra, ``--systems`` also takes Megatron-Core's DistributedOptimizer and
+DeepSpeed ZeRO-1/2 (``systems.PEER_SYSTEMS``, built in ``peers.py``).
+
 One invocation runs every configuration (``systems.SYSTEMS``) on each model and data-parallel
 size asked for, each in its own freshly spawned process group, and reports per configuration:
 median step time and tokens/s over the warm steps, the ratio to DDP and to the fastest peer,
