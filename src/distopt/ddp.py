@@ -450,9 +450,13 @@ class DistributedDataParallel(nn.Module):
         waits for its own buckets in a forward pre-hook; see [Note: param gather].
         """
         self.finish_param_sync()
+        # Always started together: without overlap one wait for all of them costs one round
+        # trip instead of one per bucket (see [Note: collectives on gloo]).
         for bucket in reversed(self._buckets):
-            bucket.start_gather(async_op=overlap)
-        self._gathers_in_flight = overlap
+            bucket.start_gather(async_op=True)
+        self._gathers_in_flight = True
+        if not overlap:
+            self.finish_param_sync()
 
     def finish_param_sync(self) -> None:
         """Wait for every param gather still in flight."""

@@ -1,5 +1,8 @@
 """``distopt bench``: distopt against torch DDP, ZeroRedundancyOptimizer and FSDP2, side by side.
 
+With the ``peers`` extra, ``--systems`` also takes Megatron-Core's DistributedOptimizer and
+DeepSpeed ZeRO-1/2 (``systems.PEER_SYSTEMS``, built in ``peers.py``).
+
 One invocation runs every configuration (``systems.SYSTEMS``) on each model and data-parallel
 size asked for, each in its own freshly spawned process group, and reports per configuration:
 median step time and tokens/s over the warm steps, the ratio to DDP and to the fastest peer,
@@ -25,8 +28,9 @@ import torch
 
 from .models import MODELS, build_model
 from .muon import MUON_SYSTEMS
+from .peers import INSTALL_HINT
 from .runner import RunConfig, merge_rounds, run_config
-from .systems import SPLIT_OVERLAP, SYSTEMS, theoretical_bytes_per_param
+from .systems import PEER_SYSTEMS, SPLIT_OVERLAP, SYSTEMS, system_bytes_per_param
 
 __all__ = ["RunConfig", "main", "run_config"]
 
@@ -40,10 +44,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="data-parallel sizes to run (default: 2 4)")
     p.add_argument("--model", nargs="+", choices=MODELS, default=["gpt", "mlp"],
                    help="models to run (default: gpt mlp)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS + SPLIT_OVERLAP + MUON_SYSTEMS,
+    p.add_argument("--systems", nargs="+",
+                   choices=SYSTEMS + SPLIT_OVERLAP + MUON_SYSTEMS + PEER_SYSTEMS,
                    default=list(SYSTEMS),
-                   help="configurations to run (default: all but the split-overlap and the "
-                        "Muon ones)")
+                   help="configurations to run (default: all but the split-overlap, the "
+                        "Muon and the other projects' ones: Megatron-Core and DeepSpeed, "
+                        "which need the peers extra)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of every configuration, interleaved (default 3)")
@@ -54,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / nproc, at least 1)")
     p.add_argument("--bucket-size", type=int, default=None,
-                   help="distopt elements per bucket (default: distopt's choice)")
+                   help="elements per bucket of distopt, Megatron-Core (with overlap) and "
+                        "DeepSpeed (default: each one's own choice)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.png")
     p.add_argument("--host-overhead", action="store_true",
                    help="run the step()+zero_grad() host-overhead microbenchmark instead")
@@ -103,6 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distopt bench: --nproc {max(args.nproc)} needs as many GPUs, "
               f"found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
+    peers = [s for s in args.systems if s in PEER_SYSTEMS]
+    if peers and not args.host_overhead and not args.collectives:
+        from .peers import missing_peers
+
+        absent = missing_peers(peers)
+        if absent:
+            print(f"distopt bench: {', '.join(peers)} need {' and '.join(absent)} (not "
+                  f"installed): {INSTALL_HINT}", file=sys.stderr)
+            return 2
     if args.collectives:
         from .collectives import main as collectives_main
 
@@ -130,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in args.systems:
                 result = merge_rounds(rounds[system])
                 state = muon_state_bytes(model, args.seq_len) if system in MUON_SYSTEMS else 8
-                result["theory_bytes_per_param"] = theoretical_bytes_per_param(
+                result["theory_bytes_per_param"] = system_bytes_per_param(
                     system, nproc, optimizer_state_bytes=state)
                 results.append(result)
 

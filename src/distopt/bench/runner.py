@@ -31,7 +31,8 @@ import distopt
 
 from .models import build_model
 from .muon import MUON_SYSTEMS, build_muon_system
-from .systems import CollectiveCounter, build_system, wire_bytes
+from .peers import build_peer_system
+from .systems import PEER_SYSTEMS, CollectiveCounter, build_system, wire_bytes
 
 PHASES = ("forward", "backward", "wait_reduce", "step", "wait_gather")
 
@@ -138,12 +139,18 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
     bench_model = build_model(config.model, config.seq_len)
     module = bench_model.module.to(device)
     num_params = sum(p.numel() for p in module.parameters())
-    build = build_muon_system if config.system in MUON_SYSTEMS else build_system
+    # Installed before the system is built: some peers bind torch's collectives when imported.
+    counter = CollectiveCounter()
+    counter.install()
+    if config.system in MUON_SYSTEMS:
+        build = build_muon_system
+    elif config.system in PEER_SYSTEMS:
+        build = build_peer_system
+    else:
+        build = build_system
     system = build(config.system, module, device, bucket_size=config.bucket_size)
     # Configurations on distopt's DDP (gather-muon too) time its collectives' waits.
     is_distopt = isinstance(system.model, distopt.DistributedDataParallel)
-    counter = CollectiveCounter()
-    counter.install()
     newton_schulz = NewtonSchulzCounter()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if is_distopt:
@@ -200,8 +207,9 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
                 "wait_gather": waits()["gather"] - before["gather"],
             })
     counter.uninstall()
-    if is_distopt:
-        system.model.finish_param_sync()
+    # Taken before the last gather: peers that bound the wrapped functions still call them.
+    calls, sent = dict(counter.calls), dict(counter.bytes)
+    system.finish_param_sync()
 
     state = system.state_bytes()
     result: dict[str, Any] = {
@@ -210,8 +218,8 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
         "losses": losses,
         "num_params": num_params,
         "state_bytes": state,
-        "calls": dict(counter.calls),
-        "bytes": dict(counter.bytes),
+        "calls": calls,
+        "bytes": sent,
         "newton_schulz_calls": newton_schulz.calls,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "model_source": bench_model.source,

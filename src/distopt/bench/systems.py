@@ -23,7 +23,11 @@ SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "basic")
 """Configurations run by default, in the order the report lists them."""
 SPLIT_OVERLAP = ("distopt-overlap-reduce", "distopt-overlap-gather")
 """Configurations run only when asked for: one of distopt's two overlaps at a time."""
-PEERS = ("ddp", "zero", "fsdp2")
+PEER_SYSTEMS = ("megatron", "megatron-overlap", "deepspeed-z1", "deepspeed-z2",
+                "deepspeed-z2-overlap")
+"""Other projects' distributed optimizers, run only when asked for (the ``peers`` extra;
+``peers.py``)."""
+PEERS = ("ddp", "zero", "fsdp2") + PEER_SYSTEMS
 
 LABELS = {
     "ddp": "torch DDP + AdamW",
@@ -37,6 +41,11 @@ LABELS = {
     "distopt-muon": "distopt Muon, owner computes",
     "ddp-muon": "torch DDP + Muon, every rank",
     "gather-muon": "ZeRO-1 Muon, gathered (Moonshot)",
+    "megatron": "Megatron-Core DistOpt",
+    "megatron-overlap": "Megatron-Core DistOpt, overlap",
+    "deepspeed-z1": "DeepSpeed ZeRO-1",
+    "deepspeed-z2": "DeepSpeed ZeRO-2",
+    "deepspeed-z2-overlap": "DeepSpeed ZeRO-2, overlap",
 }
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}
@@ -142,6 +151,9 @@ class System:
     def step(self) -> None:
         self.optimizer.step()
 
+    def finish_param_sync(self) -> None:
+        """Wait for a param gather still in flight (an overlapped one), so params are whole."""
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of persistent training state this rank holds: params, grads, optimizer
         state, each storage counted once (views are free)."""
@@ -240,6 +252,9 @@ class _Distopt(System):
     def sync(self) -> None:
         self.model.finish_grad_sync()
 
+    def finish_param_sync(self) -> None:
+        self.model.finish_param_sync()
+
     def state_bytes(self) -> dict[str, int]:
         report = distopt.measure_state_bytes(self.optimizer)
         return {
@@ -276,8 +291,9 @@ def build_system(
     if name == "basic":
         return _Basic(module, bucket_size=bucket_size)
     raise ValueError(
-        f"unknown system {name!r}; choose from {', '.join(SYSTEMS + SPLIT_OVERLAP)} (the Muon "
-        "ones: bench.muon.build_muon_system)"
+        f"unknown system {name!r}; choose from "
+        f"{', '.join(SYSTEMS + SPLIT_OVERLAP)} (the Muon ones: bench.muon.build_muon_system; "
+        "Megatron-Core and DeepSpeed: bench.peers.build_peer_system)"
     )
 
 
@@ -290,9 +306,10 @@ _DISTOPT_OVERLAPS = {
 }
 
 
-def theoretical_bytes_per_param(name: str, d: int, optimizer_state_bytes: float = 8) -> float:
-    """Persistent state per parameter for fp32 params and grads with Adam (docs/design.md), or
-    with ``optimizer_state_bytes`` of state per param (the Muon recipe's mean)."""
+def system_bytes_per_param(name: str, d: int, optimizer_state_bytes: float = 8) -> float:
+    """What system ``name`` keeps per parameter between steps, for fp32 params and grads with
+    Adam (or ``optimizer_state_bytes`` of state per param: the Muon recipe's mean): distopt's
+    own table, ``bytes_per_param_breakdown``, regrouped by what each peer shards."""
     fp32 = bytes_per_param_breakdown(torch.float32, torch.float32,
                                      optimizer_state_bytes=optimizer_state_bytes)
     if name in ("ddp", "basic", "ddp-muon"):
@@ -302,4 +319,8 @@ def theoretical_bytes_per_param(name: str, d: int, optimizer_state_bytes: float 
         return fp32.params + fp32.grads + fp32.optimizer_state / d
     if name == "fsdp2":
         return fp32.total(d, distributed=False) / d  # between steps everything is sharded (ZeRO-3)
+    if name.startswith("deepspeed"):
+        # Between steps: params replicated, an fp32 master copy and Adam's moments sharded; the
+        # grads (whole with ZeRO-1, a shard with ZeRO-2) live only from backward to step.
+        return fp32.params + (fp32.params + fp32.optimizer_state) / d
     return fp32.total(d)
