@@ -136,6 +136,11 @@ class Probe(pl.Callback):
         grads = [p.grad for p in params if p.grad is not None]
         self.grad_norms.append(torch.nn.utils.get_total_norm(grads).item())
 
+    def on_train_start(self, trainer, module) -> None:
+        # From here on: what the DDP's construction sent (the model check) is not a step's.
+        if isinstance(trainer.strategy, DistoptStrategy):
+            self._calls = sum(trainer.strategy.ddp.comm_stats.calls.values())
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if isinstance(trainer.strategy, DistoptStrategy):
             calls = sum(trainer.strategy.ddp.comm_stats.calls.values())
