@@ -166,13 +166,10 @@ def pad_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_layout(
-    numels: Sequence[int], *, bucket_size: int, dp_size: int, shard_align: int = SHARD_ALIGN
-) -> BufferLayout:
-    """Lay out parameters of the given element counts; see [Note: layout rule].
-
-    ``shard_align`` exists for tests that reproduce hand-drawn pictures (``shard_align=1``).
-    """
+def check_layout_inputs(
+    numels: Sequence[int], *, bucket_size: int, dp_size: int, shard_align: int
+) -> None:
+    """Raise on sizes no layout can have."""
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     if bucket_size < 1:
@@ -181,6 +178,17 @@ def build_layout(
         raise ValueError(f"shard_align must be >= 1, got {shard_align}")
     if any(n < 1 for n in numels):
         raise ValueError("every parameter must have at least one element")
+
+
+def build_layout(
+    numels: Sequence[int], *, bucket_size: int, dp_size: int, shard_align: int = SHARD_ALIGN
+) -> BufferLayout:
+    """Lay out parameters of the given element counts; see [Note: layout rule].
+
+    ``shard_align`` exists for tests that reproduce hand-drawn pictures (``shard_align=1``).
+    """
+    check_layout_inputs(numels, bucket_size=bucket_size, dp_size=dp_size,
+                        shard_align=shard_align)
 
     groups: list[list[int]] = []
     current: list[int] = []

@@ -75,6 +75,7 @@ from .elementwise import (
     ParamSlot,
     Range,
     build_layout,
+    check_layout_inputs,
     pad_to,
 )
 from .packing import cut_buckets
@@ -304,14 +305,8 @@ def _check(
     dp_size: int,
     shard_align: int,
 ) -> None:
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    if bucket_size < 1:
-        raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
     if whole_bucket_size < 1:
         raise ValueError(f"whole_bucket_size must be >= 1 element, got {whole_bucket_size}")
-    if shard_align < 1:
-        raise ValueError(f"shard_align must be >= 1, got {shard_align}")
     if len(whole_costs) != len(numels):
         raise ValueError(
             f"whole_costs has {len(whole_costs)} entries for {len(numels)} parameters"
@@ -319,10 +314,10 @@ def _check(
     for index, (numel, cost) in enumerate(zip(numels, whole_costs, strict=True)):
         if cost is not None and numel < 1:
             raise ValueError(f"parameter {index} has a whole-tensor cost but no elements")
-        if numel < 1:
-            raise ValueError("every parameter must have at least one element")
         if cost is not None and not (math.isfinite(cost) and cost >= 0):
             raise ValueError(f"parameter {index} has cost {cost}; costs must be finite and >= 0")
+    check_layout_inputs(numels, bucket_size=bucket_size, dp_size=dp_size,
+                        shard_align=shard_align)
 
 
 def _assign(
