@@ -155,7 +155,7 @@ class ShardMainParams:
             lo, hi = piece.local_range.start, piece.local_range.end
             main.data = master[lo:hi].view(main.shape)
         try:
-            yield [main for main, _ in mains]
+            yield self.bucket_main_params(bucket)
         finally:
             split_fp32(master, self.param_regions[bucket], self._remainder_segments[bucket])
             for main, _ in mains:
@@ -169,13 +169,13 @@ class ShardMainParams:
         persistent main grads."""
         mains = self._bucket_mains[bucket]
         if not self.transient_grads:
-            yield [main for main, _ in mains], False
+            yield self.bucket_main_params(bucket), False
             return
         grad = self.grad_regions[bucket].float()
         for main, piece in mains:
             main.grad = grad[piece.local_range.start : piece.local_range.end].view(main.shape)
         try:
-            yield [main for main, _ in mains], True
+            yield self.bucket_main_params(bucket), True
         finally:
             for main, _ in mains:
                 main.grad = None
