@@ -174,3 +174,54 @@ def test_adafactor_and_bad_whole_tensor_options(capsys):
         capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["--model", "small", "--optimizer", "lbfgs"])
+
+
+@pytest.mark.parametrize(("dtype", "grad", "remainders", "whole", "sharded"), [
+    ("bf16", "bf16", True, 2, 2 + 2 + 8),   # the row: 2 + 12/d
+    ("fp32", "fp32", False, 4, 4 + 8),      # 4 + 12/d
+    ("bf16", "bf16", False, 2, 2 + 4 + 4 + 8),  # fp32 main params and main grads stay
+    ("bf16", "fp32", False, 2, 4 + 4 + 8),
+])
+def test_shard_grads_rows(capsys, dtype, grad, remainders, whole, sharded):
+    for dp in (1, 2, 4, 8):
+        total = distopt.theoretical_bytes_per_param(
+            DTYPES[dtype], DTYPES[grad], dp, store_param_remainders=remainders,
+            shard_grads=True)
+        assert total == whole + sharded / dp
+        breakdown = bytes_per_param_breakdown(DTYPES[dtype], DTYPES[grad],
+                                              store_param_remainders=remainders,
+                                              shard_grads=True)
+        assert breakdown.per_rank(dp)["grads"] == DTYPES[grad].itemsize / dp
+        # The replicated column never shards the grads.
+        assert breakdown.per_rank(dp, distributed=False)["grads"] == DTYPES[grad].itemsize
+    argv = ["--params", "7e9", "--dp", "8", "--dtype", dtype, "--grad-dtype", grad,
+            *(["--store-param-remainders"] if remainders else []), "--shard-grads"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    total = re.search(r"^total\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    assert float(total.group(2)) == pytest.approx(whole + sharded / 8, abs=1e-3)
+    grads = re.search(r"^grads\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    assert float(grads.group(1)) == DTYPES[grad].itemsize
+    assert float(grads.group(2)) == pytest.approx(DTYPES[grad].itemsize / 8, abs=1e-3)
+    assert "no grad buffer is kept whole" in out
+
+
+def test_shard_grads_in_the_cluster_plan_and_the_ownership_plan(capsys):
+    # fp32 grads sharded over the 4 ranks (flat) or the shard group of 2.
+    assert main(["--params", "1e9", "--nodes", "2", "--gpus-per-node", "2", "--shard-size", "2",
+                 "--dtype", "fp32", "--shard-grads"]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "grads") == (1.0, 2.0)
+    assert _row(out, "total") == (4 + 12 / 4, 4 + 12 / 2)
+    figures = {}
+    for shard_grads in (False, True):
+        argv = ["--model", "small", "--dp", "4", "--optimizer", "muon", "--dtype", "fp32"]
+        assert main(argv + (["--shard-grads"] if shard_grads else [])) == 0
+        out = capsys.readouterr().out
+        figures[shard_grads] = (
+            float(re.search(r"^\s+0\s+([\d.]+)\s+[\d.]+\s+\+", out, re.M).group(1)),
+            float(re.search(r"busiest rank ([\d.]+) B/param", out).group(1)),
+        )
+    # The grads: 4 B/param whole without, 4/4 with (the padding's share aside).
+    assert figures[True][0] == pytest.approx(figures[False][0] - 3.0, abs=1e-4)
+    assert figures[True][1] < figures[False][1] - 2.9

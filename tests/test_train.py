@@ -207,7 +207,8 @@ def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
      (["--reduce-scatter-fp32-accumulation"],
       "--reduce-scatter-fp32-accumulation needs --grad-dtype bf16 or fp16, got fp32"),
      (["--reduce-scatter-fp32-accumulation", "--grad-dtype", "bf16", "--no-shard"],
-      "--reduce-scatter-fp32-accumulation needs the sharded optimizer; drop --no-shard")],
+      "--reduce-scatter-fp32-accumulation needs the sharded optimizer; drop --no-shard"),
+     (["--shard-grads", "--no-shard"], "--shard-grads needs the sharded optimizer")],
 )
 def test_bad_options_give_one_line(tmp_path, capsys, args, message):
     """Every check runs before any rank starts, so the command itself is called here: what

@@ -8,7 +8,7 @@ the grad buffer) cost nothing extra, exactly as in memory.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -35,7 +35,9 @@ class BytesPerParam:
 
     The fields are the components ``MemoryReport`` measures. Every rank holds the model's params
     and its grad buffer whole; the distributed optimizer shards the other components
-    (``SHARDED``) over the data-parallel ranks, so that each rank holds ``1/d`` of them.
+    (``SHARDED``) over the data-parallel ranks, so that each rank holds ``1/d`` of them. With
+    ``shard_grads`` each rank keeps only its reduced shard of the grads between steps, so the
+    grads are sharded too (``sharded``).
     """
 
     params: int
@@ -52,6 +54,14 @@ class BytesPerParam:
     """The torch optimizer's state: 8 for Adam's two fp32 moments (4 in bf16), 4 for SGD's
     momentum; with
     several optimizers (Muon's 4 beside AdamW's 8), the model's mean (distopt.plan.ownership)."""
+    shard_grads: bool = False
+    """Whether the grads are kept sharded between steps
+    (``DistributedDataParallel(shard_grads=True)``); not a component."""
+
+    @property
+    def sharded(self) -> frozenset[str]:
+        """The components each of the d ranks holds 1/d of."""
+        return SHARDED | {"grads"} if self.shard_grads else SHARDED
 
     def per_rank(self, dp_size: int, *, distributed: bool = True) -> dict[str, float]:
         """Each component's bytes per parameter on one of ``dp_size`` data-parallel ranks, by
@@ -59,7 +69,7 @@ class BytesPerParam:
         _check_dp_size(dp_size)
         shards = dp_size if distributed else 1
         return {
-            name: getattr(self, name) / (shards if name in SHARDED else 1)
+            name: getattr(self, name) / (shards if name in self.sharded else 1)
             for name in COMPONENTS
         }
 
@@ -68,12 +78,12 @@ class BytesPerParam:
         _check_dp_size(dp_size)
         # One division of the sharded components' sum, not one per component: the table's
         # ``whole + sharded / d``, to the last bit.
-        whole = sum(getattr(self, name) for name in COMPONENTS if name not in SHARDED)
-        sharded = sum(getattr(self, name) for name in COMPONENTS if name in SHARDED)
+        whole = sum(getattr(self, name) for name in COMPONENTS if name not in self.sharded)
+        sharded = sum(getattr(self, name) for name in COMPONENTS if name in self.sharded)
         return whole + sharded / (dp_size if distributed else 1)
 
 
-COMPONENTS: tuple[str, ...] = tuple(f.name for f in fields(BytesPerParam))
+COMPONENTS: tuple[str, ...] = ("params", "grads", "main_params", "main_grads", "optimizer_state")
 """The components of training state, in the order the reports list them."""
 SHARDED = frozenset({"main_params", "main_grads", "optimizer_state"})
 """The components the distributed optimizer shards over the data-parallel ranks."""
@@ -86,6 +96,7 @@ def bytes_per_param_breakdown(
     optimizer_state_bytes: float = 8,
     store_param_remainders: bool = False,
     state_dtype: torch.dtype | None = None,
+    shard_grads: bool = False,
 ) -> BytesPerParam:
     """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
 
@@ -97,7 +108,9 @@ def bytes_per_param_breakdown(
     so ``optimizer_state_bytes`` (counted in fp32) shrinks by its itemsize over 4; for a mix
     of dtypes per key pass ``optimizer_state_bytes=distopt.optim.kinds.state_bytes(cls,
     (1,), None, {key: dtype})`` instead. See [Note: state precision] in
-    optim/state_precision.py.
+    optim/state_precision.py. ``shard_grads`` keeps only each rank's reduced shard of the
+    grads between steps (``DistributedDataParallel(shard_grads=True)``): the grads are sharded
+    too. See [Note: sharded grads] in buckets.py.
     """
     grad_dtype = grad_dtype or param_dtype
     if state_dtype is not None:
@@ -124,6 +137,7 @@ def bytes_per_param_breakdown(
         main_params=2 if store_param_remainders else main_params,
         main_grads=main_grads,
         optimizer_state=optimizer_state_bytes,
+        shard_grads=shard_grads,
     )
 
 
@@ -136,6 +150,7 @@ def theoretical_bytes_per_param(
     optimizer_state_bytes: float = 8,
     store_param_remainders: bool = False,
     state_dtype: torch.dtype | None = None,
+    shard_grads: bool = False,
 ) -> float:
     """Bytes per parameter of params, grads, fp32 main params/grads and optimizer state.
 
@@ -145,12 +160,15 @@ def theoretical_bytes_per_param(
     persistent fp32 main grads (bf16 params).
     ``state_dtype``: the state held in that dtype (bf16 params and grads, remainders, bf16
     state: 4 + 6/d; fp32 params and grads with bf16 state: 8 + 4/d).
+    ``shard_grads``: only each rank's reduced shard of the grads is kept between steps (bf16
+    params and grads with remainders: 2 + 12/d; fp32: 4 + 12/d).
     ``bytes_per_param_breakdown`` gives the same figure component by component.
     """
     _check_dp_size(dp_size)
     breakdown = bytes_per_param_breakdown(
         param_dtype, grad_dtype, optimizer_state_bytes=optimizer_state_bytes,
         store_param_remainders=store_param_remainders, state_dtype=state_dtype,
+        shard_grads=shard_grads,
     )
     return breakdown.total(dp_size, distributed=distributed)
 

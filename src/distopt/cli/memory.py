@@ -6,6 +6,8 @@
     distopt memory --model small --dp 4 --optimizer muon --backend gloo
     distopt memory --params 7e9 --dp 8 --dtype bf16 --grad-dtype bf16 --store-param-remainders \
         --state-dtype bf16
+    distopt memory --model medium --dp 8 --dtype bf16 --grad-dtype bf16 \
+        --store-param-remainders --shard-grads
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
@@ -70,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="dtype distopt holds the optimizer state in between steps "
                         "(DistributedOptimizer(state_dtype=...)); fp16 only for state linear "
                         "in the grads, not Adam's second moment")
+    parser.add_argument("--shard-grads", action="store_true",
+                        help="keep only each rank's reduced shard of the grads between steps "
+                        "(DistributedDataParallel(shard_grads=True))")
     cluster = parser.add_argument_group(
         "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
         "flat over every rank")
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = bytes_per_param_breakdown(
             param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes,
             store_param_remainders=args.store_param_remainders,
-            state_dtype=DTYPES[args.state_dtype],
+            state_dtype=DTYPES[args.state_dtype], shard_grads=args.shard_grads,
         )
     except ValueError as error:
         print(f"distopt memory: --store-param-remainders: {error}", file=sys.stderr)
@@ -215,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.store_param_remainders:
         print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
               "bf16/fp16 grads) one bucket's shard at a time; that transient is not included")
+    if args.shard_grads:
+        print("with --shard-grads each bucket's grads live in a transient buffer from their first "
+              "grad of a backward until\nthe bucket's reduce-scatter is done, a few buckets at a "
+              "time (not included); no grad buffer is kept whole")
     if args.state_dtype != "fp32":
         print(f"with --state-dtype {args.state_dtype} the step expands one bucket's shard of "
               "the state to fp32 at a time; that transient is not included (the replicated "
@@ -226,6 +235,8 @@ def _labels(args: argparse.Namespace) -> dict[str, str]:
     labels = dict(LABELS)
     if args.store_param_remainders:
         labels["main_params"] = "remainders"
+    if args.shard_grads:
+        labels["grads"] = "grads"
     if args.state_dtype != "fp32":
         labels["optimizer_state"] = f"opt. state ({args.state_dtype})"
     return labels
@@ -322,7 +333,8 @@ def _whole_tensor(args: argparse.Namespace) -> int:
         plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
                             bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
                             store_param_remainders=args.store_param_remainders,
-                            state_dtype=DTYPES[args.state_dtype])
+                            state_dtype=DTYPES[args.state_dtype],
+                            shard_grads=args.shard_grads)
     except ValueError as error:
         print(f"distopt memory: --state-dtype {args.state_dtype}: {error}", file=sys.stderr)
         return 2

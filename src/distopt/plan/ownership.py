@@ -44,7 +44,7 @@ from torch import nn
 from ..layout.balance import BalanceReport, balance_report
 from ..layout.elementwise import TARGET_BUCKETS, BufferLayout
 from ..layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
-from ..memory import SHARDED, BytesPerParam, MemoryReport, bytes_per_param_breakdown
+from ..memory import BytesPerParam, MemoryReport, bytes_per_param_breakdown
 from ..optim.groups import group_class, whole_tensor_costs
 from ..optim.kinds import StateDtypes, check_optimizer_cls, state_bytes
 from ..optim.state_precision import resolve_state_dtypes
@@ -114,7 +114,7 @@ class OwnershipPlan:
     def padding_bytes_per_param(self) -> float:
         """What the padding costs every rank on average, per parameter."""
         t, d = self.table, self.dp_size
-        per_element = sum(getattr(t, name) / (d if name in SHARDED else 1)
+        per_element = sum(getattr(t, name) / (d if name in t.sharded else 1)
                           for name in ("params", "grads", "main_params", "main_grads"))
         return per_element * self.padding / self.num_params
 
@@ -150,6 +150,7 @@ def _plan(
     *,
     store_param_remainders: bool,
     state_dtypes: StateDtypes | None = None,
+    shard_grads: bool = False,
 ) -> OwnershipPlan:
     num_params = sum(math.prod(shape) for buf in buffers for shape in buf.shapes)
     padding = sum(buf.layout.numel for buf in buffers) - num_params
@@ -167,7 +168,8 @@ def _plan(
         for rank in range(dp_size):
             held = ranks[rank]
             held["params"] += breakdown.params * layout.numel
-            held["grads"] += breakdown.grads * layout.numel
+            # Sharded grads: only this rank's reduced shard of each bucket is kept.
+            held["grads"] += breakdown.grads * (shard if shard_grads else layout.numel)
             held["main_params"] += breakdown.main_params * shard
             held["main_grads"] += breakdown.main_grads * shard
             for piece in layout.shard_pieces(rank):
@@ -183,7 +185,7 @@ def _plan(
     first = buffers[0]
     table = bytes_per_param_breakdown(
         first.param_dtype, first.grad_dtype, store_param_remainders=store_param_remainders,
-        optimizer_state_bytes=mean_state_bytes(
+        shard_grads=shard_grads, optimizer_state_bytes=mean_state_bytes(
             ((shape, stepper) for buf in buffers
              for shape, stepper in zip(buf.shapes, buf.steppers, strict=True)),
             state_dtypes),
@@ -247,8 +249,10 @@ def predict_plan(
     store_param_remainders: bool = False,
     optimizer_kwargs: Mapping[str, Any] | None = None,
     state_dtype: StateDtype = None,
+    shard_grads: bool = False,
 ) -> OwnershipPlan:
-    """The plan ``DistributedDataParallel(module, grad_dtype=..., bucket_size=...)`` and
+    """The plan ``DistributedDataParallel(module, grad_dtype=..., bucket_size=...,
+    shard_grads=...)`` and
     ``DistributedOptimizer(ddp, optimizer_cls, params=..., **optimizer_kwargs)`` would give on
     ``dp_size`` ranks, without building either: the DDP's own planner on the module's local
     shapes (a module on the meta device will do). ``target_buckets``: the DDP's default
@@ -284,7 +288,8 @@ def predict_plan(
             grad_dtype=buf.grad_dtype,
         ))
     return _plan(buffers, dp_size, store_param_remainders=store_param_remainders,
-                 state_dtypes=resolve_state_dtypes(state_dtype, classes))
+                 state_dtypes=resolve_state_dtypes(state_dtype, classes),
+                 shard_grads=shard_grads)
 
 
 __all__ = [

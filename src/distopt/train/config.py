@@ -91,6 +91,9 @@ class TrainConfig:
     state_dtype: str = "fp32"
     """Dtype the optimizer state is held in between steps: fp32, bf16 or fp16 (fp16 only for
     state linear in the grads); see [Note: state precision] in distopt/optim/state_precision.py."""
+    shard_grads: bool = False
+    """Keep only each rank's reduced shard of the grads between steps (ZeRO-2); every
+    micro-batch reduce-scatters. See [Note: sharded grads] in distopt/buckets.py."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -171,6 +174,9 @@ class TrainConfig:
             if self.no_shard:
                 problems.append("--store-param-remainders needs the sharded optimizer; drop "
                                 "--no-shard")
+        if self.shard_grads and self.no_shard:
+            problems.append("--shard-grads needs the sharded optimizer (the replicated one "
+                            "steps whole grads); drop --no-shard")
         if self.state_dtype not in DTYPES:
             problems.append(f"--state-dtype must be one of fp32, bf16, fp16, got "
                             f"{self.state_dtype}")
@@ -281,6 +287,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dtype", default=defaults.state_dtype,
                    help="dtype of the optimizer state between steps: fp32, bf16, or fp16 "
                    "(not for Adam's second moment)")
+    p.add_argument("--shard-grads", action="store_true",
+                   help="keep only this rank's reduced shard of the grads between steps "
+                   "(ZeRO-2); every micro-batch reduce-scatters")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")
