@@ -19,7 +19,8 @@ from torch import nn
 import distopt
 from distopt.memory import bytes_per_param_breakdown, storage_bytes
 
-SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "basic")
+SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "distopt-shard-grads",
+           "basic")
 """Configurations run by default, in the order the report lists them."""
 SPLIT_OVERLAP = ("distopt-overlap-reduce", "distopt-overlap-gather")
 """Configurations run only when asked for: one of distopt's two overlaps at a time."""
@@ -35,6 +36,7 @@ LABELS = {
     "fsdp2": "FSDP2 fully_shard (no reshard)",
     "distopt-no-overlap": "distopt, overlap off",
     "distopt": "distopt, overlap on",
+    "distopt-shard-grads": "distopt, sharded grads",
     "distopt-overlap-reduce": "distopt, reduce overlap only",
     "distopt-overlap-gather": "distopt, gather overlap only",
     "basic": "distopt BasicOptimizer",
@@ -236,11 +238,12 @@ def _block_modules(module: nn.Module) -> list[nn.Module]:
 class _Distopt(System):
     def __init__(
         self, module: nn.Module, *, name: str, reduce: bool, gather: bool,
-        bucket_size: int | None,
+        bucket_size: int | None, shard_grads: bool = False,
     ) -> None:
         self.name = name
         self.model = distopt.DistributedDataParallel(
-            module, bucket_size=bucket_size, overlap_grad_reduce=reduce
+            module, bucket_size=bucket_size, overlap_grad_reduce=reduce,
+            **({"shard_grads": True} if shard_grads else {}),
         )
         self.optimizer = distopt.DistributedOptimizer(
             self.model, torch.optim.AdamW, overlap_param_gather=gather, **ADAMW
@@ -287,7 +290,8 @@ def build_system(
         return _FSDP2(module, device)
     if name in _DISTOPT_OVERLAPS:
         reduce, gather = _DISTOPT_OVERLAPS[name]
-        return _Distopt(module, name=name, reduce=reduce, gather=gather, bucket_size=bucket_size)
+        return _Distopt(module, name=name, reduce=reduce, gather=gather, bucket_size=bucket_size,
+                        shard_grads=name == "distopt-shard-grads")
     if name == "basic":
         return _Basic(module, bucket_size=bucket_size)
     raise ValueError(
@@ -303,6 +307,7 @@ _DISTOPT_OVERLAPS = {
     "distopt-no-overlap": (False, False),
     "distopt-overlap-reduce": (True, False),
     "distopt-overlap-gather": (False, True),
+    "distopt-shard-grads": (True, True),
 }
 
 
@@ -311,7 +316,8 @@ def system_bytes_per_param(name: str, d: int, optimizer_state_bytes: float = 8) 
     Adam (or ``optimizer_state_bytes`` of state per param: the Muon recipe's mean): distopt's
     own table, ``bytes_per_param_breakdown``, regrouped by what each peer shards."""
     fp32 = bytes_per_param_breakdown(torch.float32, torch.float32,
-                                     optimizer_state_bytes=optimizer_state_bytes)
+                                     optimizer_state_bytes=optimizer_state_bytes,
+                                     shard_grads=name == "distopt-shard-grads")
     if name in ("ddp", "basic", "ddp-muon"):
         return fp32.total(d, distributed=False)
     if name == "zero":
