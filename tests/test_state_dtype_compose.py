@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_state_dtype import ADAMW, BF16, _coefficients, _model, _muon_groups, _round_state
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -27,6 +26,7 @@ from distopt.optim.groups import CLASS_KEY
 from dist_harness import case_result, run_cases
 from helpers import StrictCollectives, fp32_average, shared_tmpdir
 from models import Block, tp_plan
+from test_state_dtype import ADAMW, BF16, _coefficients, _model, _muon_groups, _round_state
 
 STEPS = 4
 SAVED_AT = 2  # the checkpoint cases save after this many steps and resume for the rest
