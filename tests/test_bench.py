@@ -132,6 +132,17 @@ def test_host_overhead_times_equivalent_work():
     # Both optimizers really stepped, from the same weights, with the same grads.
     assert r["moved"] > 1e-3
     assert r["max_param_diff"] <= 1e-6
+    # The bf16-state step too: its state rounded, its weights as far from torch's as a few
+    # bf16 roundings of the moments move Adam's updates (lr 1e-3 each).
+    assert r["bf16_state_dtypes"] == ["torch.bfloat16"]
+    assert 0 < r["bf16_state_max_param_diff"] < 0.05 * r["moved"]
+
+
+def test_host_overhead_of_the_chunked_step_over_several_buckets():
+    torch.set_num_threads(1)
+    r = measure_host_overhead(count=40, numel=16, iters=10, bucket_size=160)
+    assert r["buckets"] == 4 and r["max_param_diff"] <= 1e-6
+    assert r["bf16_state_dtypes"] == ["torch.bfloat16"] and r["distopt_bf16_state_s"] > 0
 
 
 @pytest.mark.slow

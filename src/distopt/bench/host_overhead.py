@@ -3,7 +3,10 @@
 A model of many small parameters (1,000 tensors of 64 elements by default) makes the update
 itself nearly free, so what is measured is the per-step cost of the host code around it:
 Python loops over parameters, per-tensor bookkeeping, kernel launches. Both sides run one
-process; distopt runs the same code path as on d ranks with communication skipped.
+process; distopt runs the same code path as on d ranks with communication skipped. distopt is
+timed twice: with fp32 state, and with ``state_dtype=torch.bfloat16``, whose step is chunked
+(one inner step per bucket, each state tensor copied to fp32 before it and rounded after it;
+see [Note: state precision] in optim/state_precision.py).
 
 It also reports the optimizer step's achieved memory bandwidth on a large flat model, as a
 fraction of the device's copy bandwidth (AdamW reads param, grad and two moments and writes
@@ -55,9 +58,11 @@ def _timeit(fn, refill, iters: int, sync) -> list[float]:
 
 
 def measure_host_overhead(
-    *, count: int = 1000, numel: int = 64, iters: int = 200, device: str = "cpu"
+    *, count: int = 1000, numel: int = 64, iters: int = 200, device: str = "cpu",
+    bucket_size: int | None = None,
 ) -> dict[str, Any]:
-    """Median seconds of ``step(); zero_grad()`` for torch AdamW(foreach) and for distopt."""
+    """Median seconds of ``step(); zero_grad()`` for torch AdamW(foreach) and for distopt,
+    with fp32 and with bf16 state (``bucket_size``: distopt's elements per bucket)."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(1)
@@ -76,35 +81,48 @@ def measure_host_overhead(
         torch_opt.step()
         torch_opt.zero_grad()
 
-    torch.manual_seed(0)
-    model = ManySmall(count, numel).to(dev)
-    ddp = distopt.DistributedDataParallel(model)
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW)
+    def distopt_run(state_dtype: torch.dtype | None):
+        """(model, ddp, optimizer, refill, step) of one distopt configuration."""
+        torch.manual_seed(0)
+        model = ManySmall(count, numel).to(dev)
+        ddp = distopt.DistributedDataParallel(model, bucket_size=bucket_size)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, state_dtype=state_dtype,
+                                           **ADAMW)
+        params = list(model.parameters())
+
+        def refill() -> None:
+            _backward_with(params, grads)
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+        return model, ddp, opt, refill, step
+
+    model, ddp, opt, distopt_refill, distopt_step = distopt_run(None)
+    bf16_model, _, bf16_opt, bf16_refill, bf16_step = distopt_run(torch.bfloat16)
     initial = [p.detach().clone() for p in model.parameters()]
-
-    distopt_params = list(model.parameters())
-
-    def distopt_refill() -> None:
-        _backward_with(distopt_params, grads)
 
     def inner_step() -> None:
         opt.optimizer.step()
 
-    def distopt_step() -> None:
-        opt.step()
-        opt.zero_grad()
-
-    # Interleave the two, in rounds, so that a drift of the machine's speed hits both alike.
+    # Interleave them, in rounds, so that a drift of the machine's speed hits all alike.
     torch_times: list[float] = []
     distopt_times: list[float] = []
+    bf16_times: list[float] = []
     for _ in range(5):
         torch_times += _timeit(torch_step, torch_refill, iters // 5, sync)
         distopt_times += _timeit(distopt_step, distopt_refill, iters // 5, sync)
-    # Both took the same steps from the same weights with the same grads: same weights now.
-    max_diff = max(
-        (a - b).abs().max().item() for a, b in zip(plain_params, model.parameters(), strict=True)
-    )
-    moved = max((a - b).abs().max().item() for a, b in zip(initial, plain_params, strict=True))
+        bf16_times += _timeit(bf16_step, bf16_refill, iters // 5, sync)
+    # All took the same steps from the same weights with the same grads: with fp32 state the
+    # same weights now, with bf16 state weights that moved as far.
+    def diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+    max_diff = diff(plain_params, list(model.parameters()))
+    bf16_diff = diff(plain_params, list(bf16_model.parameters()))
+    moved = diff(initial, plain_params)
+    bf16_held = {v.dtype for s in bf16_opt.state.values() for k, v in s.items() if k != "step"}
     # The inner torch AdamW alone on distopt's pieces (the rest of distopt's step is its own
     # code), interleaved with the whole step again so that both see the same machine.
     inner_times: list[float] = []
@@ -115,6 +133,7 @@ def measure_host_overhead(
     warm = max(1, iters // 25)
     t_torch = statistics.median(torch_times[warm:])
     t_distopt = statistics.median(distopt_times[warm:])
+    t_bf16 = statistics.median(bf16_times[warm:])
     return {
         "params": count,
         "numel_per_param": numel,
@@ -123,9 +142,13 @@ def measure_host_overhead(
         "distopt_inner_optimizer_s": statistics.median(inner_times[1:]),
         "distopt_again_s": statistics.median(again[1:]),
         "ratio": t_distopt / t_torch,
+        "distopt_bf16_state_s": t_bf16,
+        "bf16_state_ratio": t_bf16 / t_torch,
         "pieces": len(opt.main_params),
         "buckets": len(ddp.buckets),
         "max_param_diff": max_diff,
+        "bf16_state_max_param_diff": bf16_diff,
+        "bf16_state_dtypes": sorted(str(d) for d in bf16_held),
         "moved": moved,
     }
 
@@ -170,14 +193,16 @@ def main(args: argparse.Namespace) -> int:
     """``distopt bench --host-overhead``: print both measurements, write JSON to --out."""
     threads = args.threads or 1
     torch.set_num_threads(threads)
-    overhead = measure_host_overhead(device=args.device)
+    overhead = measure_host_overhead(device=args.device, bucket_size=args.bucket_size)
     bandwidth = measure_step_bandwidth(device=args.device)
     print(
         f"step()+zero_grad(), {overhead['params']} params of {overhead['numel_per_param']} "
-        f"elements, {args.device}, {threads} thread(s):\n"
+        f"elements in {overhead['buckets']} bucket(s), {args.device}, {threads} thread(s):\n"
         f"  torch.optim.AdamW(foreach=True): {overhead['torch_adamw_foreach_s'] * 1e3:8.3f} ms\n"
         f"  distopt DistributedOptimizer:    {overhead['distopt_s'] * 1e3:8.3f} ms"
         f"   ({overhead['ratio']:.2f}x)\n"
+        f"  the same, state_dtype=bfloat16:  {overhead['distopt_bf16_state_s'] * 1e3:8.3f} ms"
+        f"   ({overhead['bf16_state_ratio']:.2f}x)\n"
         f"  torch AdamW alone on distopt's pieces: "
         f"{overhead['distopt_inner_optimizer_s'] * 1e3:.3f} ms, against "
         f"{overhead['distopt_again_s'] * 1e3:.3f} ms for distopt's whole step+zero_grad "
