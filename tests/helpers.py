@@ -424,6 +424,7 @@ class ParityRun:
     overlap_gather: bool = True  # overlap_param_gather
     groups: bool = True  # AwkwardLM's two param groups and a cosine schedule, else one group
     steps: int = PARITY_STEPS
+    shard_grads: bool = False  # keep only the reduced grad shards between steps
 
 
 def parity_trajectory(run: ParityRun) -> dict:
@@ -441,6 +442,7 @@ def parity_trajectory(run: ParityRun) -> dict:
         model, grad_dtype=run.grad_dtype, bucket_size=40, device_mesh=mesh,
         overlap_grad_reduce=run.overlap_grad, find_unused_parameters=run.find_unused,
         reduce_scatter_with_fp32_accumulation=run.fp32_accumulation,
+        shard_grads=run.shard_grads,
     )
     params = parity_groups(model, run.optimizer) if run.groups else None
     opt = distopt.DistributedOptimizer(ddp, opt_cls, params=params, clip_grad=CLIP,
