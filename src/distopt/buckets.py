@@ -350,6 +350,11 @@ class ShardedGradBucket(Bucket):
             self.advance_reduction(block=True)
 
     @property
+    def reduced_this_step(self) -> bool:
+        """Whether a reduction since the last ``forget_grads`` wrote the kept shard."""
+        return not self._copy_next
+
+    @property
     def holds_buffer(self) -> bool:
         return self.grad_data is not None
 

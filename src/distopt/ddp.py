@@ -215,13 +215,15 @@ class DistributedDataParallel(nn.Module):
             self._param_specs(self._whole_tensor_costs), grad_dtype=self.options.grad_dtype,
             bucket_size=self.bucket_size, dp_size=self.dp_size,
         )
-        if self.options.shard_grads:  # each pool sized to its dtype's largest bucket
+        # With shard_grads one pool per grad dtype, sized to its largest bucket.
+        in_flight = 2 if self.dp_size > 1 and self.options.overlap_grad_reduce else 1
+        if self.options.shard_grads:
             for buf in planned.buffers:
                 largest = max(b.buffer_range.size for b in buf.layout.buckets)
                 pool = self.grad_pools.get(buf.grad_dtype)
                 if pool is None or pool.numel < largest:
-                    self.grad_pools[buf.grad_dtype] = GradPool(largest, buf.grad_dtype,
-                                                               self._device)
+                    self.grad_pools[buf.grad_dtype] = GradPool(
+                        largest, buf.grad_dtype, self._device, in_flight=in_flight)
         self._flat_buffers = [
             ParamAndGradBuffer(
                 [self.params[i] for i in buf.param_indices],
@@ -421,8 +423,14 @@ class DistributedDataParallel(nn.Module):
         """
         if self._grad_sync_done:
             return
-        while self._next_launch < len(self._buckets):
-            self._launch_next()
+        if self.options.shard_grads and not self._in_backward:
+            # Each backward launched every bucket at its end: only a step without one is left.
+            for bucket in self._sharded_buckets:
+                if not bucket.reduced_this_step:
+                    bucket.launch_reduction()
+        else:
+            while self._next_launch < len(self._buckets):
+                self._launch_next()
         for bucket in self._buckets:
             bucket.wait_reduction()
         if self.options.shard_grads:

@@ -16,12 +16,17 @@ buffer of the ``GradPool`` of their dtype only while it needs them:
 * when that reduction is waited for, the addition is done and the buffer goes back to the pool
   (``main_grad`` is None again).
 
-Waits are lazy: a bucket that needs a buffer when none is free waits for the oldest reduction
-in flight, which frees one; only when no reduction is in flight does the pool grow. So k, the
-most buffers live at once (``GradPool.peak_buffers``), is what the order of grads in backward
-asks for: 2 where each bucket's grads arrive after those of the bucket launched before it
-(one filling, one on the wire), 3 when the last bucket also gets a grad early (a tied embedding
-whose head runs first in backward), more only when buckets fill out of their launch order. The
+Waits are lazy: the pool double-buffers (one bucket filling while the one before it is on the
+wire; one buffer on a single rank or without overlap, where nothing is in flight during
+backward), and beyond that a bucket that needs a buffer when none is free waits for the oldest
+reduction in flight, which frees one; only when no reduction is in flight does the pool grow.
+So k, the most buffers live at once (``GradPool.peak_buffers``), is what the order of grads in
+backward asks for: 2 where each bucket's grads arrive after those of the bucket launched before
+it; more when buckets fill out of their launch order: a bucket whose first grad comes early in
+backward but whose launch waits for buckets before it (a param registered early but used late
+in the forward) holds its buffer meanwhile, and a param that gets no grad in this backward (a
+branch not taken) holds back every bucket after it until backward ends, each with its buffer:
+at worst the full buffer, transiently. The
 peak during backward is the kept shards plus k buffers of the largest bucket. ``finish_grad_sync``
 and ``zero_grad_buffer`` drop the buffers, so nothing transient is held between steps; on CUDA
 the caching allocator hands the same blocks back in the next step, without new allocations.
@@ -62,8 +67,12 @@ class GradPool:
     """Buffers of ``numel`` elements (the largest bucket of one grad dtype), lent to buckets
     from their first grad until their reduction is waited for; see [Note: sharded grads]."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *,
+                 in_flight: int) -> None:
+        """``in_flight``: buffers the pool grows to before it waits for a reduction (2 to
+        overlap one with the next bucket's grads, 1 when nothing overlaps)."""
         self.numel = numel
+        self.min_buffers = in_flight  # grown to before it waits
         self.dtype = dtype
         self.device = device
         self._free: list[torch.Tensor] = []
@@ -80,9 +89,9 @@ class GradPool:
         return self.peak_buffers * self.buffer_bytes
 
     def acquire(self) -> torch.Tensor:
-        """A buffer [numel] of stale values: a free one, else the one the oldest reduction in
-        flight frees when waited for, else a new one."""
-        while not self._free and self._in_flight:
+        """A buffer [numel] of stale values: a free one, else a new one up to ``in_flight``,
+        else the one the oldest reduction in flight frees when waited for, else a new one."""
+        while not self._free and self.live_buffers >= self.min_buffers and self._in_flight:
             holder = self._in_flight.popleft()
             if holder.holds_buffer:  # else it was waited for already and gave its buffer back
                 holder.finish_first_stage()
