@@ -31,7 +31,9 @@ from helpers import (
     CLIP,
     FP32_TOL,
     NORM_RTOL,
+    STEP_FILES,
     ParityRun,
+    files_run_by,
     lm_loss,
     max_diff,
     muon_groups,
@@ -155,6 +157,12 @@ def same_as_full_buffer(run: Run) -> dict:
             "peak_buffers": sharded["peak_buffers"], "fp32_buckets": sharded["fp32_buckets"]}
 
 
+def overlap_changes_no_bit(run: Run) -> bool:
+    """``run`` (with micro-batches) overlapped and not: the same numbers."""
+    on, off = train(run), train(dataclasses.replace(run, overlap=False))
+    return same(on["snapshot"], off["snapshot"]) and on["norms"] == off["norms"]
+
+
 def accumulation(run: Run) -> dict:
     out = train(run)
     del out["snapshot"]
@@ -249,6 +257,46 @@ def _numbers(ddp, opt) -> list[torch.Tensor]:
         state = opt.state.get(main, {})
         values += [main.detach().clone()] + [state[k].clone() for k in sorted(state)]
     return values
+
+
+def reentrant_checkpointing() -> dict:
+    """Every block under reentrant activation checkpointing: each inner backward ends with a
+    reduction of every bucket, and the sums of those reductions train like the full buffer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for shard in (True, False):
+        torch.manual_seed(0)
+        model = mlp([12, 40, 40, 40, 5])
+        blocks = [model[i : i + 2] for i in range(0, len(model), 2)]
+        ddp = distopt.DistributedDataParallel(model, bucket_size=900, shard_grads=shard)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+        calls = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x = rank_slice(torch.randn(8, 12, generator=g), rank, world)
+            opt.zero_grad()
+            ddp.comm_stats.reset()
+            h = x.requires_grad_()
+            for block in blocks:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+            h.square().mean().backward()
+            opt.step()
+            calls.append(ddp.comm_stats.calls["reduce_scatter"])
+        ddp.finish_param_sync()
+        out[shard] = {"params": [p.detach().clone() for p in model.parameters()],
+                      "calls": calls, "buckets": len(ddp.buckets)}
+    diff = max((a - b).abs().max().item()
+               for a, b in zip(out[True]["params"], out[False]["params"], strict=True))
+    return {"diff": diff, "calls": out[True]["calls"], "full_calls": out[False]["calls"],
+            "buckets": out[True]["buckets"], "blocks": 4}
+
+
+def model_check_compares_the_option() -> str:
+    try:
+        distopt.DistributedDataParallel(mlp([4, 3]), shard_grads=dist.get_rank() == 0)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def checkpoint_across_paths() -> dict:
@@ -346,6 +394,10 @@ def _cases(world: int) -> list:
     cases.append(("accumulate-all-no-sync",
                   accumulation, (Run(micro=MICRO, last_synced=False, steps=3),)))
     cases += [(f"memory-{p}-{g}", memory, (p, g, r)) for p, g, r in MEMORY_ROWS]
+    cases.append(("overlap-micro", overlap_changes_no_bit, (Run(micro=2, steps=4),)))
+    cases.append(("reentrant", reentrant_checkpointing, ()))
+    if world > 1:
+        cases.append(("model-check", model_check_compares_the_option, ()))
     cases.append(("nan", nan_check, ()))
     cases.append(("bad-option", bad_option, ()))
     cases.append(("checkpoint", checkpoint_across_paths, ()))
@@ -445,6 +497,28 @@ def test_memory_by_component(world, param_dtype, grad_dtype, remainders):
         assert k * v["buffer_bytes"] < padded * gsize  # below the full buffer
 
 
+def test_overlap_changes_no_bit_with_micro_batches(world):
+    assert all(case_result(world[1], "overlap-micro"))
+
+
+def test_reentrant_checkpointing_reduces_per_inner_backward(world):
+    """Correct, at the price of one reduction of the model per checkpointed block."""
+    d, results = world
+    for v in case_result(results, "reentrant"):
+        assert v["diff"] <= FP32_TOL, v
+        if d > 1:
+            assert v["full_calls"] == [v["buckets"]] * 4
+            assert v["calls"] == [v["blocks"] * v["buckets"]] * 4
+
+
+def test_model_check_compares_shard_grads(world):
+    d, results = world
+    if d == 1:
+        pytest.skip("a comparison needs two ranks")
+    for message in case_result(results, "model-check"):
+        assert "shard_grads" in message, message
+
+
 def test_nan_check_names_the_param_and_rank(world):
     d, results = world
     for message in case_result(results, "nan"):
@@ -459,6 +533,28 @@ def test_all_reduce_path_is_refused_on_every_rank(world):
 def test_checkpoints_load_across_both_paths(world):
     for value in case_result(world[1], "checkpoint"):
         assert value == {"full": True, "back": True}
+
+
+def test_a_step_touches_only_the_step_modules():
+    """With sharded grads too (see tests/test_step_files.py), over two micro-batches."""
+    torch.manual_seed(0)
+    model = mlp([8, 16, 4])
+    ddp = distopt.DistributedDataParallel(model, bucket_size=60, shard_grads=True,
+                                          check_for_nan_in_grad=True)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=1.0, lr=1e-2)
+    x = torch.randn(5, 8)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        ddp(x).sum().backward()
+        assert opt.step().updated
+
+    train_step()
+    touched = files_run_by(train_step)
+    assert {"ddp.py", "buckets.py", "grad_pool.py"} <= touched
+    assert touched <= STEP_FILES, f"a step ran code of {sorted(touched - STEP_FILES)}"
 
 
 # ---------------------------------------------------------------- d = 4: meshes, TP

@@ -51,6 +51,7 @@ class Bucket:
         check_local_grads: bool = False,
     ) -> None:
         self.layout = layout
+        self.numel = layout.buffer_range.size  # padding included
         self.params = params
         self.param_ranges = param_ranges  # of each param, in bucket coordinates
         self.param_data = param_data  # [bucket numel], padding included
@@ -230,7 +231,7 @@ class Bucket:
 
     def _describe_grads(self) -> str:
         dtype = self.owned_grad.dtype
-        return f"bucket {self.order} ({self.layout.buffer_range.size} {dtype} elements)"
+        return f"bucket {self.order} ({self.numel} {dtype} elements)"
 
     # ------------------------------------------------------------------ checks
 
@@ -293,7 +294,7 @@ class ShardedGradBucket(Bucket):
 
     def _take_buffer(self) -> None:
         self._pool_buffer = self.pool.acquire()
-        self.grad_data = self._pool_buffer[: self.layout.buffer_range.size]
+        self.grad_data = self._pool_buffer[: self.numel]
         self._written.clear()  # see [Note: grads written, not zeroed]
         for param, slot, shape in zip(self.params, self.param_ranges, self._local_shapes,
                                       strict=True):
