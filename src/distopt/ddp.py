@@ -35,7 +35,9 @@ backward (reentrant activation checkpointing); on several ranks it raises in the
 rather than give a silently wrong step. The one case that stays correct is kept: with
 all-reduced buckets and a finished sync, every rank holds the same average, and a further
 backward adds to it and reduces again, as torch DDP does. On one process nothing is reduced
-and grads simply accumulate.
+and grads simply accumulate. With sharded grads every backward reduces and adds to the kept
+shard, so only a grad for a bucket launched in the same backward raises, on one process too
+([Note: sharded grads] in grad_pool.py).
 """
 
 from __future__ import annotations
@@ -215,9 +217,8 @@ class DistributedDataParallel(nn.Module):
             self._param_specs(self._whole_tensor_costs), grad_dtype=self.options.grad_dtype,
             bucket_size=self.bucket_size, dp_size=self.dp_size,
         )
-        # With shard_grads one pool per grad dtype, sized to its largest bucket.
-        in_flight = 2 if self.dp_size > 1 and self.options.overlap_grad_reduce else 1
-        if self.options.shard_grads:
+        if self.options.shard_grads:  # one pool per grad dtype, sized to its largest bucket
+            in_flight = 2 if self.dp_size > 1 and self.options.overlap_grad_reduce else 1
             for buf in planned.buffers:
                 largest = max(b.buffer_range.size for b in buf.layout.buckets)
                 pool = self.grad_pools.get(buf.grad_dtype)
