@@ -26,24 +26,28 @@ it; more when buckets fill out of their launch order: a bucket whose first grad 
 backward but whose launch waits for buckets before it (a param registered early but used late
 in the forward) holds its buffer meanwhile, and a param that gets no grad in this backward (a
 branch not taken) holds back every bucket after it until backward ends, each with its buffer:
-at worst the full buffer, transiently. The
-peak during backward is the kept shards plus k buffers of the largest bucket. ``finish_grad_sync``
-and ``zero_grad_buffer`` drop the buffers, so nothing transient is held between steps; on CUDA
-the caching allocator hands the same blocks back in the next step, without new allocations.
+at worst the full buffer, transiently. The peak during backward is the kept shards plus k
+buffers of the largest bucket. ``finish_grad_sync`` and ``zero_grad_buffer`` drop the buffers,
+so nothing transient is held between steps; on CUDA the caching allocator hands the same blocks
+back in the next step, without new device allocations.
 
 Every backward reduces, since there is no full buffer to accumulate micro-batches in. The first
 grad hook of a backward queues a callback on the autograd engine that, when backward ends,
 launches every bucket not launched yet, in launch order (one whose params got no grad reduces
-zeros), and makes the next backward expect every grad again. So each micro-batch costs one
+zeros), and makes the next backward expect every grad again; that backward's first grad waits
+for whatever is still in flight (it overlapped with the forward), so that second stages keep
+one order on every rank and a kept shard takes one addition at a time. So each micro-batch costs one
 reduce-scatter of the model, inside ``no_sync()`` too, and the result is the sum of the
 micro-batches' averages: equal to the full buffer's average of their sum, but not bit for bit
 (one rounding per micro-batch, in another order). With one backward per step the arithmetic is
 the same: the same grads reduced by the same collective, so the bits are the same too. A
-hierarchical mesh's second stage (the average over replicas) runs once per step on the kept
-shard, in the backward outside ``no_sync`` or else in ``finish_grad_sync``: averaging is linear,
-so once is enough. A second backward without ``no_sync`` or ``zero_grad`` is not an error here:
-it reduces and adds, as a further micro-batch would. A grad for a bucket already launched in the
-same backward still raises ([Note: grads after the reduction] in ddp.py).
+hierarchical mesh's second stage (the average over replicas) runs on the kept shard in a
+backward outside ``no_sync``, and in ``finish_grad_sync`` only if a reduction under ``no_sync``
+was added after it: averaging is linear (and leaves an average unchanged), so once per step is
+enough in the usual pattern, the last micro-batch synced. A second backward without
+``no_sync`` or ``zero_grad`` is not an error here: it reduces and adds, as a further
+micro-batch would. A grad for a bucket already launched in the same backward still raises
+([Note: grads after the reduction] in ddp.py).
 """
 
 from __future__ import annotations
