@@ -264,7 +264,7 @@ def free_port() -> int:
 STEP_FILES = {
     "ddp.py", "buckets.py", "collectives.py", "optimizer.py", "optim/base.py", "optim/step.py",
     "optim/main_params.py", "optim/remainders.py", "optim/grad_stats.py",
-    "optim/state_precision.py", "scaler.py",
+    "optim/state_precision.py", "scaler.py", "grad_pool.py",
 }
 PACKAGE = Path(distopt.__file__).parent
 
@@ -424,6 +424,7 @@ class ParityRun:
     overlap_gather: bool = True  # overlap_param_gather
     groups: bool = True  # AwkwardLM's two param groups and a cosine schedule, else one group
     steps: int = PARITY_STEPS
+    shard_grads: bool = False  # keep only the reduced grad shards between steps
 
 
 def parity_trajectory(run: ParityRun) -> dict:
@@ -441,6 +442,7 @@ def parity_trajectory(run: ParityRun) -> dict:
         model, grad_dtype=run.grad_dtype, bucket_size=40, device_mesh=mesh,
         overlap_grad_reduce=run.overlap_grad, find_unused_parameters=run.find_unused,
         reduce_scatter_with_fp32_accumulation=run.fp32_accumulation,
+        shard_grads=run.shard_grads,
     )
     params = parity_groups(model, run.optimizer) if run.groups else None
     opt = distopt.DistributedOptimizer(ddp, opt_cls, params=params, clip_grad=CLIP,

@@ -35,7 +35,9 @@ backward (reentrant activation checkpointing); on several ranks it raises in the
 rather than give a silently wrong step. The one case that stays correct is kept: with
 all-reduced buckets and a finished sync, every rank holds the same average, and a further
 backward adds to it and reduces again, as torch DDP does. On one process nothing is reduced
-and grads simply accumulate.
+and grads simply accumulate. With sharded grads every backward reduces and adds to the kept
+shard, so only a grad for a bucket launched in the same backward raises, on one process too
+([Note: sharded grads] in grad_pool.py).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as comm
-from .buckets import Bucket, ParamAndGradBuffer
+from .buckets import Bucket, ParamAndGradBuffer, ShardedGradBucket
+from .grad_pool import GradPool
 from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from .layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
 from .model_check import check_same_model
@@ -93,6 +96,11 @@ class DistributedDataParallel(nn.Module):
             most one): a 1-D mesh, or a mesh with a dimension named "dp". Params may be DTensors
             on the tensor-parallel submesh (``parallelize_module(module, mesh["tp"], plan)``);
             see docs/tensor-parallel.md.
+        shard_grads: keep only this rank's shard of the reduced grads between steps, each
+            bucket's full grads only from its first grad until its reduction is waited for,
+            in a small pool of bucket-sized buffers (``grad_pools``). Every backward then
+            reduces, inside ``no_sync()`` too. Needs the distributed optimizer. See
+            [Note: sharded grads] in grad_pool.py.
     """
 
     def __init__(
@@ -108,6 +116,7 @@ class DistributedDataParallel(nn.Module):
         check_for_nan_in_grad: bool = False,
         reduce_scatter_with_fp32_accumulation: bool = False,
         device_mesh: DeviceMesh | None = None,
+        shard_grads: bool = False,
     ) -> None:
         super().__init__()
         named = trainable_named_params(
@@ -120,6 +129,7 @@ class DistributedDataParallel(nn.Module):
             find_unused_parameters=find_unused_parameters,
             check_for_nan_in_grad=check_for_nan_in_grad,
             reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
+            shard_grads=shard_grads,
         )
         self.options.check_param_dtypes({p.dtype for _, p in named})
 
@@ -168,6 +178,9 @@ class DistributedDataParallel(nn.Module):
         self._used = bytearray(len(self.params))  # with find_unused_parameters
         self.unused_params: frozenset[nn.Parameter] = frozenset()
         self._gathers_in_flight = False
+        # With shard_grads: one pool per grad dtype, and whether this backward queued its end.
+        self.grad_pools: dict[torch.dtype, GradPool] = {}
+        self._in_backward = False
         self._grad_hooks = [
             p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
         ]
@@ -204,6 +217,14 @@ class DistributedDataParallel(nn.Module):
             self._param_specs(self._whole_tensor_costs), grad_dtype=self.options.grad_dtype,
             bucket_size=self.bucket_size, dp_size=self.dp_size,
         )
+        if self.options.shard_grads:  # one pool per grad dtype, sized to its largest bucket
+            in_flight = 2 if self.dp_size > 1 and self.options.overlap_grad_reduce else 1
+            for buf in planned.buffers:
+                largest = max(b.buffer_range.size for b in buf.layout.buckets)
+                pool = self.grad_pools.get(buf.grad_dtype)
+                if pool is None or pool.numel < largest:
+                    self.grad_pools[buf.grad_dtype] = GradPool(
+                        largest, buf.grad_dtype, self._device, in_flight=in_flight)
         self._flat_buffers = [
             ParamAndGradBuffer(
                 [self.params[i] for i in buf.param_indices],
@@ -216,6 +237,7 @@ class DistributedDataParallel(nn.Module):
                 stats=self.comm_stats,
                 fp32_accumulation=self.options.reduces_with_fp32_accumulation(buf.grad_dtype),
                 check_local_grads=self.options.check_for_nan_in_grad,
+                grad_pool=self.grad_pools.get(buf.grad_dtype),
             )
             for buf in planned.buffers
         ]
@@ -306,8 +328,11 @@ class DistributedDataParallel(nn.Module):
             return
         if self._flat_buffers is None:  # a backward before any optimizer: element-wise layout
             self.build_buffers({})
+        shard_grads = self.options.shard_grads
+        if shard_grads and not self._in_backward:
+            self._start_backward()
         bucket = self._bucket_of[param]
-        if self.dp_size > 1 and self._reduction_started(bucket):
+        if (self.dp_size > 1 or shard_grads) and self._reduction_started(bucket):
             param.grad = None  # so that the next backward, after zero_grad(), starts clean
             self._raise_late_grad(param)
         if param in self._dtensor_params:
@@ -317,13 +342,16 @@ class DistributedDataParallel(nn.Module):
         self._grad_sync_done = False
         if self.options.find_unused_parameters:
             self._used[self._param_index[param]] = 1
-        if self._sync_enabled and self.options.overlap_grad_reduce and bucket.mark_ready(param):
+        # With sharded grads every backward reduces; see [Note: sharded grads].
+        launches = self._sync_enabled or shard_grads
+        if launches and self.options.overlap_grad_reduce and bucket.mark_ready(param):
             self._launch_ready_buckets()
 
     def _reduction_started(self, bucket: Bucket) -> bool:
         # See [Note: grads after the reduction]. A reduced bucket stays reduced until
         # zero_grad_buffer; only the all-reduce path may reduce it again, after a finished sync.
-        if self._grad_sync_done:
+        # Sharded grads reduce each backward and add: only this backward's launches count.
+        if self._grad_sync_done and not self.options.shard_grads:
             return self.options.use_distributed_optimizer
         return bucket.reduction_started
 
@@ -348,8 +376,33 @@ class DistributedDataParallel(nn.Module):
             self._next_replica += 1
 
     def _launch_next(self) -> None:
-        self._buckets[self._next_launch].launch_reduction()
+        # Sharded grads under no_sync skip the second stage; see [Note: sharded grads].
+        self._buckets[self._next_launch].launch_reduction(replicate=self._sync_enabled)
         self._next_launch += 1
+
+    def _start_backward(self) -> None:
+        # The first grad of a backward with sharded grads: an earlier backward's reductions
+        # finish first (their second stages keep the launch order on every rank), and the
+        # end of this one is queued on the autograd engine.
+        self._in_backward = True
+        for bucket in self._buckets:
+            bucket.wait_reduction()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        # See [Note: sharded grads]: every bucket reduces, and the next backward starts fresh.
+        self._in_backward = False
+        self._launch_ready_buckets()
+        while self._next_launch < len(self._buckets):
+            self._launch_next()
+        for bucket in self._sharded_buckets:
+            bucket.end_backward()
+        self._next_launch = 0
+        self._next_replica = 0
+
+    @property
+    def _sharded_buckets(self) -> list[ShardedGradBucket]:
+        return [b for b in self._buckets if isinstance(b, ShardedGradBucket)]
 
     def _reset_reductions(self) -> None:
         for bucket in self._buckets:
@@ -366,15 +419,28 @@ class DistributedDataParallel(nn.Module):
         """Launch every bucket not launched yet, in order, and wait for all reductions.
 
         Afterwards each rank's shard of ``grad_data`` (all of it without the distributed
-        optimizer) holds the grads averaged over the group. Calling it again before the next
-        backward does nothing.
+        optimizer; ``grad_shards`` with sharded grads) holds the grads averaged over the group.
+        Calling it again before the next backward does nothing.
         """
         if self._grad_sync_done:
             return
-        while self._next_launch < len(self._buckets):
-            self._launch_next()
+        if self.options.shard_grads and not self._in_backward:
+            # Each backward launched every bucket at its end: only a step without one is left.
+            for bucket in self._sharded_buckets:
+                if not bucket.reduced_this_step:
+                    bucket.launch_reduction()
+        else:
+            while self._next_launch < len(self._buckets):
+                self._launch_next()
         for bucket in self._buckets:
             bucket.wait_reduction()
+        if self.options.shard_grads:
+            # Micro-batches reduced under no_sync only: their second stage, once, now.
+            for bucket in self._sharded_buckets:
+                bucket.replicate_if_needed()
+            for bucket in self._buckets:
+                bucket.wait_reduction()
+            self._release_grad_pools()
         unused: frozenset[nn.Parameter] = frozenset()
         if self.options.find_unused_parameters:
             used = torch.tensor(list(self._used), dtype=torch.int32, device=self._device)
@@ -402,6 +468,13 @@ class DistributedDataParallel(nn.Module):
             bucket.forget_grads()
         self._reset_reductions()
         self._grad_sync_done = False
+        self._in_backward = False  # a backward that raised never reached its end
+        self._release_grad_pools()
+
+    def _release_grad_pools(self) -> None:
+        # Nothing transient between steps; see [Note: sharded grads].
+        for pool in self.grad_pools.values():
+            pool.release()
 
     @property
     def _device(self) -> torch.device:

@@ -221,7 +221,8 @@ def measure_state_bytes(optimizer) -> MemoryReport:
 
     buffers = [buf for model in optimizer.models for buf in model.flat_buffers]
     params = counted(buf.param_data for buf in buffers)
-    grads = counted(buf.grad_data for buf in buffers)
+    # The full grad buffer, or with sharded grads the kept shards alone.
+    grads = counted(t for buf in buffers for t in buf.grad_storage())
     main_params = counted(optimizer.main_param_storage())
     main_grads = counted(m.grad for m in optimizer.main_params)
     # Step counters are one scalar per tensor, not per element: bookkeeping, not state.

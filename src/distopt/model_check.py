@@ -169,7 +169,7 @@ def describe_model(
         )
     )
     compared = ("grad_dtype", "use_distributed_optimizer", "find_unused_parameters",
-                "check_for_nan_in_grad", "reduce_scatter_with_fp32_accumulation")
+                "check_for_nan_in_grad", "reduce_scatter_with_fp32_accumulation", "shard_grads")
     return ModelDescription(
         tensors=tuple(tensors),
         options=tuple((name, str(getattr(options, name))) for name in compared),

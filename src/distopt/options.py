@@ -90,6 +90,9 @@ class GradSyncOptions:
     reduce_scatter_with_fp32_accumulation: bool = False
     """Send bf16/fp16 grads as they are, but sum each shard's d chunks in fp32 and round the
     average once; see [Note: fp32-accumulated reduce-scatter] in collectives.py."""
+    shard_grads: bool = False
+    """Keep only this rank's reduced shard of the grads between steps, each bucket's full grads
+    only while it is reduced; see [Note: sharded grads] in sharded_grads.py."""
 
     def __post_init__(self) -> None:
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
@@ -103,6 +106,13 @@ class GradSyncOptions:
             )
         if self.reduce_scatter_with_fp32_accumulation:
             self._check_fp32_accumulation()
+        if self.shard_grads and not self.use_distributed_optimizer:
+            raise ValueError(
+                "shard_grads=True keeps only this rank's shard of the reduced grads, but "
+                "use_distributed_optimizer=False all-reduces them for an optimizer that needs "
+                "every grad (BasicOptimizer); pass use_distributed_optimizer=True "
+                "(DistributedOptimizer) or drop shard_grads"
+            )
 
     def _check_fp32_accumulation(self) -> None:
         if not self.use_distributed_optimizer:

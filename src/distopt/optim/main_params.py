@@ -41,7 +41,9 @@ class ShardMainParams:
         pieces = layout.shard_pieces(buffer.dp_rank) if sharded else layout.whole_pieces()
         # Per bucket, the owned regions of the model buffers and their offset in the fp32 copies.
         self.param_regions = [b.param_shard if sharded else b.param_data for b in buffer.buckets]
-        self.grad_regions = [b.grad_shard if sharded else b.grad_data for b in buffer.buckets]
+        # owned_grad: the whole bucket unsharded (all-reduced, or one rank), also with sharded
+        # grads, which keep no grad_data.
+        self.grad_regions = [b.grad_shard if sharded else b.owned_grad for b in buffer.buckets]
         offsets, total = [], 0
         for region in self.param_regions:
             offsets.append(total)
