@@ -172,10 +172,12 @@ def close_pools() -> None:
 atexit.register(close_pools)
 
 
-def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT
-              ) -> list[dict[str, Any]]:
+def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT, *,
+              end_pool: bool = False) -> list[dict[str, Any]]:
     """Run ``cases`` on ``world_size`` ranks; return each rank's {name: (status, value)}. A
-    case that runs longer than ``timeout`` seconds fails on every rank."""
+    case that runs longer than ``timeout`` seconds fails on every rank. ``end_pool``: end the
+    pool afterwards, for cases that leave the workers changed for later ones (peers that
+    import Megatron-Core or DeepSpeed make every tensor the workers pickle refer to them)."""
     out: list[dict[str, Any]] = [{} for _ in range(world_size)]
     for name, fn, args in cases:
         if world_size not in _POOLS:
@@ -185,6 +187,8 @@ def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT
             _discard(world_size)
         for rank, outcome in enumerate(outcomes):
             out[rank][name] = outcome
+    if end_pool:
+        _discard(world_size)
     return out
 
 

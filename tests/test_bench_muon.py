@@ -44,10 +44,12 @@ def test_the_three_train_the_same_steps(bench):
     assert code == 0 and sorted(results) == sorted(SYSTEMS)
     ref = results["ddp-muon"]
     for name, r in results.items():
-        # Same grads (averaged in another order), same momentum, same Newton-Schulz input:
-        # only the last bits of the sums differ, which bf16 Newton-Schulz may round apart.
-        assert r["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4), name
-        assert r["checksum"] == pytest.approx(ref["checksum"], rel=1e-4), name
+        # Same grads (averaged in another order), same momentum, same Newton-Schulz input: on
+        # this model the three end on the same bits. The bound leaves room for the last bits
+        # of the sums, which bf16 Newton-Schulz may round apart elsewhere, and still catches a
+        # checksum read while a gather is in flight (6e-4 apart).
+        assert r["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-6), name
+        assert r["checksum"] == pytest.approx(ref["checksum"], rel=1e-6), name
 
 
 def test_newton_schulz_runs_per_rank(bench):

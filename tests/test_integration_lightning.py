@@ -287,6 +287,10 @@ def basic_run() -> dict:
     return fit(DistoptStrategy(basic=True), **SHORT)
 
 
+def shard_grads_run() -> dict:
+    return fit(DistoptStrategy(bucket_size=2000, shard_grads=True))
+
+
 def muon_runs() -> dict:
     return {name: fit(strategy, MuonModule(), **SHORT)
             for name, strategy in (("ddp", DDPStrategy()), ("distopt", DistoptStrategy()))}
@@ -384,6 +388,7 @@ def ckpt_root():
 def two_ranks(ckpt_root):
     ckpt = str(ckpt_root / "half.ckpt")
     cases = [("ddp", ddp_run, ()), ("distopt", distopt_run, (ckpt,)), ("basic", basic_run, ()),
+             ("shard_grads", shard_grads_run, ()),
              ("muon", muon_runs, ()), ("frozen", frozen_runs, ()),
              ("precision", precision_runs, ()),
              ("manual", manual_runs, ()), ("errors", error_runs, (str(ckpt_root / "plain.ckpt"),)),
@@ -450,6 +455,22 @@ def test_state_per_rank_against_ddp_strategy(two_ranks):
           f"DistoptStrategy {ours[0]['state_bytes']} B, basic=True {basic[0]['state_bytes']} B")
 
 
+def test_shard_grads_fits_as_ddp_strategy_in_12_of_16_bytes(two_ranks):
+    ddp, ours = case_result(two_ranks, "ddp"), case_result(two_ranks, "shard_grads")
+    n = ddp[0]["num_params"]
+    theory = distopt.theoretical_bytes_per_param(torch.float32, torch.float32, 2,
+                                                 shard_grads=True)
+    for rank in range(2):
+        # Each micro-batch reduced and added to the kept shard: the same sum as DDPStrategy's
+        # one reduction of the added micro-batches, in other roundings.
+        assert_same_run(ours[rank], ddp[rank])
+        # fp32: params whole, grads and AdamW's moments sharded over 2: 4 + 12/2 = 10 bytes.
+        assert theory == 10
+        assert theory * n <= ours[rank]["state_bytes"] < 1.01 * theory * n
+        # Every micro-batch reduce-scatters now, the ones under no_sync too.
+        assert min(ours[rank]["collectives"]) > 0
+
+
 def test_basic_flag_matches_ddp_strategy(two_ranks):
     ddp, basic = case_result(two_ranks, "ddp"), case_result(two_ranks, "basic")
     for rank in range(2):
@@ -505,6 +526,8 @@ def test_options_that_would_double_wrap_are_refused():
         DistoptStrategy(static_graph=True)
     with pytest.raises(ValueError, match="belong to the sharded optimizer"):
         DistoptStrategy(basic=True, overlap_param_gather=True)
+    with pytest.raises(ValueError, match="shard_grads belong to the sharded optimizer"):
+        DistoptStrategy(basic=True, shard_grads=True)
 
 
 def test_registered_by_name():

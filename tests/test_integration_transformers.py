@@ -247,6 +247,8 @@ VARIANTS = {
     "muon": {"optimizer_cls_and_kwargs": (torch.optim.Muon, {"momentum": 0.95})},
     # a model loaded in bf16: fp32 main params in distopt's shards
     "bf16-params": {"model_dtype": torch.bfloat16},
+    # AdamW with only each rank's reduced shard of the grads kept (the plain run: the Trainer's)
+    "shard-grads": {"shard_grads": True},
 }
 DISTOPT_ONLY = ("muon", "bf16-params")
 VARIANT_STEPS = 6
@@ -262,6 +264,10 @@ def train_variant(root: Path, variant: str, plain: bool) -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     options = dict(VARIANTS[variant])
     extra = {k: options.pop(k) for k in ("optimizer_cls_and_kwargs",) if k in options}
+    if options.pop("shard_grads", False) and not plain:
+        from distopt.integrations.transformers import DistoptArguments
+
+        extra["distopt_args"] = DistoptArguments(shard_grads=True)
     model = tiny_llama().to(options.pop("model_dtype", torch.float32))
     args = training_arguments(root / f"{variant}-{world}-{plain}", world, max_steps=VARIANT_STEPS,
                               eval_strategy="no", **options)
@@ -276,6 +282,9 @@ def train_variant(root: Path, variant: str, plain: bool) -> dict[str, Any]:
         record["memory"] = distopt.measure_state_bytes(opt).as_dict()
         record["classes"] = sorted(type(inner).__name__ for inner in opt.optimizers)
         record["loss_scaler"] = type(opt.loss_scaler).__name__ if opt.loss_scaler else None
+        record["grad_shard_elements"] = sum(
+            b.shard_size for model in opt.models for buf in model.flat_buffers
+            for b in buf.layout.buckets)
     return record
 
 
@@ -467,6 +476,19 @@ def test_optim_names_and_precisions_match_the_trainers_ddp(runs):
         # the model's forward and distopt's the whole loss computation; the fp16 roundings
         # differ by a few ulps, 1e-5 in the loss after 6 steps.
         assert_same_run(mine, theirs, steps=VARIANT_STEPS, tol=1e-4 if name == "fp16" else TOL)
+
+
+def test_shard_grads_trains_as_the_trainers_ddp_and_keeps_a_shard_of_the_grads(runs):
+    mine, theirs = runs["variants"]["shard-grads-False"], runs["variants"]["shard-grads-True"]
+    # Each of the ACCUMULATION micro-batches is reduced and added to the kept shard, where
+    # torch DDP adds the micro-batches' grads and reduces once: the same sum, other roundings.
+    assert_same_run(mine, theirs, steps=VARIANT_STEPS)
+    memory = mine["memory"]
+    # fp32 grads: this rank's shard of every bucket (padding included), not the whole model.
+    assert memory["grads"] == 4 * mine["grad_shard_elements"]
+    assert memory["grads"] < 4 * memory["num_params"] / 2 * 1.01
+    full = runs["variants"]["sgd-False"]["memory"]  # the same model with the full grad buffer
+    assert full["grads"] >= 4 * full["num_params"]
 
 
 def test_muon_for_hidden_matrices_is_the_same_on_2_ranks_as_on_one(runs):

@@ -25,6 +25,7 @@ BUCKET = 40_000  # elements: several buckets on this model, as on a real one
 # configuration name in the benchmark, bucket size (None: the system's own)
 SYSTEMS = {
     "distopt": ("distopt", BUCKET),
+    "distopt-shard-grads": ("distopt-shard-grads", BUCKET),
     "megatron": ("megatron", None),
     "megatron-overlap": ("megatron-overlap", BUCKET),
     "deepspeed-z2": ("deepspeed-z2", BUCKET),
@@ -80,7 +81,7 @@ def _reference() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def trained():
-    results = run_cases(D, [(name, _train, (name,)) for name in SYSTEMS])
+    results = run_cases(D, [(name, _train, (name,)) for name in SYSTEMS], end_pool=True)
     return {name: case_result(results, name) for name in SYSTEMS}
 
 
@@ -95,7 +96,7 @@ def test_every_rank_ends_with_the_same_params(trained, name):
         assert torch.equal(first, other), name
 
 
-@pytest.mark.parametrize("name", ["megatron", "megatron-overlap"])
+@pytest.mark.parametrize("name", ["megatron", "megatron-overlap", "distopt-shard-grads"])
 def test_distopt_equals_megatron_bitwise(trained, name):
     assert torch.equal(_params(trained, "distopt")[0], _params(trained, name)[0])
 
@@ -117,8 +118,9 @@ def test_all_match_adamw_on_averaged_grads(trained):
 @pytest.mark.parametrize("name", list(SYSTEMS))
 def test_bytes_per_param_between_steps(trained, name):
     # fp32: distopt and Megatron-Core 4 + 4 (params and grads) + 8/d; DeepSpeed frees its grads
-    # after the step and keeps an fp32 master shard: 4 + (4 + 8)/d. Bucket padding only above.
+    # after the step and keeps an fp32 master shard: 4 + (4 + 8)/d; distopt with sharded
+    # grads keeps their reduced shard: 4 + (4 + 8)/d. Bucket padding only above.
     theory = system_bytes_per_param(SYSTEMS[name][0], D)
-    assert theory == {"deepspeed-z2": 10.0}.get(name, 12.0)
+    assert theory == {"deepspeed-z2": 10.0, "distopt-shard-grads": 10.0}.get(name, 12.0)
     for _, measured in trained[name]:
         assert theory <= measured <= theory * 1.01, name

@@ -9,13 +9,6 @@ grad in this backward (unused on this rank, or used only on others) simply waits
 ``finish_grad_sync``, which launches whatever is left. Nothing depends on which parameters each
 rank happened to use, so nothing can hang or mismatch.
 
-[Note: param gather]
-After the optimizer updated its shard, each bucket's ``param_data`` is all-gathered from the
-shards. With ``overlap_param_gather`` the gathers are started asynchronously (the first layers'
-buckets first) and each module waits, in a forward pre-hook, only for the buckets of its own
-parameters. Anything still in flight when the wrapped forward returns is waited for, so a
-parameter read outside a module's own forward (a tied head) is never stale afterwards.
-
 [Note: grads written, not zeroed]
 ``zero_grad_buffer`` does not clear the grad buffer: it only forgets which parameters have a
 grad. The first grad a parameter gets after it is copied into the buffer, later ones (more
@@ -52,15 +45,17 @@ from torch import nn
 
 from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer, ShardedGradBucket
-from .grad_pool import GradPool
+from .grad_pool import GradPool, grad_pools_for
 from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from .layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
 from .model_check import check_same_model
 from .module_params import trainable_named_params
+from .nan_check import raise_on_nonfinite_grad
 from .options import GradSyncOptions
 from .parallel.dtensor import is_dtensor, local_grad, local_tensor
 from .parallel.groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from .parallel.tensor_parallel import TensorParallelMesh, check_params
+from .param_gather import register_param_wait_hooks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -217,14 +212,9 @@ class DistributedDataParallel(nn.Module):
             self._param_specs(self._whole_tensor_costs), grad_dtype=self.options.grad_dtype,
             bucket_size=self.bucket_size, dp_size=self.dp_size,
         )
-        if self.options.shard_grads:  # one pool per grad dtype, sized to its largest bucket
-            in_flight = 2 if self.dp_size > 1 and self.options.overlap_grad_reduce else 1
-            for buf in planned.buffers:
-                largest = max(b.buffer_range.size for b in buf.layout.buckets)
-                pool = self.grad_pools.get(buf.grad_dtype)
-                if pool is None or pool.numel < largest:
-                    self.grad_pools[buf.grad_dtype] = GradPool(
-                        largest, buf.grad_dtype, self._device, in_flight=in_flight)
+        if self.options.shard_grads:
+            overlaps = self.dp_size > 1 and self.options.overlap_grad_reduce
+            self.grad_pools = grad_pools_for(planned.buffers, self._device, overlaps=overlaps)
         self._flat_buffers = [
             ParamAndGradBuffer(
                 [self.params[i] for i in buf.param_indices],
@@ -246,7 +236,8 @@ class DistributedDataParallel(nn.Module):
             bucket.order = order
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._buffer_of = {p: buf for buf in self._flat_buffers for p in buf.params}
-        self._param_wait_hooks = self._register_param_wait_hooks(self.module)
+        self._param_wait_hooks = register_param_wait_hooks(
+            self.module, self._bucket_of, lambda: self._gathers_in_flight)
 
     def _laid_out(self) -> list[ParamAndGradBuffer]:
         if self._flat_buffers is None:
@@ -453,7 +444,8 @@ class DistributedDataParallel(nn.Module):
         self.unused_params = unused
         self._grad_sync_done = True
         if self.options.check_for_nan_in_grad:
-            self._raise_on_nonfinite_grad()
+            raise_on_nonfinite_grad(self._buckets, self.params, self.param_names,
+                                    self._nan_check_groups, self.comm_stats)
 
     def zero_grad_buffer(self) -> None:
         """Start a new step's grads; call before its first backward.
@@ -480,47 +472,14 @@ class DistributedDataParallel(nn.Module):
     def _device(self) -> torch.device:
         return self.params[0].device
 
-    def _raise_on_nonfinite_grad(self) -> None:
-        # Two verdicts, agreed by one MIN: the first param (registration order) whose reduced
-        # grad is not finite, and the first (param, rank) whose own grad was not finite before
-        # the reduction, encoded as index * world + rank.
-        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-        count = len(self.params)
-        reduced = local = count
-        for bucket in self._buckets:
-            for param in bucket.nonfinite_params():
-                reduced = min(reduced, self._param_index[param])
-            for param in bucket.nonfinite_local_params():
-                local = min(local, self._param_index[param])
-        flags = torch.tensor([reduced, local * world + rank], dtype=torch.int64,
-                             device=self._device)
-        comm.all_reduce_small(flags, dist.ReduceOp.MIN, self._nan_check_groups, self.comm_stats)
-        reduced, first_local = flags.tolist()
-        fix = ("lower the learning rate, check the inputs, or use fp16 with a loss scaler (which "
-               "skips such steps) instead of check_for_nan_in_grad")
-        if first_local < count * world:
-            index, producer = divmod(first_local, world)
-            name = self.param_names[self.params[index]]
-            raise FloatingPointError(
-                f"nan or inf in the gradient of parameter '{name}' produced on rank {producer} "
-                "(the lowest rank whose own gradient held one before the data-parallel "
-                f"reduction); {fix}"
-            )
-        if reduced < count:
-            name = self.param_names[self.params[reduced]]
-            raise FloatingPointError(
-                f"nan or inf in the gradient of parameter '{name}' after the data-parallel "
-                "reduction, though every rank's own gradient was finite (the sum overflowed "
-                f"its dtype); {fix}"
-            )
-
     # ------------------------------------------------------------------ param gather
 
     def start_param_sync(self, *, overlap: bool) -> None:
         """All-gather every bucket's params from the shards the optimizer updated.
 
         With ``overlap`` the gathers run in the background, first layers first, and each module
-        waits for its own buckets in a forward pre-hook; see [Note: param gather].
+        waits for its own buckets in a forward pre-hook; see [Note: param gather] in
+        param_gather.py.
         """
         self.finish_param_sync()
         # Always started together: without overlap one wait for all of them costs one round
@@ -541,23 +500,3 @@ class DistributedDataParallel(nn.Module):
     def param_gathers_in_flight(self) -> int:
         """How many buckets' param gathers are started and not yet waited for."""
         return sum(bucket.gather_in_flight for bucket in self._buckets)
-
-    def _register_param_wait_hooks(self, module: nn.Module) -> list[Any]:
-        hooks = []
-        for submodule in module.modules():
-            buckets = sorted(
-                {self._bucket_of[p] for p in submodule.parameters(recurse=False)
-                 if p in self._bucket_of},
-                key=lambda b: b.order,
-            )
-            if buckets:
-                hooks.append(submodule.register_forward_pre_hook(self._make_wait_hook(buckets)))
-        return hooks
-
-    def _make_wait_hook(self, buckets: list[Bucket]):
-        def wait_for_params(_module: nn.Module, _args: Any) -> None:
-            if self._gathers_in_flight:
-                for bucket in buckets:
-                    bucket.wait_gather()
-
-        return wait_for_params

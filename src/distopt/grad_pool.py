@@ -53,9 +53,12 @@ micro-batch would. A grad for a bucket already launched in the same backward sti
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
+
+from .layout.planner import PlannedBuffer
 
 
 class _Holder(Protocol):
@@ -120,3 +123,15 @@ class GradPool:
 
     def reset_peak(self) -> None:
         self.peak_buffers = self.live_buffers
+
+
+def grad_pools_for(buffers: Iterable[PlannedBuffer], device: torch.device, *,
+                   overlaps: bool) -> dict[torch.dtype, GradPool]:
+    """One pool per grad dtype of ``buffers``, its buffers the size of the largest bucket of
+    that dtype; double-buffered when reductions ``overlaps`` backward, else one buffer."""
+    largest: dict[torch.dtype, int] = {}
+    for buf in buffers:
+        size = max(b.buffer_range.size for b in buf.layout.buckets)
+        largest[buf.grad_dtype] = max(largest.get(buf.grad_dtype, 0), size)
+    return {dtype: GradPool(numel, dtype, device, in_flight=2 if overlaps else 1)
+            for dtype, numel in largest.items()}

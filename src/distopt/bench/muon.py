@@ -145,6 +145,11 @@ class _GatheredMuon(System):
     def sync(self) -> None:
         self.model.finish_grad_sync()
 
+    def finish_param_sync(self) -> None:
+        # The step's gathers overlap the next forward: whoever reads the params after the
+        # last step (the checksum) must wait for them.
+        self.model.finish_param_sync()
+
     @torch.no_grad()
     def step(self) -> None:
         self.model.finish_grad_sync()
@@ -159,7 +164,7 @@ class _GatheredMuon(System):
                     grad = bucket.grad_shard[lo:hi]
                     momentum.lerp_(grad, 1 - mu)  # torch Muon's arithmetic, element by element
                     update_shard[lo:hi] = grad.lerp(momentum, mu) if MUON["nesterov"] else momentum
-            update = torch.empty(bucket.grad_data.numel(), dtype=torch.float32,
+            update = torch.empty(bucket.numel, dtype=torch.float32,
                                  device=update_shard.device)
             dist.all_gather_into_tensor(update, update_shard, group=self.model.process_group)
             for param, rng, own in entries:

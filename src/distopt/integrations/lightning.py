@@ -73,7 +73,7 @@ class DistoptStrategy(DDPStrategy):
         basic: use ``distopt.BasicOptimizer`` (grads all-reduced, every rank keeps all of the
             optimizer state) instead of ``distopt.DistributedOptimizer``, to compare.
         bucket_size, overlap_grad_reduce, grad_dtype, find_unused_parameters,
-        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation: passed to
+        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation, shard_grads: passed to
             ``distopt.DistributedDataParallel``.
         overlap_param_gather, store_param_remainders: passed to ``distopt.DistributedOptimizer``.
         loss_scaler: the distopt loss scaler for fp16; by default a ``DynamicLossScaler`` with
@@ -97,6 +97,7 @@ class DistoptStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         check_for_nan_in_grad: bool = False,
         reduce_scatter_with_fp32_accumulation: bool = False,
+        shard_grads: bool = False,
         overlap_param_gather: bool = False,
         store_param_remainders: bool = False,
         loss_scaler: LossScaler | None = None,
@@ -117,10 +118,11 @@ class DistoptStrategy(DDPStrategy):
                 "wrapper that is never built: drop them (distopt's own options are "
                 "bucket_size, overlap_grad_reduce, find_unused_parameters, grad_dtype, ...)"
             )
-        if basic and (overlap_param_gather or store_param_remainders):
+        if basic and (overlap_param_gather or store_param_remainders or shard_grads):
             raise ValueError(
-                "overlap_param_gather and store_param_remainders belong to the sharded "
-                "optimizer; basic=True (BasicOptimizer) has neither: drop them or basic=True"
+                "overlap_param_gather, store_param_remainders and shard_grads belong to the "
+                "sharded optimizer; basic=True (BasicOptimizer) has none of them: drop them or "
+                "basic=True"
             )
         super().__init__(
             accelerator=accelerator,
@@ -141,6 +143,7 @@ class DistoptStrategy(DDPStrategy):
             find_unused_parameters=find_unused_parameters,
             check_for_nan_in_grad=check_for_nan_in_grad,
             reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
+            shard_grads=shard_grads,
         )
         self._optimizer_options = (
             {} if basic else dict(overlap_param_gather=overlap_param_gather,

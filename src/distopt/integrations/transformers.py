@@ -66,6 +66,9 @@ class DistoptArguments:
     """Reduce-scatter each bucket during backward as soon as its grads are complete."""
     grad_dtype: torch.dtype | None = torch.float32
     """dtype of the grad buffer and the reduction; None: each param's own dtype."""
+    shard_grads: bool = False
+    """Keep only this rank's reduced shard of the grads between steps (ZeRO-2): every
+    micro-batch of ``gradient_accumulation_steps`` reduce-scatters."""
     fp16_loss_scaler: Callable[[], distopt.DynamicLossScaler | distopt.ConstantLossScaler] = (
         distopt.DynamicLossScaler
     )
@@ -118,6 +121,7 @@ class DistoptTrainer(transformers.Trainer):
                 bucket_size=self._bucket_size(),
                 overlap_grad_reduce=self.distopt_args.overlap_grad_reduce,
                 find_unused_parameters=self._find_unused_parameters(),
+                shard_grads=self.distopt_args.shard_grads,
             )
         return self.distopt_model
 

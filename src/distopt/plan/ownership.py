@@ -234,7 +234,8 @@ def plan_of(optimizer: Any) -> OwnershipPlan:
     # The layout's ranks: the shard group's, on a hierarchical mesh.
     return _plan(buffers, buffers[0].layout.dp_size,
                  store_param_remainders=optimizer.options.store_param_remainders,
-                 state_dtypes=optimizer.state_precision.dtypes)
+                 state_dtypes=optimizer.state_precision.dtypes,
+                 shard_grads=any(model.options.shard_grads for model in optimizer.models))
 
 
 def predict_plan(

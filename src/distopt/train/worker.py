@@ -88,6 +88,7 @@ class Trainer:
             use_distributed_optimizer=not config.no_shard,
             device_mesh=self._data_parallel_mesh(),
             reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
+            shard_grads=config.shard_grads,
         )
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
