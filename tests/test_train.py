@@ -230,3 +230,18 @@ def test_bad_option_exits_2_with_one_line_from_the_shell():
     assert len(lines) == 1 and lines[0].startswith("distopt train: error:"), proc.stderr
     assert "--nproc must be >= 1" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path):
+    # One backward per step: the same grads reduced by the same collective, so the same bits.
+    proc = _train(tmp_path, "--shard-grads")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # fp32 at d = 2: params 4, then (grads 4 + Adam 8) / 2, against 4 + 4 + 8/2.
+    assert summary["theory_bytes_per_param"]["distopt"] == pytest.approx(10.0)
+    full = json.loads((baseline / "summary.json").read_text())["memory_per_rank"]
+    for report, before in zip(summary["memory_per_rank"], full, strict=True):
+        assert 10.0 <= report["bytes_per_param"] < 10.5
+        assert 2 * report["grads"] == before["grads"]  # each rank's half of the buffer
