@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from ..dtypes import DTYPES, dtype_name
+from ..dtypes import DTYPES, STATE_DTYPES, dtype_name
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
 from ..options import fp32_accumulation_problem, remainders_problem
@@ -66,10 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="distopt keeps bf16 params + 2-byte remainders as fp32 masters")
     parser.add_argument("--optimizer-state-bytes", type=int, default=8,
                         help="fp32 optimizer state per param: 8 for Adam, 4 for SGD momentum")
-    parser.add_argument("--state-dtype", choices=DTYPES, default="fp32",
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                         help="dtype distopt holds the optimizer state in between steps "
-                        "(DistributedOptimizer(state_dtype=...)); fp16 only for state linear "
-                        "in the grads, not Adam's second moment")
+                        "(DistributedOptimizer(state_dtype=...)); fp16 and fp8 with one "
+                        "1-byte scale per 128 elements")
     cluster = parser.add_argument_group(
         "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
         "flat over every rank")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = bytes_per_param_breakdown(
             param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes,
             store_param_remainders=args.store_param_remainders,
-            state_dtype=DTYPES[args.state_dtype],
+            state_dtype=STATE_DTYPES[args.state_dtype],
         )
     except ValueError as error:
         print(f"distopt memory: --store-param-remainders: {error}", file=sys.stderr)
@@ -322,7 +322,7 @@ def _whole_tensor(args: argparse.Namespace) -> int:
         plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
                             bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
                             store_param_remainders=args.store_param_remainders,
-                            state_dtype=DTYPES[args.state_dtype])
+                            state_dtype=STATE_DTYPES[args.state_dtype])
     except ValueError as error:
         print(f"distopt memory: --state-dtype {args.state_dtype}: {error}", file=sys.stderr)
         return 2

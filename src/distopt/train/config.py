@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, parse_state_dtype
 from ..optim.state_precision import resolve_state_dtypes
 from ..options import fp32_accumulation_problem, remainders_problem
 from .model import MODEL_PRESETS
@@ -89,8 +89,9 @@ class TrainConfig:
     store_param_remainders: bool = False
     """Keep the fp32 masters of bf16 params as the params plus 16-bit remainders."""
     state_dtype: str = "fp32"
-    """Dtype the optimizer state is held in between steps: fp32, bf16 or fp16 (fp16 only for
-    state linear in the grads); see [Note: state precision] in distopt/optim/state_precision.py."""
+    """Dtype the optimizer state is held in between steps: fp32, bf16, fp16, fp8-e4m3 or
+    fp8-e5m2 (fp16 and fp8 with block scales), or ``key=name`` pairs joined by commas; see
+    [Note: state precision] in distopt/optim/state_precision.py."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -171,10 +172,7 @@ class TrainConfig:
             if self.no_shard:
                 problems.append("--store-param-remainders needs the sharded optimizer; drop "
                                 "--no-shard")
-        if self.state_dtype not in DTYPES:
-            problems.append(f"--state-dtype must be one of fp32, bf16, fp16, got "
-                            f"{self.state_dtype}")
-        elif self.optimizer in OPTIMIZERS:
+        if self.optimizer in OPTIMIZERS:
             problems += self._state_dtype_problems()
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
@@ -187,7 +185,7 @@ class TrainConfig:
         if self.optimizer == "muon":
             classes.append(torch.optim.AdamW)  # the recipe's other params; see recipes.py
         try:
-            resolve_state_dtypes(DTYPES[self.state_dtype], classes)
+            resolve_state_dtypes(parse_state_dtype(self.state_dtype), classes)
         except ValueError as error:
             return [f"--state-dtype {self.state_dtype}: {error}"]
         return []
@@ -279,8 +277,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store-param-remainders", action="store_true",
                    help="bf16 params + 16-bit remainders as the fp32 masters (2 bytes, exact)")
     p.add_argument("--state-dtype", default=defaults.state_dtype,
-                   help="dtype of the optimizer state between steps: fp32, bf16, or fp16 "
-                   "(not for Adam's second moment)")
+                   help="dtype of the optimizer state between steps: fp32, bf16, fp16, "
+                   "fp8-e4m3 or fp8-e5m2 (fp16 and fp8 with a scale per 128 elements), or "
+                   "one per state key: exp_avg=fp8-e4m3,exp_avg_sq=fp8-e5m2")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")
