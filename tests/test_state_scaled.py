@@ -178,8 +178,8 @@ def memory(kind: str, state_dtype) -> dict:
     return {"report": distopt.measure_state_bytes(opt), "theory": theory,
             "plan": plan_of(opt).ranks[dist.get_rank()],
             "predicted_equal": predicted.ranks == plan_of(opt).ranks,
-            # Two moments of one byte (two for fp16) per element and one per block of 128.
-            "expected_state": sum(2 * (n * state_dtype.itemsize + -(-n // 128)) for n in pieces),
+            # Two moments of one byte (two for fp16) per element and one per block of 32.
+            "expected_state": sum(2 * (n * state_dtype.itemsize + -(-n // 32)) for n in pieces),
             "padded": sum(buf.layout.numel for buf in ddp.flat_buffers)}
 
 
@@ -300,7 +300,7 @@ def checkpoints() -> dict[str, bool]:
 PER_KEY = {"exp_avg": E4M3, "exp_avg_sq": E5M2}
 TRAJECTORIES = {
     "adamw-e4m3": ("adamw", E4M3),
-    "adamw-e5m2-block32": ("adamw", E5M2, 32),
+    "adamw-e5m2-block128": ("adamw", E5M2, 128),
     "adamw-fp16": ("adamw", FP16),
     "adamw-e4m3-e5m2": ("adamw", PER_KEY),
     "sgd-fp16": ("sgd", FP16),
@@ -345,7 +345,7 @@ def test_memory_follows_the_scaled_rows(world, case):
         report = value["report"]
         assert value["plan"] == report and value["predicted_equal"]  # to the byte
         assert report.optimizer_state == value["expected_state"]
-        state_row = 2 * (itemsize + 1 / 128)
+        state_row = 2 * (itemsize + 1 / 32)
         if case == "remainders-e5m2":
             assert value["theory"] == 4 + (2 + state_row) / d
             assert report.main_params == 2 * value["padded"] // d
@@ -403,16 +403,16 @@ def test_table_and_commands_give_the_scaled_rows(capsys):
     from distopt.optim.kinds import state_bytes
     from distopt.train.config import parse_args
 
-    assert state_bytes(torch.optim.AdamW, (300,), None, {"exp_avg": E4M3}) == 300 + 3 + 1200
-    assert state_bytes(torch.optim.AdamW, (300,), None, {"exp_avg": E4M3}, 32) == 300 + 10 + 1200
+    assert state_bytes(torch.optim.AdamW, (300,), None, {"exp_avg": E4M3}) == 300 + 10 + 1200
+    assert state_bytes(torch.optim.AdamW, (300,), None, {"exp_avg": E4M3}, 128) == 300 + 3 + 1200
     assert distopt.theoretical_bytes_per_param(torch.float32, torch.float32, 4,
-                                               state_dtype=E5M2) == 8 + 2 * (1 + 1 / 128) / 4
+                                               state_dtype=E5M2) == 8 + 2 * (1 + 1 / 32) / 4
     for name in ("fp8-e4m3", "fp8-e5m2"):
         assert main(["--params", "1e9", "--dp", "4", "--dtype", "fp32",
                      "--state-dtype", name]) == 0
         rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
                 if line.strip()}
-        assert float(rows["total"][2]) == round(8 + 2 * (1 + 1 / 128) / 4, 3)
+        assert float(rows["total"][2]) == round(8 + 2 * (1 + 1 / 32) / 4, 3)
     assert parse_args(["--state-dtype", "fp8-e4m3"]).state_dtype == "fp8-e4m3"
     assert parse_args(["--state-dtype", "fp16"]).state_dtype == "fp16"  # Adam: scaled squares
     with pytest.raises(ValueError, match="--state-dtype fp8: must be one of"):

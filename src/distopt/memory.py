@@ -99,7 +99,7 @@ def bytes_per_param_breakdown(
     so ``optimizer_state_bytes`` (counted in fp32) shrinks by its itemsize over 4; for a mix
     of dtypes per key pass ``optimizer_state_bytes=distopt.optim.kinds.state_bytes(cls,
     (1,), None, {key: dtype})`` instead. fp16 and fp8 state adds one byte of scale per
-    ``state_block_size`` elements (None: 128). See [Note: state precision] in
+    ``state_block_size`` elements (None: 32). See [Note: state precision] in
     optim/state_precision.py.
     """
     grad_dtype = grad_dtype or param_dtype
@@ -157,7 +157,7 @@ def theoretical_bytes_per_param(
     ``state_dtype``: the state held in that dtype (bf16 params and grads, remainders, bf16
     state: 4 + 6/d; fp32 params and grads with bf16 state: 8 + 4/d; fp16 and fp8 state add
     one byte of scale per ``state_block_size`` state elements, e.g. Adam's fp8 moments take
-    2 + 2/128 B/param).
+    2 + 2/32 B/param).
     ``bytes_per_param_breakdown`` gives the same figure component by component.
     """
     _check_dp_size(dp_size)

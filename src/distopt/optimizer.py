@@ -95,7 +95,7 @@ class DistributedOptimizer(_CheckpointedOptimizer):
             fp32. fp16 and fp8 (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) are held
             with one power-of-two scale per block of elements. See [Note: state precision]
             in optim/state_precision.py.
-        state_block_size: elements per scale of the state held in fp16 or fp8 (None: 128);
+        state_block_size: elements per scale of the state held in fp16 or fp8 (None: 32);
             refused where no state is held in those dtypes.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
 

@@ -167,7 +167,7 @@ class StepOptions:
     state key), expanded to fp32 one chunk at a time for the inner step; None: fp32. See
     [Note: state precision] in optim/state_precision.py."""
     state_block_size: int | None = None
-    """Elements per scale of the state held in fp16 or fp8; None: 128. Refused where no
+    """Elements per scale of the state held in fp16 or fp8; None: 32. Refused where no
     state is held in those dtypes (bf16 and fp32 need no scales)."""
 
     def __post_init__(self) -> None:

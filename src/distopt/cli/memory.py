@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                         help="dtype distopt holds the optimizer state in between steps "
                         "(DistributedOptimizer(state_dtype=...)); fp16 and fp8 with one "
-                        "1-byte scale per 128 elements")
+                        "1-byte scale per 32 elements")
     cluster = parser.add_argument_group(
         "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
         "flat over every rank")

@@ -52,8 +52,9 @@ class StateKey:
     option: str | None = None
     """Kept only when the param group's value of this option is truthy (SGD's momentum)."""
     square: bool = False
-    """It holds squares of grads (Adam's second moment): beyond fp16's range (see
-    [Note: state precision] in optim/state_precision.py)."""
+    """It holds squares of grads (Adam's second moment), the state of widest range: below
+    fp16's and fp8's smallest numbers unless scaled (see [Note: state precision] in
+    optim/state_precision.py)."""
     vectors_only: bool = False
     """Per-element only for 1-D params (Adafactor's full second moment of a vector)."""
 

@@ -278,7 +278,7 @@ def parser() -> argparse.ArgumentParser:
                    help="bf16 params + 16-bit remainders as the fp32 masters (2 bytes, exact)")
     p.add_argument("--state-dtype", default=defaults.state_dtype,
                    help="dtype of the optimizer state between steps: fp32, bf16, fp16, "
-                   "fp8-e4m3 or fp8-e5m2 (fp16 and fp8 with a scale per 128 elements), or "
+                   "fp8-e4m3 or fp8-e5m2 (fp16 and fp8 with a scale per 32 elements), or "
                    "one per state key: exp_avg=fp8-e4m3,exp_avg_sq=fp8-e5m2")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
