@@ -297,6 +297,59 @@ def checkpoints() -> dict[str, bool]:
     return out
 
 
+def _grid(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of ``dtype``, sorted."""
+    bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
+    values = bits.to(torch.uint8 if dtype.itemsize == 1 else torch.int16).view(dtype).float()
+    return values[torch.isfinite(values)].unique()
+
+
+def on_either_side(got: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every element of ``got`` is one of the two values of ``dtype`` around ``x``."""
+    grid = _grid(dtype)
+    above = torch.searchsorted(grid, x).clamp(max=grid.numel() - 1)
+    below = torch.searchsorted(grid, x, right=True).sub(1).clamp(min=0)
+    return bool(((got == grid[above]) | (got == grid[below])).all())
+
+
+def stochastic_trajectory(state_dtype) -> list[dict[str, bool]]:
+    """With stochastic rounding, every step's state is one of the two values around the
+    fp32 step's from the state held before (torch.optim restarted from it each step), and
+    some elements are not the nearest."""
+    model, ddp, opt = _build("adamw", state_dtype, state_rounding="stochastic")
+    masters, ref_opts = _reference(model, opt)
+    out = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _linear_loss(list(model.parameters()), step).backward()
+        opt.step()
+        ddp.finish_param_sync()
+        for index, master in enumerate(masters):
+            master.grad = _coefficients(master.shape, step, index)
+        for ref in ref_opts:
+            ref.step()
+        pieces = _ref_by_main(opt, model, masters, ref_opts)
+        sd = opt.state_dict()["state"]
+        names = {main: name for name, main in _mains(opt).items()}
+        verdict = {"masters": True, "either_side": True, "not_all_nearest": False}
+        for (piece, main, state, master), value in zip(pieces, opt.main_param_values(),
+                                                        strict=True):
+            lo, hi = piece.param_range.start, piece.param_range.end
+            verdict["masters"] &= torch.equal(value.reshape(-1),
+                                              master.detach().reshape(-1)[lo:hi])
+            for key in ("exp_avg", "exp_avg_sq"):
+                entries = sd[names[main]]
+                scale = torch.exp2(entries[key + ".exponents"].local.float())
+                x = state[key].view(-1)[lo:hi]
+                got = entries[key].local.float()
+                verdict["either_side"] &= on_either_side(got, x / scale, state_dtype)
+                nearest = (x / scale).to(state_dtype).float()
+                verdict["not_all_nearest"] |= bool((got != nearest).any())
+                x.copy_(got * scale)  # the next reference step starts from the held state
+        out.append(verdict)
+    return out
+
+
 PER_KEY = {"exp_avg": E4M3, "exp_avg_sq": E5M2}
 TRAJECTORIES = {
     "adamw-e4m3": ("adamw", E4M3),
@@ -312,6 +365,8 @@ TRAJECTORIES = {
 def _cases() -> list:
     return [
         *[(name, trajectory, args) for name, args in TRAJECTORIES.items()],
+        ("stochastic-e5m2", stochastic_trajectory, (E5M2,)),
+        ("stochastic-e4m3", stochastic_trajectory, (E4M3,)),
         ("one-step-e4m3", one_step, (E4M3,)),
         ("one-step-e5m2", one_step, (E5M2,)),
         ("memory-e4m3", memory, ("fp32", E4M3)),
@@ -330,6 +385,15 @@ def world(request):
 def test_state_equals_torch_with_state_quantized_after_each_step(world, case):
     for per_step in case_result(world[1], case):
         assert per_step == [{"masters": True, "state": True, "dtypes": True}] * STEPS, per_step
+
+
+@pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
+def test_stochastic_rounding_lands_on_either_side(world, dtype):
+    d, results = world
+    for per_step in case_result(results, f"stochastic-{dtype}"):
+        assert all(v["masters"] and v["either_side"] for v in per_step), per_step
+        # After the first step (whose state torch starts from zero) some element rounds away.
+        assert any(v["not_all_nearest"] for v in per_step[1:]), per_step
 
 
 @pytest.mark.parametrize("dtype", ["e4m3", "e5m2"])
@@ -375,6 +439,8 @@ def _one_process(**kwargs):
     ({"state_dtype": E4M3, "state_block_size": 1.5}, TypeError, "an int"),
     ({"state_dtype": torch.float8_e4m3fnuz}, ValueError, "not supported"),
     ({"state_dtype": torch.float8_e8m0fnu}, ValueError, "not supported"),
+    ({"state_rounding": "stochastic"}, ValueError, "all state is held in fp32"),
+    ({"state_dtype": E4M3, "state_rounding": "up"}, ValueError, "'nearest' or 'stochastic'"),
 ])
 def test_bad_scales_raise_before_anything(kwargs, error, words):
     with pytest.raises(error, match=words):
@@ -396,6 +462,22 @@ def test_block_quantizer_is_exact_and_stable():
         split = torch.cat([dequantize(*quantize(part, dtype, 128), 128)
                            for part in (once[:77], once[77:128], once[128:])])
         assert torch.equal(split, once)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, FP16, BF16])
+def test_stochastic_rounding_is_unbiased_and_lands_on_either_side(dtype):
+    from distopt.optim.block_scaling import narrow
+
+    g = torch.Generator().manual_seed(0)
+    for value in (1.03, -1.03, 0.0007, -0.0007, 300.3):
+        x = torch.full((100_000,), value)
+        got = narrow(x, dtype, g).float()
+        assert on_either_side(got, x, dtype) and got.unique().numel() == 2
+        below, above = got.min().item(), got.max().item()
+        share = (value - below) / (above - below)  # the chance of rounding up
+        sigma = (share * (1 - share) / x.numel()) ** 0.5
+        assert abs((got == above).float().mean().item() - share) < 5 * sigma
+    assert narrow(torch.zeros(10), dtype, g).float().eq(0).all()
 
 
 def test_table_and_commands_give_the_scaled_rows(capsys):

@@ -97,6 +97,8 @@ class DistributedOptimizer(_CheckpointedOptimizer):
             in optim/state_precision.py.
         state_block_size: elements per scale of the state held in fp16 or fp8 (None: 32);
             refused where no state is held in those dtypes.
+        state_rounding: "nearest" (ties to even) or "stochastic" (unbiased: up or down with
+            probability by distance), how state is narrowed to ``state_dtype``.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
 
     The DDP's buffers are laid out when the optimizer is built, for the owners of its
@@ -120,6 +122,7 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         store_param_remainders: bool = False,
         state_dtype: StateDtype = None,
         state_block_size: int | None = None,
+        state_rounding: str = "nearest",
         **optimizer_kwargs: Any,
     ) -> None:
         models = as_model_list(model, "DistributedOptimizer")
@@ -133,7 +136,8 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
                               overlap_param_gather=overlap_param_gather,
                               store_param_remainders=store_param_remainders,
-                              state_dtype=state_dtype, state_block_size=state_block_size)
+                              state_dtype=state_dtype, state_block_size=state_block_size,
+                              state_rounding=state_rounding)
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,
@@ -149,8 +153,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
 
     Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
     (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
-    plain ``nn.Module`` trained on one process. ``model_parallel_group``, ``state_dtype`` and
-    ``state_block_size`` are as for DistributedOptimizer.
+    plain ``nn.Module`` trained on one process. ``model_parallel_group``, ``state_dtype``,
+    ``state_block_size`` and ``state_rounding`` are as for DistributedOptimizer.
     """
 
     _sharded = False
@@ -168,6 +172,7 @@ class BasicOptimizer(_CheckpointedOptimizer):
         model_parallel_group: dist.ProcessGroup | None = None,
         state_dtype: StateDtype = None,
         state_block_size: int | None = None,
+        state_rounding: str = "nearest",
         **optimizer_kwargs: Any,
     ) -> None:
         if isinstance(model, nn.Module) and not isinstance(model, DistributedDataParallel):
@@ -184,7 +189,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
                     "use distopt.DistributedOptimizer"
                 )
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
-                              state_dtype=state_dtype, state_block_size=state_block_size)
+                              state_dtype=state_dtype, state_block_size=state_block_size,
+                              state_rounding=state_rounding)
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,

@@ -53,6 +53,9 @@ def check_state_dtype(state_dtype: Any) -> None:
             )
 
 
+STATE_ROUNDINGS = ("nearest", "stochastic")
+
+
 def check_state_block_size(state_block_size: Any) -> None:
     """Raise unless ``state_block_size`` is None or a positive element count."""
     if state_block_size is None:
@@ -169,10 +172,16 @@ class StepOptions:
     state_block_size: int | None = None
     """Elements per scale of the state held in fp16 or fp8; None: 32. Refused where no
     state is held in those dtypes (bf16 and fp32 need no scales)."""
+    state_rounding: str = "nearest"
+    """How state is narrowed to ``state_dtype``: "nearest" (ties to even) or "stochastic"
+    (up or down with probability by distance, so unbiased). Refused where all state is fp32."""
 
     def __post_init__(self) -> None:
         check_state_dtype(self.state_dtype)
         check_state_block_size(self.state_block_size)
+        if self.state_rounding not in STATE_ROUNDINGS:
+            raise ValueError(f"state_rounding must be 'nearest' or 'stochastic', got "
+                             f"{self.state_rounding!r}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ValueError(
                 f"clip_grad must be a positive max norm or None, got {self.clip_grad}"

@@ -53,12 +53,36 @@ def block_exponents(flat: torch.Tensor, dtype: torch.dtype, block_size: int) -> 
     return k.clamp_(_MIN_EXPONENT, _MAX_EXPONENT).to(torch.int8)
 
 
-def quantize(flat: torch.Tensor, dtype: torch.dtype,
-             block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(flat: torch.Tensor, dtype: torch.dtype, block_size: int,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, exponents)``: the fp32 1-D ``flat`` in ``dtype`` and its blocks' scale
-    exponents (int8, one per block)."""
+    exponents (int8, one per block); rounded to nearest, or stochastically with
+    ``generator``."""
     exponents = block_exponents(flat, dtype, block_size)
-    return scale_blocks(flat, pow2(-exponents), block_size).to(dtype), exponents
+    scaled = scale_blocks(flat, pow2(-exponents), block_size)
+    return narrow(scaled, dtype, generator), exponents
+
+
+def narrow(x: torch.Tensor, dtype: torch.dtype,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 ``x`` (within ``dtype``'s range) in ``dtype``: to nearest (ties to even), or with
+    ``generator`` stochastically: to the neighbour on the far side of ``x`` with probability
+    its share of the gap, so that the expected value is ``x``."""
+    nearest = x.to(dtype)
+    if generator is None:
+        return nearest
+    back = nearest.float()
+    # The dtype's next value away from `nearest`, on x's side: one step of the bit pattern
+    # (sign and magnitude), up in magnitude where |x| > |nearest|; from zero, x's sign.
+    bits = nearest.view(torch.int8 if dtype.itemsize == 1 else torch.int16)
+    step = torch.where(x.abs() > back.abs(), 1, -1).to(bits.dtype)
+    smallest = torch.where(x < 0, torch.iinfo(bits.dtype).min + 1, 1).to(bits.dtype)
+    other_bits = torch.where(back == 0, smallest, bits + step)
+    other = other_bits.view(dtype).float()
+    gap = (other - back).abs()
+    share = torch.where(gap > 0, (x - back).abs() / gap, torch.zeros_like(gap))
+    up = torch.rand(x.shape, generator=generator, device=x.device) < share
+    return torch.where(up & torch.isfinite(other), other_bits, bits).view(dtype)
 
 
 def dequantize(values: torch.Tensor, exponents: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -75,6 +75,7 @@ from .block_scaling import (
     DEFAULT_BLOCK_SIZE,
     dequantize,
     element_exponents,
+    narrow,
     needs_scales,
     pow2,
     quantize,
@@ -138,15 +139,28 @@ def resolve_block_size(state_block_size: int | None, dtypes: Mapping[str, torch.
     return state_block_size
 
 
+def check_rounding(state_rounding: str, dtypes: Mapping[str, torch.dtype]) -> None:
+    """Stochastic rounding needs some state held below fp32."""
+    if state_rounding == "stochastic" and not dtypes:
+        raise ValueError(
+            "state_rounding='stochastic' rounds state narrowed to state_dtype, but all state is "
+            "held in fp32: pass state_dtype (e.g. torch.float8_e5m2) or drop state_rounding"
+        )
+
+
 class StatePrecision:
     """The dtypes per-element state is held in, and the conversions around an inner step."""
 
     def __init__(self, state: dict[nn.Parameter, dict[str, Any]],
                  dtypes: Mapping[str, torch.dtype],
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, stochastic: bool = False) -> None:
         self.state = state  # the inner optimizers' one state dict (optim/base.py)
         self.dtypes = dict(dtypes)
         self.block_size = block_size
+        self.stochastic = stochastic
+        # One stream per device, seeded alike on every rank: replicas of a shard (a
+        # hierarchical mesh) draw the same numbers and stay equal.
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     @contextlib.contextmanager
     def fp32(self, mains: list[nn.Parameter]) -> Iterator[None]:
@@ -199,11 +213,22 @@ class StatePrecision:
         for key, value in _per_element(main, entries):
             dtype = self.held_dtype(key)
             if needs_scales(dtype):
-                values, exponents = quantize(value.reshape(-1).float(), dtype, self.block_size)
+                values, exponents = quantize(value.reshape(-1).float(), dtype, self.block_size,
+                                             self._generator(value.device))
                 entries[key] = values.view(main.shape)
                 entries[key + BLOCK_EXPONENTS] = exponents
+            elif dtype == torch.float32:
+                if value.dtype != dtype:
+                    entries[key] = value.float()  # widened exactly
             elif value.dtype != dtype:
-                entries[key] = value.to(dtype)
+                entries[key] = narrow(value.float(), dtype, self._generator(value.device))
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if not self.stochastic:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(0)
+        return self._generators[device]
 
 
 def _per_element(main: nn.Parameter, entries: dict[str, Any] | None

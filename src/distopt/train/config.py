@@ -92,6 +92,8 @@ class TrainConfig:
     """Dtype the optimizer state is held in between steps: fp32, bf16, fp16, fp8-e4m3 or
     fp8-e5m2 (fp16 and fp8 with block scales), or ``key=name`` pairs joined by commas; see
     [Note: state precision] in distopt/optim/state_precision.py."""
+    state_rounding: str = "nearest"
+    """How the state is narrowed to ``state_dtype``: nearest, or stochastic (unbiased)."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -185,9 +187,12 @@ class TrainConfig:
         if self.optimizer == "muon":
             classes.append(torch.optim.AdamW)  # the recipe's other params; see recipes.py
         try:
-            resolve_state_dtypes(parse_state_dtype(self.state_dtype), classes)
+            dtypes = resolve_state_dtypes(parse_state_dtype(self.state_dtype), classes)
         except ValueError as error:
             return [f"--state-dtype {self.state_dtype}: {error}"]
+        if self.state_rounding == "stochastic" and not dtypes:
+            return ["--state-rounding stochastic rounds state held below fp32; add "
+                    "--state-dtype (e.g. fp8-e5m2)"]
         return []
 
     def _fp32_accumulation_problems(self) -> list[str]:
@@ -280,6 +285,10 @@ def parser() -> argparse.ArgumentParser:
                    help="dtype of the optimizer state between steps: fp32, bf16, fp16, "
                    "fp8-e4m3 or fp8-e5m2 (fp16 and fp8 with a scale per 32 elements), or "
                    "one per state key: exp_avg=fp8-e4m3,exp_avg_sq=fp8-e5m2")
+    p.add_argument("--state-rounding", choices=("nearest", "stochastic"),
+                   default=defaults.state_rounding,
+                   help="how the state is narrowed to --state-dtype: to nearest, or "
+                   "stochastically (unbiased; helps fp8)")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")
