@@ -499,3 +499,10 @@ def test_table_and_commands_give_the_scaled_rows(capsys):
     assert parse_args(["--state-dtype", "fp16"]).state_dtype == "fp16"  # Adam: scaled squares
     with pytest.raises(ValueError, match="--state-dtype fp8: must be one of"):
         parse_args(["--state-dtype", "fp8"])
+    config = parse_args(["--state-dtype", "fp8-e5m2", "--state-rounding", "stochastic",
+                         "--state-block-size", "128"])
+    assert (config.state_rounding, config.state_block_size) == ("stochastic", 128)
+    with pytest.raises(ValueError, match="--state-block-size 128: .*needs no scales"):
+        parse_args(["--state-dtype", "bf16", "--state-block-size", "128"])
+    with pytest.raises(ValueError, match="--state-rounding stochastic rounds state held below"):
+        parse_args(["--state-rounding", "stochastic"])

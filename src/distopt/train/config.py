@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..dtypes import DTYPES, parse_state_dtype
-from ..optim.state_precision import resolve_state_dtypes
-from ..options import fp32_accumulation_problem, remainders_problem
+from ..optim.state_precision import resolve_block_size, resolve_state_dtypes
+from ..options import check_state_block_size, fp32_accumulation_problem, remainders_problem
 from .model import MODEL_PRESETS
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -92,6 +92,8 @@ class TrainConfig:
     """Dtype the optimizer state is held in between steps: fp32, bf16, fp16, fp8-e4m3 or
     fp8-e5m2 (fp16 and fp8 with block scales), or ``key=name`` pairs joined by commas; see
     [Note: state precision] in distopt/optim/state_precision.py."""
+    state_block_size: int | None = None
+    """Elements per scale of fp16 and fp8 state; None: distopt's default (32)."""
     state_rounding: str = "nearest"
     """How the state is narrowed to ``state_dtype``: nearest, or stochastic (unbiased)."""
     overlap_grad_reduce: bool = True
@@ -193,6 +195,11 @@ class TrainConfig:
         if self.state_rounding == "stochastic" and not dtypes:
             return ["--state-rounding stochastic rounds state held below fp32; add "
                     "--state-dtype (e.g. fp8-e5m2)"]
+        try:
+            check_state_block_size(self.state_block_size)
+            resolve_block_size(self.state_block_size, dtypes)
+        except (TypeError, ValueError) as error:
+            return [f"--state-block-size {self.state_block_size}: {error}"]
         return []
 
     def _fp32_accumulation_problems(self) -> list[str]:
@@ -285,6 +292,8 @@ def parser() -> argparse.ArgumentParser:
                    help="dtype of the optimizer state between steps: fp32, bf16, fp16, "
                    "fp8-e4m3 or fp8-e5m2 (fp16 and fp8 with a scale per 32 elements), or "
                    "one per state key: exp_avg=fp8-e4m3,exp_avg_sq=fp8-e5m2")
+    p.add_argument("--state-block-size", type=int, default=None,
+                   help="elements per scale of fp16 and fp8 state (default 32)")
     p.add_argument("--state-rounding", choices=("nearest", "stochastic"),
                    default=defaults.state_rounding,
                    help="how the state is narrowed to --state-dtype: to nearest, or "

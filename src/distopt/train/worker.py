@@ -93,6 +93,7 @@ class Trainer:
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
         common = dict(clip_grad=config.clip, loss_scaler=scaler, lr=config.lr,
                       state_dtype=parse_state_dtype(config.state_dtype),
+                      state_block_size=config.state_block_size,
                       state_rounding=config.state_rounding, **opt_kwargs)
         groups = param_groups(config.optimizer, model, config.lr)
         if groups is not None:
