@@ -227,7 +227,8 @@ def _labels(args: argparse.Namespace) -> dict[str, str]:
     if args.store_param_remainders:
         labels["main_params"] = "remainders"
     if args.state_dtype != "fp32":
-        labels["optimizer_state"] = f"opt. state ({args.state_dtype})"
+        short = len(args.state_dtype) <= 4  # the label fits the 18-character column
+        labels["optimizer_state"] = f"opt. {'state ' if short else ''}({args.state_dtype})"
     return labels
 
 
