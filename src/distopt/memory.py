@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .dtypes import DTYPES
-from .options import check_state_dtype, remainders_problem
+from .optim.block_scaling import DEFAULT_BLOCK_SIZE, needs_scales
+from .options import check_state_block_size, check_state_dtype, remainders_problem
 from .parallel.dtensor import local_tensor
 
 
@@ -97,6 +98,7 @@ def bytes_per_param_breakdown(
     store_param_remainders: bool = False,
     state_dtype: torch.dtype | None = None,
     shard_grads: bool = False,
+    state_block_size: int | None = None,
 ) -> BytesPerParam:
     """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
 
@@ -107,10 +109,11 @@ def bytes_per_param_breakdown(
     ``state_dtype`` (e.g. torch.bfloat16) holds every per-element state tensor in that dtype,
     so ``optimizer_state_bytes`` (counted in fp32) shrinks by its itemsize over 4; for a mix
     of dtypes per key pass ``optimizer_state_bytes=distopt.optim.kinds.state_bytes(cls,
-    (1,), None, {key: dtype})`` instead. See [Note: state precision] in
+    (1,), None, {key: dtype})`` instead. fp16 and fp8 state adds one byte of scale per
+    ``state_block_size`` elements (None: 32). See [Note: state precision] in
     optim/state_precision.py. ``shard_grads`` keeps only each rank's reduced shard of the
     grads between steps (``DistributedDataParallel(shard_grads=True)``): the grads are sharded
-    too. See [Note: sharded grads] in buckets.py.
+    too. See [Note: sharded grads] in grad_pool.py.
     """
     grad_dtype = grad_dtype or param_dtype
     if state_dtype is not None:
@@ -120,7 +123,14 @@ def bytes_per_param_breakdown(
                 "the memory table takes one state_dtype for every state tensor; for a dtype "
                 "per key pass optimizer_state_bytes=distopt.optim.kinds.state_bytes(...)"
             )
-        optimizer_state_bytes = optimizer_state_bytes * state_dtype.itemsize / 4
+        check_state_block_size(state_block_size)
+        if state_block_size is not None and not needs_scales(state_dtype):
+            raise ValueError(f"state_block_size sets the scales of fp16 or fp8 state; "
+                             f"{state_dtype} needs none: drop state_block_size")
+        held = state_dtype.itemsize
+        if needs_scales(state_dtype):  # one int8 exponent per block
+            held += 1 / (state_block_size or DEFAULT_BLOCK_SIZE)
+        optimizer_state_bytes = optimizer_state_bytes * held / 4
     problem = remainders_problem({param_dtype}) if store_param_remainders else None
     if problem:
         raise ValueError(
@@ -151,6 +161,7 @@ def theoretical_bytes_per_param(
     store_param_remainders: bool = False,
     state_dtype: torch.dtype | None = None,
     shard_grads: bool = False,
+    state_block_size: int | None = None,
 ) -> float:
     """Bytes per parameter of params, grads, fp32 main params/grads and optimizer state.
 
@@ -159,7 +170,9 @@ def theoretical_bytes_per_param(
     ``store_param_remainders``: int16 remainders instead of fp32 main params, and no
     persistent fp32 main grads (bf16 params).
     ``state_dtype``: the state held in that dtype (bf16 params and grads, remainders, bf16
-    state: 4 + 6/d; fp32 params and grads with bf16 state: 8 + 4/d).
+    state: 4 + 6/d; fp32 params and grads with bf16 state: 8 + 4/d; fp16 and fp8 state add
+    one byte of scale per ``state_block_size`` state elements, e.g. Adam's fp8 moments take
+    2 + 2/32 B/param).
     ``shard_grads``: only each rank's reduced shard of the grads is kept between steps (bf16
     params and grads with remainders: 2 + 12/d; fp32: 4 + 12/d).
     ``bytes_per_param_breakdown`` gives the same figure component by component.
@@ -169,6 +182,7 @@ def theoretical_bytes_per_param(
         param_dtype, grad_dtype, optimizer_state_bytes=optimizer_state_bytes,
         store_param_remainders=store_param_remainders, state_dtype=state_dtype,
         shard_grads=shard_grads,
+        state_block_size=state_block_size,
     )
     return breakdown.total(dp_size, distributed=distributed)
 

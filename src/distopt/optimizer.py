@@ -92,7 +92,13 @@ class DistributedOptimizer(_CheckpointedOptimizer):
             moments, momentum buffers) in this dtype between steps, e.g. ``torch.bfloat16``,
             or per state key (``{"exp_avg": torch.float16, "exp_avg_sq": torch.bfloat16}``);
             each chunk's state is expanded to fp32 for the inner step and rounded back. None:
-            fp32. See [Note: state precision] in optim/state_precision.py.
+            fp32. fp16 and fp8 (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) are held
+            with one power-of-two scale per block of elements. See [Note: state precision]
+            in optim/state_precision.py.
+        state_block_size: elements per scale of the state held in fp16 or fp8 (None: 32);
+            refused where no state is held in those dtypes.
+        state_rounding: "nearest" (ties to even) or "stochastic" (unbiased: up or down with
+            probability by distance), how state is narrowed to ``state_dtype``.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
 
     The DDP's buffers are laid out when the optimizer is built, for the owners of its
@@ -115,6 +121,8 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         model_parallel_group: dist.ProcessGroup | None = None,
         store_param_remainders: bool = False,
         state_dtype: StateDtype = None,
+        state_block_size: int | None = None,
+        state_rounding: str = "nearest",
         **optimizer_kwargs: Any,
     ) -> None:
         models = as_model_list(model, "DistributedOptimizer")
@@ -128,7 +136,8 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
                               overlap_param_gather=overlap_param_gather,
                               store_param_remainders=store_param_remainders,
-                              state_dtype=state_dtype)
+                              state_dtype=state_dtype, state_block_size=state_block_size,
+                              state_rounding=state_rounding)
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,
@@ -144,8 +153,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
 
     Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
     (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
-    plain ``nn.Module`` trained on one process. ``model_parallel_group`` and ``state_dtype``
-    are as for DistributedOptimizer.
+    plain ``nn.Module`` trained on one process. ``model_parallel_group``, ``state_dtype``,
+    ``state_block_size`` and ``state_rounding`` are as for DistributedOptimizer.
     """
 
     _sharded = False
@@ -162,6 +171,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
         grad_dtype: torch.dtype | None = torch.float32,
         model_parallel_group: dist.ProcessGroup | None = None,
         state_dtype: StateDtype = None,
+        state_block_size: int | None = None,
+        state_rounding: str = "nearest",
         **optimizer_kwargs: Any,
     ) -> None:
         if isinstance(model, nn.Module) and not isinstance(model, DistributedDataParallel):
@@ -178,7 +189,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
                     "use distopt.DistributedOptimizer"
                 )
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
-                              state_dtype=state_dtype)
+                              state_dtype=state_dtype, state_block_size=state_block_size,
+                              state_rounding=state_rounding)
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,

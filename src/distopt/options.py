@@ -22,7 +22,9 @@ StateDtype = torch.dtype | Mapping[str, torch.dtype] | None
 see [Note: state precision] in optim/state_precision.py."""
 
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                torch.float8_e5m2)
+"""fp16 and fp8 are held with block scales; see [Note: state precision]."""
 
 
 def check_state_dtype(state_dtype: Any) -> None:
@@ -39,15 +41,31 @@ def check_state_dtype(state_dtype: Any) -> None:
             raise TypeError(f"state_dtype keys are state names such as 'exp_avg', got {key!r}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(
-                f"{where} must be a torch.dtype (torch.bfloat16, torch.float16 or "
-                f"torch.float32), got {dtype!r}"
+                f"{where} must be a torch.dtype (torch.bfloat16, torch.float16, "
+                f"torch.float8_e4m3fn, torch.float8_e5m2 or torch.float32), got {dtype!r}"
             )
         if dtype not in STATE_DTYPES:
             kind = "not a float type" if not dtype.is_floating_point else "not supported"
             raise ValueError(
                 f"{where}={dtype} is {kind}: distopt holds optimizer state in "
-                "torch.bfloat16, torch.float16 or torch.float32"
+                "torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2 or "
+                "torch.float32"
             )
+
+
+STATE_ROUNDINGS = ("nearest", "stochastic")
+
+
+def check_state_block_size(state_block_size: Any) -> None:
+    """Raise unless ``state_block_size`` is None or a positive element count."""
+    if state_block_size is None:
+        return
+    if isinstance(state_block_size, bool) or not isinstance(state_block_size, int):
+        raise TypeError(f"state_block_size must be an int (elements per scale) or None, got "
+                        f"{state_block_size!r}")
+    if state_block_size < 1:
+        raise ValueError(f"state_block_size must be a positive element count, got "
+                         f"{state_block_size}")
 
 
 # The rules that tie one option to dtypes, each written once: the library's records below,
@@ -161,9 +179,19 @@ class StepOptions:
     """The dtype per-element optimizer state is held in between steps (one, or a dict per
     state key), expanded to fp32 one chunk at a time for the inner step; None: fp32. See
     [Note: state precision] in optim/state_precision.py."""
+    state_block_size: int | None = None
+    """Elements per scale of the state held in fp16 or fp8; None: 32. Refused where no
+    state is held in those dtypes (bf16 and fp32 need no scales)."""
+    state_rounding: str = "nearest"
+    """How state is narrowed to ``state_dtype``: "nearest" (ties to even) or "stochastic"
+    (up or down with probability by distance, so unbiased). Refused where all state is fp32."""
 
     def __post_init__(self) -> None:
         check_state_dtype(self.state_dtype)
+        check_state_block_size(self.state_block_size)
+        if self.state_rounding not in STATE_ROUNDINGS:
+            raise ValueError(f"state_rounding must be 'nearest' or 'stochastic', got "
+                             f"{self.state_rounding!r}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ValueError(
                 f"clip_grad must be a positive max norm or None, got {self.clip_grad}"

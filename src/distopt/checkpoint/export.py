@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..optim.block_scaling import pow2
+from ..optim.state_precision import EXPONENTS
 from . import files
 from .files import CheckpointError
 from .format import CLASS_KEY
@@ -53,18 +55,22 @@ class _Record:
     """One storage of the export: a tensor still in the checkpoint, or one already in memory."""
 
     def __init__(self, *, fqn: str | None = None, dtype: torch.dtype, numel: int,
-                 storage: torch.UntypedStorage | None = None) -> None:
+                 storage: torch.UntypedStorage | None = None,
+                 exponents_fqn: str | None = None) -> None:
         self.fqn, self.dtype, self.numel, self.storage = fqn, dtype, numel, storage
+        self.exponents_fqn = exponents_fqn  # scaled state: values * 2**exponents
 
 
 class _Placeholder:
     """Pickles as a contiguous tensor whose bytes are the record written later."""
 
-    def __init__(self, fqn: str, shape: list[int], dtype: torch.dtype) -> None:
+    def __init__(self, fqn: str, shape: list[int], dtype: torch.dtype,
+                 exponents_fqn: str | None = None) -> None:
         numel = 1
         for n in shape:
             numel *= n
-        self.record = _Record(fqn=fqn, dtype=dtype, numel=numel)  # read, then cast to dtype
+        # Read, then cast to dtype.
+        self.record = _Record(fqn=fqn, dtype=dtype, numel=numel, exponents_fqn=exponents_fqn)
         self.shape = tuple(shape)
 
     def __reduce_ex__(self, protocol: int) -> Any:
@@ -186,6 +192,8 @@ def _export_tree(manifest: dict[str, Any], index: dict[str, Any], objects: dict[
         if not fqn.startswith("state/"):
             continue
         name, _, key = fqn[len("state/"):].rpartition("/")
+        if key.endswith(EXPONENTS):
+            continue  # read with the values they scale
         if isinstance(entry, BytesStorageMetadata):
             value: Any = objects[fqn]
         elif key in whole_state.get(name, {}) or not len(entry.size):
@@ -194,8 +202,9 @@ def _export_tree(manifest: dict[str, Any], index: dict[str, Any], objects: dict[
             # Per-element state held below fp32 is exported in fp32, what torch.optim steps;
             # see [Note: state precision] in distopt/optim/state_precision.py.
             dtype = entry.properties.dtype
+            exponents = fqn + EXPONENTS if fqn + EXPONENTS in index else None
             value = _Placeholder(fqn, shape_of[name],
-                                 torch.float32 if dtype.is_floating_point else dtype)
+                                 torch.float32 if dtype.is_floating_point else dtype, exponents)
         cls, pid = position[name]
         per_class[cls]["state"].setdefault(pid, {})[key] = value
     for sd in per_class.values():
@@ -248,5 +257,9 @@ def _read(record: _Record, ckpt_dir: Path, metadata: Metadata) -> torch.UntypedS
     entry = metadata.state_dict_metadata[record.fqn]
     target = torch.empty(entry.size, dtype=entry.properties.dtype)
     state = {record.fqn: target}
+    if record.exponents_fqn is not None:
+        state[record.exponents_fqn] = torch.empty(entry.size, dtype=torch.int8)
     dcp.load(state, ckpt_dir, None, metadata)
+    if record.exponents_fqn is not None:  # scaled state, exactly in fp32
+        return (target.float() * pow2(state[record.exponents_fqn])).untyped_storage()
     return target.to(record.dtype).untyped_storage()

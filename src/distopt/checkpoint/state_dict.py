@@ -39,8 +39,9 @@ def state_dict(opt: Optimizer) -> dict[str, Any]:
         for owned in owned_pieces(opt):
             main = owned.main.detach().reshape(-1)  # a view, also of a param owned whole
             main_params[owned.name] = FlatShard(main, owned.start, owned.param.numel())
-            entries = {k: state_entry(v, owned, k)
-                       for k, v in opt.state.get(owned.main, {}).items()}
+            # Scaled state with an exponent per element; see [Note: state precision].
+            held = opt.state_precision.saved(owned.main, opt.state.get(owned.main, {}))
+            entries = {k: state_entry(v, owned, k) for k, v in held.items()}
             if entries:
                 state[owned.name] = entries
     return {

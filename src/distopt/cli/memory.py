@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from ..dtypes import DTYPES, dtype_name
+from ..dtypes import DTYPES, STATE_DTYPES, dtype_name
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
 from ..options import fp32_accumulation_problem, remainders_problem
@@ -68,10 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="distopt keeps bf16 params + 2-byte remainders as fp32 masters")
     parser.add_argument("--optimizer-state-bytes", type=int, default=8,
                         help="fp32 optimizer state per param: 8 for Adam, 4 for SGD momentum")
-    parser.add_argument("--state-dtype", choices=DTYPES, default="fp32",
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                         help="dtype distopt holds the optimizer state in between steps "
-                        "(DistributedOptimizer(state_dtype=...)); fp16 only for state linear "
-                        "in the grads, not Adam's second moment")
+                        "(DistributedOptimizer(state_dtype=...)); fp16 and fp8 with one "
+                        "1-byte scale per 32 elements")
     parser.add_argument("--shard-grads", action="store_true",
                         help="keep only each rank's reduced shard of the grads between steps "
                         "(DistributedDataParallel(shard_grads=True))")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = bytes_per_param_breakdown(
             param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes,
             store_param_remainders=args.store_param_remainders,
-            state_dtype=DTYPES[args.state_dtype], shard_grads=args.shard_grads,
+            state_dtype=STATE_DTYPES[args.state_dtype], shard_grads=args.shard_grads,
         )
     except ValueError as error:
         print(f"distopt memory: --store-param-remainders: {error}", file=sys.stderr)
@@ -238,7 +238,8 @@ def _labels(args: argparse.Namespace) -> dict[str, str]:
     if args.shard_grads:
         labels["grads"] = "grads"
     if args.state_dtype != "fp32":
-        labels["optimizer_state"] = f"opt. state ({args.state_dtype})"
+        short = len(args.state_dtype) <= 4  # the label fits the 18-character column
+        labels["optimizer_state"] = f"opt. {'state ' if short else ''}({args.state_dtype})"
     return labels
 
 
@@ -333,7 +334,7 @@ def _whole_tensor(args: argparse.Namespace) -> int:
         plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
                             bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
                             store_param_remainders=args.store_param_remainders,
-                            state_dtype=DTYPES[args.state_dtype],
+                            state_dtype=STATE_DTYPES[args.state_dtype],
                             shard_grads=args.shard_grads)
     except ValueError as error:
         print(f"distopt memory: --state-dtype {args.state_dtype}: {error}", file=sys.stderr)

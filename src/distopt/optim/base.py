@@ -33,7 +33,12 @@ from .groups import (
 )
 from .kinds import check_optimizer_cls
 from .main_params import ShardMainParams
-from .state_precision import StatePrecision, resolve_state_dtypes
+from .state_precision import (
+    StatePrecision,
+    check_rounding,
+    resolve_block_size,
+    resolve_state_dtypes,
+)
 from .step import BucketByBucket, StepPipeline, StepResult, WholeShard
 
 
@@ -99,6 +104,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         group_classes = [group_class(g, optimizer_cls) for g in param_groups]
         # Checked here, on every rank, before the buffers are laid out.
         state_dtypes = resolve_state_dtypes(options.state_dtype, group_classes)
+        block_size = resolve_block_size(options.state_block_size, state_dtypes)
+        check_rounding(options.state_rounding, state_dtypes)
         names = {p: m.param_names[p] for m in self.models for p in m.params}
         whole_costs = whole_tensor_costs(param_groups, group_classes, names)
         # The buffers are laid out once, now that the owners of whole tensors are known; see
@@ -138,7 +145,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         # see [Note: TP grad statistics].
         counted = counted_grads(self.parallel.tp, [self.piece_info(m)[0] for m in mains], mains)
         # See [Note: state precision] in optim/state_precision.py.
-        self.state_precision = StatePrecision(self.optimizer.state, state_dtypes)
+        self.state_precision = StatePrecision(self.optimizer.state, state_dtypes, block_size,
+                                              stochastic=options.state_rounding == "stochastic")
         source = (BucketByBucket(self._owned) if options.store_param_remainders
                   else WholeShard(self._owned, mains, by_bucket=bool(state_dtypes)))
         self._pipeline = StepPipeline(

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..layout.whole import newton_schulz_cost
+from .block_scaling import DEFAULT_BLOCK_SIZE, needs_scales, num_blocks
 
 WholeTensorCost = Callable[[Sequence[int]], float]
 """The optimizer's work on one parameter of the given shape, in any unit common to the class."""
@@ -51,8 +52,9 @@ class StateKey:
     option: str | None = None
     """Kept only when the param group's value of this option is truthy (SGD's momentum)."""
     square: bool = False
-    """It holds squares of grads (Adam's second moment): beyond fp16's range (see
-    [Note: state precision] in optim/state_precision.py)."""
+    """It holds squares of grads (Adam's second moment), the state of widest range: below
+    fp16's and fp8's smallest numbers unless scaled (see [Note: state precision] in
+    optim/state_precision.py)."""
     vectors_only: bool = False
     """Per-element only for 1-D params (Adafactor's full second moment of a vector)."""
 
@@ -196,11 +198,13 @@ def state_bytes(
     shape: Sequence[int],
     options: Mapping[str, Any] | None = None,
     state_dtypes: StateDtypes | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> float:
     """Bytes of state (step counters aside) ``optimizer_cls`` keeps for a param of ``shape``
     (a whole param, or an element-wise piece of it) under a group's ``options`` (None: the
     class's defaults), each per-element key in its dtype of ``state_dtypes`` (fp32 when
-    absent; see [Note: state precision]). None (a param no group steps) keeps nothing."""
+    absent), fp16 and fp8 keys with one byte per ``block_size`` elements of scales (see
+    [Note: state precision]). None (a param no group steps) keeps nothing."""
     if optimizer_cls is None:
         return 0.0
     kind = kind_of(optimizer_cls)
@@ -213,8 +217,14 @@ def state_bytes(
     if kind.state_keys is None:  # unknown keys: fp32, whatever was asked
         return other
     numel = math.prod(shape)
-    return other + sum(dtypes.get(key.name, torch.float32).itemsize * numel
-                       for key in kind.state_keys if key.present(shape, options))
+    total = other
+    for key in kind.state_keys:
+        if key.present(shape, options):
+            dtype = dtypes.get(key.name, torch.float32)
+            total += dtype.itemsize * numel
+            if needs_scales(dtype):
+                total += num_blocks(numel, block_size)  # one int8 exponent per block
+    return total
 
 
 def state_keys(optimizer_cls: type[torch.optim.Optimizer]) -> tuple[StateKey, ...] | None:

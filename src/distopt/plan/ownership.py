@@ -45,9 +45,10 @@ from ..layout.balance import BalanceReport, balance_report
 from ..layout.elementwise import TARGET_BUCKETS, BufferLayout
 from ..layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
 from ..memory import BytesPerParam, MemoryReport, bytes_per_param_breakdown
+from ..optim.block_scaling import DEFAULT_BLOCK_SIZE
 from ..optim.groups import group_class, whole_tensor_costs
 from ..optim.kinds import StateDtypes, check_optimizer_cls, state_bytes
-from ..optim.state_precision import resolve_state_dtypes
+from ..optim.state_precision import resolve_block_size, resolve_state_dtypes
 from ..options import StateDtype
 from ..parallel.dtensor import local_tensor
 
@@ -57,7 +58,8 @@ Stepper = tuple[OptimizerClass, Mapping[str, Any]]
 
 
 def mean_state_bytes(params: Iterable[tuple[Sequence[int], Stepper | None]],
-                     state_dtypes: StateDtypes | None = None) -> float:
+                     state_dtypes: StateDtypes | None = None,
+                     block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """The model's optimizer state per parameter: every param's ``state_bytes`` over all its
     elements; ``params`` are (shape, (optimizer class, group options)) pairs, the state keys
     in their ``state_dtypes`` (fp32 when absent). See [Note: memory of whole-tensor
@@ -65,7 +67,7 @@ def mean_state_bytes(params: Iterable[tuple[Sequence[int], Stepper | None]],
     total = numel = 0.0
     for shape, stepper in params:
         if stepper is not None:
-            total += state_bytes(stepper[0], shape, stepper[1], state_dtypes)
+            total += state_bytes(stepper[0], shape, stepper[1], state_dtypes, block_size)
         numel += math.prod(shape)
     return total / numel if numel else 0.0
 
@@ -151,6 +153,7 @@ def _plan(
     store_param_remainders: bool,
     state_dtypes: StateDtypes | None = None,
     shard_grads: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> OwnershipPlan:
     num_params = sum(math.prod(shape) for buf in buffers for shape in buf.shapes)
     padding = sum(buf.layout.numel for buf in buffers) - num_params
@@ -180,7 +183,7 @@ def _plan(
                 whole = layout.params[index].owner is not None
                 shape = buf.shapes[index] if whole else (piece.param_range.size,)
                 held["optimizer_state"] += state_bytes(stepper[0], shape, stepper[1],
-                                                       state_dtypes)
+                                                       state_dtypes, block_size)
     # The table: one buffer's dtypes (a model of several dtypes gets the first one's).
     first = buffers[0]
     table = bytes_per_param_breakdown(
@@ -188,7 +191,7 @@ def _plan(
         shard_grads=shard_grads, optimizer_state_bytes=mean_state_bytes(
             ((shape, stepper) for buf in buffers
              for shape, stepper in zip(buf.shapes, buf.steppers, strict=True)),
-            state_dtypes),
+            state_dtypes, block_size),
     )
 
     reports = tuple(
@@ -235,6 +238,7 @@ def plan_of(optimizer: Any) -> OwnershipPlan:
     return _plan(buffers, buffers[0].layout.dp_size,
                  store_param_remainders=optimizer.options.store_param_remainders,
                  state_dtypes=optimizer.state_precision.dtypes,
+                 block_size=optimizer.state_precision.block_size,
                  shard_grads=any(model.options.shard_grads for model in optimizer.models))
 
 
@@ -251,6 +255,7 @@ def predict_plan(
     optimizer_kwargs: Mapping[str, Any] | None = None,
     state_dtype: StateDtype = None,
     shard_grads: bool = False,
+    state_block_size: int | None = None,
 ) -> OwnershipPlan:
     """The plan ``DistributedDataParallel(module, grad_dtype=..., bucket_size=...,
     shard_grads=...)`` and
@@ -288,8 +293,10 @@ def predict_plan(
             param_dtype=buf.param_dtype,
             grad_dtype=buf.grad_dtype,
         ))
+    state_dtypes = resolve_state_dtypes(state_dtype, classes)
     return _plan(buffers, dp_size, store_param_remainders=store_param_remainders,
-                 state_dtypes=resolve_state_dtypes(state_dtype, classes),
+                 state_dtypes=state_dtypes,
+                 block_size=resolve_block_size(state_block_size, state_dtypes),
                  shard_grads=shard_grads)
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..dtypes import DTYPES
-from ..optim.state_precision import resolve_state_dtypes
-from ..options import fp32_accumulation_problem, remainders_problem
+from ..dtypes import DTYPES, parse_state_dtype
+from ..optim.state_precision import resolve_block_size, resolve_state_dtypes
+from ..options import check_state_block_size, fp32_accumulation_problem, remainders_problem
 from .model import MODEL_PRESETS
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -89,11 +89,16 @@ class TrainConfig:
     store_param_remainders: bool = False
     """Keep the fp32 masters of bf16 params as the params plus 16-bit remainders."""
     state_dtype: str = "fp32"
-    """Dtype the optimizer state is held in between steps: fp32, bf16 or fp16 (fp16 only for
-    state linear in the grads); see [Note: state precision] in distopt/optim/state_precision.py."""
+    """Dtype the optimizer state is held in between steps: fp32, bf16, fp16, fp8-e4m3 or
+    fp8-e5m2 (fp16 and fp8 with block scales), or ``key=name`` pairs joined by commas; see
+    [Note: state precision] in distopt/optim/state_precision.py."""
+    state_block_size: int | None = None
+    """Elements per scale of fp16 and fp8 state; None: distopt's default (32)."""
+    state_rounding: str = "nearest"
+    """How the state is narrowed to ``state_dtype``: nearest, or stochastic (unbiased)."""
     shard_grads: bool = False
     """Keep only each rank's reduced shard of the grads between steps (ZeRO-2); every
-    micro-batch reduce-scatters. See [Note: sharded grads] in distopt/buckets.py."""
+    micro-batch reduce-scatters. See [Note: sharded grads] in distopt/grad_pool.py."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -177,10 +182,7 @@ class TrainConfig:
         if self.shard_grads and self.no_shard:
             problems.append("--shard-grads needs the sharded optimizer (the replicated one "
                             "steps whole grads); drop --no-shard")
-        if self.state_dtype not in DTYPES:
-            problems.append(f"--state-dtype must be one of fp32, bf16, fp16, got "
-                            f"{self.state_dtype}")
-        elif self.optimizer in OPTIMIZERS:
+        if self.optimizer in OPTIMIZERS:
             problems += self._state_dtype_problems()
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
@@ -193,9 +195,17 @@ class TrainConfig:
         if self.optimizer == "muon":
             classes.append(torch.optim.AdamW)  # the recipe's other params; see recipes.py
         try:
-            resolve_state_dtypes(DTYPES[self.state_dtype], classes)
+            dtypes = resolve_state_dtypes(parse_state_dtype(self.state_dtype), classes)
         except ValueError as error:
             return [f"--state-dtype {self.state_dtype}: {error}"]
+        if self.state_rounding == "stochastic" and not dtypes:
+            return ["--state-rounding stochastic rounds state held below fp32; add "
+                    "--state-dtype (e.g. fp8-e5m2)"]
+        try:
+            check_state_block_size(self.state_block_size)
+            resolve_block_size(self.state_block_size, dtypes)
+        except (TypeError, ValueError) as error:
+            return [f"--state-block-size {self.state_block_size}: {error}"]
         return []
 
     def _fp32_accumulation_problems(self) -> list[str]:
@@ -285,8 +295,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store-param-remainders", action="store_true",
                    help="bf16 params + 16-bit remainders as the fp32 masters (2 bytes, exact)")
     p.add_argument("--state-dtype", default=defaults.state_dtype,
-                   help="dtype of the optimizer state between steps: fp32, bf16, or fp16 "
-                   "(not for Adam's second moment)")
+                   help="dtype of the optimizer state between steps: fp32, bf16, fp16, "
+                   "fp8-e4m3 or fp8-e5m2 (fp16 and fp8 with a scale per 32 elements), or "
+                   "one per state key: exp_avg=fp8-e4m3,exp_avg_sq=fp8-e5m2")
+    p.add_argument("--state-block-size", type=int, default=None,
+                   help="elements per scale of fp16 and fp8 state (default 32)")
+    p.add_argument("--state-rounding", choices=("nearest", "stochastic"),
+                   default=defaults.state_rounding,
+                   help="how the state is narrowed to --state-dtype: to nearest, or "
+                   "stochastically (unbiased; helps fp8)")
     p.add_argument("--shard-grads", action="store_true",
                    help="keep only this rank's reduced shard of the grads between steps "
                    "(ZeRO-2); every micro-batch reduce-scatters")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import distopt
 
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, parse_state_dtype
 from ..optim.kinds import whole_tensor_cost
 from ..plan import ownership
 from .config import OPTIMIZERS, TrainConfig, default_shard_size
@@ -93,7 +93,9 @@ class Trainer:
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
         common = dict(clip_grad=config.clip, loss_scaler=scaler, lr=config.lr,
-                      state_dtype=DTYPES[config.state_dtype], **opt_kwargs)
+                      state_dtype=parse_state_dtype(config.state_dtype),
+                      state_block_size=config.state_block_size,
+                      state_rounding=config.state_rounding, **opt_kwargs)
         groups = param_groups(config.optimizer, model, config.lr)
         if groups is not None:
             common["params"] = groups
@@ -277,7 +279,7 @@ class Trainer:
         memory: dict[str, Any] = {
             "optimizer_state_bytes": ownership.mean_state_bytes(shapes),
             "held_state_bytes": ownership.mean_state_bytes(
-                shapes, self.opt.state_precision.dtypes),
+                shapes, self.opt.state_precision.dtypes, self.opt.state_precision.block_size),
         }
         owned_whole = any(whole_tensor_cost(cls) is not None for cls, _ in steppers.values())
         if owned_whole and self.opt.sharded:
