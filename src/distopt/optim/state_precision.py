@@ -178,13 +178,11 @@ class StatePrecision:
     @contextlib.contextmanager
     def fp32(self, mains: list[nn.Parameter]) -> Iterator[None]:
         """Inside the block the state of ``mains`` is fp32 (copies); after it, held again."""
-        for main in mains:
-            self._widen(main, self.state.get(main))
+        held = self._widen_all(mains)
         try:
             yield
         finally:
-            for main in mains:
-                self._narrow(main, self.state.get(main))
+            self._narrow_all(mains, held)
 
     def held_dtype(self, key: str) -> torch.dtype:
         return self.dtypes.get(key, torch.float32)
@@ -214,27 +212,76 @@ class StatePrecision:
             out[key] = value
         return out
 
-    def _widen(self, main: nn.Parameter, entries: dict[str, Any] | None) -> None:
-        for key, value in _per_element(main, entries):
-            exponents = entries.pop(key + BLOCK_EXPONENTS, None)
-            if exponents is not None:
-                entries[key] = dequantize(value, exponents, self.block_size)
-            elif value.dtype != torch.float32:
-                entries[key] = value.float()
+    def _widen_all(self, mains: list[nn.Parameter]) -> dict[tuple[int, str], torch.Tensor]:
+        """Widen the state of ``mains`` to fp32; return the unscaled held tensors by (id of
+        their entries, key), for ``_narrow_all`` to round the stepped state back into."""
+        held: dict[tuple[int, str], torch.Tensor] = {}
+        plain: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        for main in mains:
+            entries = self.state.get(main)
+            for key, value in _per_element(main, entries):
+                exponents = entries.pop(key + BLOCK_EXPONENTS, None)
+                if exponents is not None:
+                    entries[key] = dequantize(value, exponents, self.block_size)
+                elif value.dtype != torch.float32:
+                    plain.append((entries, key, value))
+                    held[id(entries), key] = value
+        if plain:
+            # One fp32 block for the chunk and one copy kernel for all of its tensors: a
+            # chunk of many small params pays no allocation and dispatch per tensor.
+            values = [value for _, _, value in plain]
+            flat = torch.empty(sum(v.numel() for v in values), dtype=torch.float32,
+                               device=values[0].device)
+            wide = [piece if v.dim() == 1 else piece.view(v.shape) for piece, v in
+                    zip(flat.split([v.numel() for v in values]), values, strict=True)]
+            torch._foreach_copy_(wide, values)
+            for (entries, key, _), value in zip(plain, wide, strict=True):
+                entries[key] = value
+        return held
+
+    def _narrow_all(self, mains: list[nn.Parameter],
+                    held: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Narrow the stepped state of ``mains`` back: unscaled state rounded to nearest into
+        the tensors it was held in (new ones for state the step created), in one copy kernel;
+        the rest one tensor at a time. Either way each element is rounded once, to the same
+        bits as ``.to``."""
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for main in mains:
+            entries = self.state.get(main)
+            for key, value in _per_element(main, entries):
+                dtype = self.held_dtype(key)
+                if value.dtype == dtype:
+                    continue
+                if needs_scales(dtype) or dtype == torch.float32 or self.stochastic:
+                    self._narrow_one(main, entries, key, value, dtype)
+                    continue
+                target = held.get((id(entries), key))
+                if target is None or target.dtype != dtype or target.shape != value.shape:
+                    target = torch.empty_like(value, dtype=dtype)
+                targets.append(target)
+                sources.append(value)
+                entries[key] = target
+        if targets:
+            torch._foreach_copy_(targets, sources)  # round to nearest even, as ``.to``
 
     def _narrow(self, main: nn.Parameter, entries: dict[str, Any] | None) -> None:
         for key, value in _per_element(main, entries):
             dtype = self.held_dtype(key)
-            if needs_scales(dtype):
-                values, exponents = quantize(value.reshape(-1).float(), dtype, self.block_size,
-                                             self._generator(value.device))
-                entries[key] = values.view(main.shape)
-                entries[key + BLOCK_EXPONENTS] = exponents
-            elif dtype == torch.float32:
-                if value.dtype != dtype:
-                    entries[key] = value.float()  # widened exactly
-            elif value.dtype != dtype:
-                entries[key] = narrow(value.float(), dtype, self._generator(value.device))
+            if value.dtype != dtype:
+                self._narrow_one(main, entries, key, value, dtype)
+
+    def _narrow_one(self, main: nn.Parameter, entries: dict[str, Any], key: str,
+                    value: torch.Tensor, dtype: torch.dtype) -> None:
+        if needs_scales(dtype):
+            values, exponents = quantize(value.reshape(-1).float(), dtype, self.block_size,
+                                         self._generator(value.device))
+            entries[key] = values.view(main.shape)
+            entries[key + BLOCK_EXPONENTS] = exponents
+        elif dtype == torch.float32:
+            entries[key] = value.float()  # widened exactly
+        else:
+            entries[key] = narrow(value.float(), dtype, self._generator(value.device))
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if not self.stochastic:
