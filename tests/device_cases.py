@@ -245,12 +245,13 @@ def fp16_dynamic_scaler(device: torch.device) -> dict:
     return {"updated": updated, "unchanged": unchanged, "scales": scales, "max_diff": worst}
 
 
-def no_sync_accumulation(device: torch.device) -> dict:
-    """4 micro-batches, the first 3 under no_sync, equal one step on the whole batch."""
+def no_sync_accumulation(device: torch.device, shard_grads: bool = False) -> dict:
+    """4 micro-batches, the first 3 under no_sync, equal one step on the whole batch; with
+    ``shard_grads`` every micro-batch is reduced into the kept shard."""
     torch.manual_seed(0)
     model = AwkwardLM().to(device)
     ref = copy.deepcopy(model)
-    ddp = distopt.DistributedDataParallel(model, bucket_size=40)
+    ddp = distopt.DistributedDataParallel(model, bucket_size=40, shard_grads=shard_grads)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     worst = 0.0
@@ -271,7 +272,55 @@ def no_sync_accumulation(device: torch.device) -> dict:
         ref_opt.step()
         ddp.finish_param_sync()
         worst = max(worst, max_diff(model, ref))
-    return {"max_diff": worst}
+    pools = ddp.grad_pools.values()
+    return {"max_diff": worst, "peak_buffers": [pool.peak_buffers for pool in pools],
+            "live_buffers": [pool.live_buffers for pool in pools]}
+
+
+def held_state_one_step(device: torch.device, state_dtype: torch.dtype) -> dict:
+    """One AdamW step with the state held in ``state_dtype`` against the same step with fp32
+    state, on the same device: the moments torch creates in fp32 are narrowed once, so each
+    held tensor equals the fp32 run's rounded to bf16 (``.to``), or for fp16 and fp8 cut into
+    blocks of 32 and scaled by powers of two (distopt.optim.block_scaling.quantize)."""
+    from distopt.optim.block_scaling import DEFAULT_BLOCK_SIZE, needs_scales, quantize
+
+    states = {}
+    for dtype in (torch.float32, state_dtype):
+        torch.manual_seed(0)
+        model = AwkwardLM().to(device)
+        ddp = distopt.DistributedDataParallel(model, bucket_size=40)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2, state_dtype=dtype)
+        tokens, targets = _on(device, 0)
+        opt.zero_grad()
+        lm_loss(ddp, tokens, targets, 0).backward()
+        opt.step()
+        # fp32 main params are views of the param buffer: their offset in it places their
+        # state, whatever pieces the step cut (one per bucket with held state).
+        states[dtype] = [(main.storage_offset(), main.shape, entries)
+                         for main, entries in opt.state.items()]
+    reference = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        end = max(offset + math.prod(shape) for offset, shape, _ in states[torch.float32])
+        flat = torch.full((end,), float("nan"), device=device)
+        for offset, shape, entries in states[torch.float32]:
+            flat[offset : offset + math.prod(shape)] = entries[key].reshape(-1)
+        reference[key] = flat
+    equal, dtypes, devices, scaled = [], set(), set(), 0
+    for offset, shape, held in states[state_dtype]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = held[key]
+            ref = reference[key][offset : offset + math.prod(shape)]
+            dtypes.add(value.dtype)
+            devices.add(value.device.type)
+            if needs_scales(state_dtype):
+                values, exponents = quantize(ref, state_dtype, DEFAULT_BLOCK_SIZE)
+                equal.append(torch.equal(value.reshape(-1).view(torch.uint8),
+                                         values.view(torch.uint8))
+                             and torch.equal(held[key + ".block_exponents"], exponents))
+                scaled += 1
+            else:
+                equal.append(torch.equal(value.reshape(-1), ref.to(state_dtype)))
+    return {"equal": equal, "dtypes": dtypes, "devices": devices, "scaled": scaled}
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -528,6 +577,14 @@ def check_fp16_dynamic_scaler(value: dict) -> None:
 
 def check_no_sync(value: dict) -> None:
     assert value["max_diff"] <= FP32_TOL, value
+    # Sharded grads: buffers lent during backward, none kept after the step's sync.
+    assert all(n >= 1 for n in value["peak_buffers"]) and not any(value["live_buffers"]), value
+
+
+def check_held_state(value: dict, state_dtype: torch.dtype) -> None:
+    assert value["equal"] and all(value["equal"]), value
+    assert value["dtypes"] == {state_dtype}, value
+    assert value["scaled"] == (len(value["equal"]) if state_dtype != torch.bfloat16 else 0)
 
 
 def check_round_trip(value: dict, kernels: list[dict]) -> None:

@@ -44,8 +44,17 @@ def test_fp16_overflow_step_is_skipped(gloo):
     cases.check_fp16_dynamic_scaler(cases.fp16_dynamic_scaler(CPU))
 
 
-def test_no_sync(gloo):
-    cases.check_no_sync(cases.no_sync_accumulation(CPU))
+@pytest.mark.parametrize("shard_grads", [False, True], ids=["full", "shard-grads"])
+def test_no_sync(gloo, shard_grads):
+    cases.check_no_sync(cases.no_sync_accumulation(CPU, shard_grads))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2])
+def test_held_state(gloo, state_dtype):
+    value = cases.held_state_one_step(CPU, state_dtype)
+    cases.check_held_state(value, state_dtype)
+    assert value["devices"] == {"cpu"}
 
 
 def test_checkpoint_between_kernels(gloo, tmp_path):

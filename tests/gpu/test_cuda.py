@@ -14,7 +14,9 @@ assertions. Here they run on ``cuda:0``:
   and torch.optim.Muon for the hidden matrices beside AdamW in one distopt optimizer;
 - bf16 params with fp32 grads against fp32 master weights;
 - fp16 with a DynamicLossScaler and an injected overflow step (skipped, nothing changed);
-- no_sync accumulation;
+- no_sync accumulation, with the full grad buffer and with sharded grads;
+- optimizer state held in bf16, fp16 and fp8 after one step: the fp32-state step's state
+  narrowed once;
 - a checkpoint saved on CUDA, loaded on the CPU, and back;
 - memory: what the GPU holds against ``distopt.measure_state_bytes`` and the theory, and the
   peak of ``step()`` against one bucket's fp32 shard and the inner optimizer's temporaries;
@@ -72,8 +74,17 @@ def test_fp16_overflow_step_is_skipped(backend):
     cases.check_fp16_dynamic_scaler(cases.fp16_dynamic_scaler(CUDA))
 
 
-def test_no_sync(backend):
-    cases.check_no_sync(cases.no_sync_accumulation(CUDA))
+@pytest.mark.parametrize("shard_grads", [False, True], ids=["full", "shard-grads"])
+def test_no_sync(backend, shard_grads):
+    cases.check_no_sync(cases.no_sync_accumulation(CUDA, shard_grads))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2])
+def test_held_state(backend, state_dtype):
+    value = cases.held_state_one_step(CUDA, state_dtype)
+    cases.check_held_state(value, state_dtype)
+    assert value["devices"] == {"cuda"}
 
 
 def test_checkpoint_from_cuda_to_cpu_and_back(backend, tmp_path):
