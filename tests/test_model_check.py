@@ -6,6 +6,8 @@ world size: the last rank builds the model differently (a wider layer, a transpo
 the same numel, a frozen param, a tie, another bucket_size, another dtype or option, in the
 replicate group of a hierarchical mesh, across a tensor-parallel group), and every rank must
 raise a ValueError naming the first differing param, both sides and the ranks, within seconds.
+The same for the optimizer built over the same model (another lr, param groups, class or clip;
+see [Note: one optimizer on every rank]).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import distopt
 from distopt.model_check import describe_model, first_difference
+from distopt.optim.same_groups import first_difference as first_optimizer_difference
 from distopt.options import GradSyncOptions
 
 from dist_harness import case_result, run_cases
@@ -151,6 +154,30 @@ def test_the_described_buckets_are_the_ones_the_ddp_builds():
     assert len(ddp.flat_buffers) == 2 and len(ddp.buckets) > 2  # the "same" case: at d > 1
 
 
+def test_an_optimizer_is_described_by_values_not_addresses():
+    """Two processes hold other objects for the same options: a callable by name, an object by
+    type, a tensor by its values; a real difference is still named."""
+    from distopt.optim.same_groups import describe_optimizer
+    from distopt.options import StepOptions
+
+    class Schedule:  # an option object without a value-based repr
+        pass
+
+    model = Net()
+    names = {p: n for n, p in model.named_parameters()}
+
+    def describe(lr: float) -> tuple:
+        group = {"params": [], "lr": torch.tensor(lr), "fn": lambda x: x, "obj": Schedule(),
+                 "betas": (0.9, 0.95)}
+        return describe_optimizer([group], [torch.optim.AdamW], [list(model.parameters())],
+                                  names, StepOptions(clip_grad=1.0))
+
+    assert describe(0.01) == describe(0.01)
+    message = first_optimizer_difference([describe(0.01), describe(0.02)], [0, 1],
+                                         "data-parallel")
+    assert "param group 0 has lr=('tensor', 'torch.float32', 0.009999" in message
+
+
 # ---------------------------------------------------------------------- collective part
 
 
@@ -245,8 +272,39 @@ def tensor_parallel_differs() -> dict:
 KINDS = ("width", "transposed", "frozen", "tie", "bucket-size")
 
 
+def optimizer_mismatch(kind: str) -> dict:
+    """The same model everywhere; the last rank builds another optimizer."""
+    last = _last(dist.get_rank(), dist.get_world_size())
+    ddp = _build(lambda r, w: Net(), bucket_size=100)["ddp"]
+    model = ddp.module
+    kwargs: dict = {"lr": 1e-2}
+    if kind == "lr":
+        kwargs["lr"] = 2e-2 if last else 1e-2
+    elif kind == "groups":  # a param in the other group on one rank
+        decayed = [model.proj, model.out.weight] + ([] if last else [model.head.weight])
+        rest = [p for p in model.parameters() if all(p is not q for q in decayed)]
+        kwargs["params"] = [{"params": decayed, "weight_decay": 0.1},
+                            {"params": rest, "weight_decay": 0.0}]
+    elif kind == "owner":  # whole matrices to Adafactor on one rank: other buckets
+        cls = torch.optim.Adafactor if last else torch.optim.AdamW
+        kwargs["params"] = [{"params": [model.proj], "optimizer": cls},
+                            {"params": [p for p in model.parameters() if p is not model.proj]}]
+    elif kind == "clip":
+        kwargs["clip_grad"] = 1.0 if last else None
+    start = time.perf_counter()
+    try:
+        distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **kwargs)
+    except ValueError as error:
+        return {"error": str(error), "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}
+
+
+OPTIMIZER_KINDS = ("lr", "groups", "owner", "clip")
+
+
 def _cases() -> list:
     cases = [(kind, mismatch, (kind,)) for kind in KINDS]
+    cases += [(f"optimizer-{kind}", optimizer_mismatch, (kind,)) for kind in OPTIMIZER_KINDS]
     cases += [("same", same_model, ()), ("hierarchical", hierarchical_replicas_differ, ()),
               ("tensor-parallel", tensor_parallel_differs, ())]
     return cases
@@ -283,6 +341,31 @@ def test_a_different_model_raises_on_every_rank(world, kind):
         assert f"the data-parallel group (ranks {list(range(d))})" in value["error"]
         assert value["seconds"] < SECONDS
     assert len({v["error"] for v in values}) == 1  # the same words everywhere
+
+
+OPTIMIZER_EXPECTED = {
+    "lr": "param group 0 has lr=0.01 against lr=0.02",
+    "groups": "param group 0 holds other params (['head.weight'] against [])",
+    "owner": "param group 0 is stepped by AdamW against Adafactor",
+    "clip": "the step's options differ",
+}
+
+
+@pytest.mark.parametrize("kind", OPTIMIZER_KINDS)
+def test_a_different_optimizer_raises_on_every_rank(world, kind):
+    """Another lr, a param in another group, another class (other owners of whole tensors,
+    so other buckets) or another clip: one ValueError on every rank, before any step."""
+    d, results = world
+    values = case_result(results, f"optimizer-{kind}")
+    assert len(values) == d
+    for value in values:
+        assert value["error"] is not None, "a rank built the optimizer without a word"
+        assert OPTIMIZER_EXPECTED[kind] in value["error"], value["error"]
+        assert (f"between ranks 0 and {d - 1} of the data-parallel group "
+                f"(ranks {list(range(d))})") in value["error"]
+        assert "same param groups, optimizer classes and options on every rank" in value["error"]
+        assert value["seconds"] < SECONDS
+    assert len({v["error"] for v in values}) == 1
 
 
 def test_the_same_model_costs_one_small_all_gather(world):

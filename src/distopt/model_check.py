@@ -27,7 +27,8 @@ itself when there is one), so that every rank raises the same ``ValueError`` and
 waiting in the broadcast that follows. The layout compared is the element-wise one; a
 ``DistributedOptimizer`` over whole-tensor optimizers has the buffers laid out for their owners
 ([Note: layout planned once]), deterministically from the (now checked) params and its param
-groups, which must be the same on every rank too (they are not compared).
+groups, which must be the same on every rank too: the optimizer compares them ([Note: one
+optimizer on every rank] in optim/same_groups.py).
 """
 
 from __future__ import annotations
@@ -297,19 +298,19 @@ def check_same_model(
     message = None
     for name, group, full in groups:
         mine = description if full else description.global_view()
-        if _digests_differ(mine.digest(), group, device, stats):
+        if digests_differ(mine.digest(), group, device, stats):
             # Only now the details: every rank of the group sees the same digests, so all of
             # them take this branch together.
             found = first_difference(comm.all_gather_object(mine, group),
                                      dist.get_process_group_ranks(group), name)
             message = message or found
     if len(groups) > 1:
-        message = _spread(message, [group for _, group, _ in groups], device, stats)
+        message = spread_verdict(message, [group for _, group, _ in groups], device, stats)
     if message is not None:
         raise ValueError(message)
 
 
-def _digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.device,
+def digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.device,
                     stats: comm.CommStats | None) -> bool:
     mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)  # [4]
     every = [torch.empty_like(mine) for _ in range(comm.group_size(group))]
@@ -319,7 +320,7 @@ def _digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.devic
     return any(not torch.equal(d, mine) for d in every)
 
 
-def _spread(message: str | None, groups: list[dist.ProcessGroup], device: torch.device,
+def spread_verdict(message: str | None, groups: list[dist.ProcessGroup], device: torch.device,
             stats: comm.CommStats | None) -> str | None:
     # The groups are the dimensions of one mesh: reducing over each in turn reaches every rank.
     flag = torch.tensor([message is not None], dtype=torch.int32, device=device)

@@ -33,6 +33,7 @@ from .groups import (
 )
 from .kinds import check_optimizer_cls
 from .main_params import ShardMainParams
+from .same_groups import check_same_optimizer, describe_optimizer
 from .state_precision import (
     StatePrecision,
     check_rounding,
@@ -161,6 +162,11 @@ class BufferOptimizer(torch.optim.Optimizer):
         # aliases make torch's LR schedulers and step hooks act on it directly.
         self.defaults = self.optimizer.defaults
         self.param_groups = user_order
+        # Before any collective of the optimizer's; see [Note: one optimizer on every rank].
+        check_same_optimizer(
+            describe_optimizer(user_order, group_classes, self.model_param_groups, names,
+                               options),
+            self.parallel, self._device)
         # One state for all inner optimizers: their params are disjoint, and checkpoints and
         # users read it in one place, as torch.optim's.
         self.state = self.optimizer.state
