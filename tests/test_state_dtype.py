@@ -21,6 +21,7 @@ from torch import nn
 
 import distopt
 from distopt.optim.groups import CLASS_KEY
+from distopt.parallel.dtensor import local_tensor
 from distopt.plan.ownership import plan_of, predict_plan
 
 from dist_harness import case_result, run_cases
@@ -85,9 +86,11 @@ def _build(kind: str, state_dtype, *, bucket_size: int = 700, **options):
 
 
 def _reference(model: nn.Module, opt) -> tuple[list[nn.Parameter], list[torch.optim.Optimizer]]:
-    """Plain torch.optim over fp32 copies of the full params, with distopt's group options
-    (its kernel choice included), one optimizer per class."""
-    masters = [nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    """Plain torch.optim over fp32 copies of the full params (of this rank's TP shard of a
+    DTensor param), with distopt's group options (its kernel choice included), one optimizer
+    per class."""
+    masters = [nn.Parameter(local_tensor(p).detach().float().clone())
+               for p in model.parameters()]
     of = dict(zip(model.parameters(), masters, strict=True))
     per_class: dict[type, list[dict]] = {}
     for group, params in zip(opt.param_groups, opt.model_param_groups, strict=True):
@@ -127,6 +130,19 @@ def _pieces_equal(opt, masters: list[nn.Parameter], ref_opts, model: nn.Module,
     return {"masters": masters_ok, "state": state_ok, "dtypes": dtypes_ok}
 
 
+def step_both(model, ddp, opt, masters: list[nn.Parameter],
+              ref_opts: list[torch.optim.Optimizer], step: int) -> None:
+    """One step of distopt (its params gathered) and of the reference on the same grads."""
+    opt.zero_grad()
+    _linear_loss(list(model.parameters()), step).backward()
+    opt.step()
+    ddp.finish_param_sync()
+    for index, master in enumerate(masters):
+        master.grad = _coefficients(master.shape, step, index)
+    for ref in ref_opts:
+        ref.step()
+
+
 def trajectory(kind: str, state_dtype) -> list[dict[str, bool]]:
     """distopt with ``state_dtype`` against torch.optim with the state rounded after each
     step; one verdict per step."""
@@ -135,14 +151,7 @@ def trajectory(kind: str, state_dtype) -> list[dict[str, bool]]:
     masters, ref_opts = _reference(model, opt)
     out = []
     for step in range(STEPS):
-        opt.zero_grad()
-        _linear_loss(list(model.parameters()), step).backward()
-        opt.step()
-        ddp.finish_param_sync()
-        for index, master in enumerate(masters):
-            master.grad = _coefficients(master.shape, step, index)
-        for ref in ref_opts:
-            ref.step()
+        step_both(model, ddp, opt, masters, ref_opts, step)
         _round_state(ref_opts, dtypes)
         out.append(_pieces_equal(opt, masters, ref_opts, model, dtypes))
     return out

@@ -21,12 +21,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import distopt
-from distopt.optim.groups import CLASS_KEY
 
 from dist_harness import case_result, run_cases
 from helpers import StrictCollectives, fp32_average, shared_tmpdir
 from models import Block, tp_plan
-from test_state_dtype import ADAMW, BF16, _coefficients, _model, _muon_groups, _round_state
+from test_state_dtype import (
+    ADAMW,
+    BF16,
+    _coefficients,
+    _model,
+    _muon_groups,
+    _reference,
+    _round_state,
+)
 
 STEPS = 4
 SAVED_AT = 2  # the checkpoint cases save after this many steps and resume for the rest
@@ -89,16 +96,7 @@ class Reference:
 
     def __init__(self, model: nn.Module, opt: distopt.DistributedOptimizer) -> None:
         self.params = list(model.parameters())
-        self.masters = [nn.Parameter(_local_param(p).detach().float().clone())
-                        for p in self.params]
-        of = dict(zip(self.params, self.masters, strict=True))
-        per_class: dict[type, list[dict]] = {}
-        for group, params in zip(opt.param_groups, opt.model_param_groups, strict=True):
-            inner = next(o for o in opt.optimizers if group in o.param_groups)
-            options = {k: v for k, v in group.items() if k not in ("params", CLASS_KEY)}
-            per_class.setdefault(type(inner), []).append(
-                {**options, "params": [of[p] for p in params]})
-        self.optimizers = [cls(groups) for cls, groups in per_class.items()]
+        self.masters, self.optimizers = _reference(model, opt)
         self.dtypes = dict(opt.state_precision.dtypes)
 
     def step(self, grads: list[torch.Tensor]) -> None:

@@ -28,12 +28,12 @@ from test_state_dtype import (
     ADAMW,
     STEPS,
     _build,
-    _coefficients,
     _comm_path,
-    _linear_loss,
     _model,
+    _one_process,
     _reference,
     _train,
+    step_both,
 )
 
 WORLDS = [1, 2, 4]
@@ -124,14 +124,7 @@ def trajectory(kind: str, state_dtype, block: int | None = None) -> list[dict[st
     masters, ref_opts = _reference(model, opt)
     out = []
     for step in range(STEPS):
-        opt.zero_grad()
-        _linear_loss(list(model.parameters()), step).backward()
-        opt.step()
-        ddp.finish_param_sync()
-        for index, master in enumerate(masters):
-            master.grad = _coefficients(master.shape, step, index)
-        for ref in ref_opts:
-            ref.step()
+        step_both(model, ddp, opt, masters, ref_opts, step)
         pieces = _ref_by_main(opt, model, masters, ref_opts)
         _quantize_reference(pieces, dtypes, opt.state_precision.block_size)
         out.append(_state_equal(opt, pieces, dtypes))
@@ -320,14 +313,7 @@ def stochastic_trajectory(state_dtype) -> list[dict[str, bool]]:
     masters, ref_opts = _reference(model, opt)
     out = []
     for step in range(STEPS):
-        opt.zero_grad()
-        _linear_loss(list(model.parameters()), step).backward()
-        opt.step()
-        ddp.finish_param_sync()
-        for index, master in enumerate(masters):
-            master.grad = _coefficients(master.shape, step, index)
-        for ref in ref_opts:
-            ref.step()
+        step_both(model, ddp, opt, masters, ref_opts, step)
         pieces = _ref_by_main(opt, model, masters, ref_opts)
         sd = opt.state_dict()["state"]
         names = {main: name for name, main in _mains(opt).items()}
@@ -424,11 +410,6 @@ def test_checkpoints_hold_values_and_scales(world):
 
 
 # ---------------------------------------------------------------- one process
-
-
-def _one_process(**kwargs):
-    ddp = distopt.DistributedDataParallel(_model())
-    return distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-3, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
