@@ -34,8 +34,9 @@ optimizer on every rank] in optim/same_groups.py).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,8 @@ from .layout.planner import ParamSpec, plan_model_layout
 from .options import GradSyncOptions
 from .parallel.dtensor import is_dtensor, local_tensor
 from .parallel.groups import ParallelGroups
+
+D = TypeVar("D")  # what the ranks of a group describe and compare
 
 _FIX = (
     "build the same model on every rank (the same config, the same frozen params and ties) and "
@@ -282,35 +285,59 @@ def check_same_model(
     """Raise the same ``ValueError`` on every rank of ``parallel``'s groups unless they all
     hold the same model and plan the same buckets; see [Note: one model on every rank].
     Collective over those groups; nothing to do on one process."""
-    tp_groups = list(parallel.tp.groups) if parallel.tp is not None else []
-    groups = [(name, group, full) for name, group, full in (
-        ("data-parallel", parallel.dp_group, True),
-        ("data-parallel replicate", parallel.replicate_group, True),
-        *(("tensor-parallel", group, False) for group in tp_groups),
-    ) if comm.group_size(group) > 1]
+    groups = compared_groups(parallel)
     if not groups:
         return
     description = describe_model(module, trainable, options, bucket_size=bucket_size,
                                  dp_size=parallel.dp_size)
+    raise_unless_same(
+        [(name, group, description if full else description.global_view())
+         for name, group, full in groups],
+        lambda mine: mine.digest(), first_difference, trainable[0][1].device, stats)
+
+
+def compared_groups(parallel: ParallelGroups) -> list[tuple[str, dist.ProcessGroup, bool]]:
+    """The groups of ranks that must agree, by name, with whether they compare everything
+    (False: a tensor-parallel group, whose local shapes and layout legitimately differ);
+    those of one rank left out."""
+    tp_groups = list(parallel.tp.groups) if parallel.tp is not None else []
+    return [(name, group, full) for name, group, full in (
+        ("data-parallel", parallel.dp_group, True),
+        ("data-parallel replicate", parallel.replicate_group, True),
+        *(("tensor-parallel", group, False) for group in tp_groups),
+    ) if comm.group_size(group) > 1]
+
+
+def raise_unless_same(
+    described: list[tuple[str, dist.ProcessGroup, D]],
+    digest_of: Callable[[D], bytes],
+    difference: Callable[[list[D], list[int], str], str | None],
+    device: torch.device,
+    stats: comm.CommStats | None,
+) -> None:
+    """Raise the same ``ValueError`` on every rank of the groups of ``described`` (name,
+    group, this rank's description for it) unless each group's ranks hold equal
+    descriptions: one 32-byte digest per rank and group, the descriptions themselves only
+    where digests differ, then the verdict spread over every group; the message is what
+    ``difference`` (descriptions, ranks, group name) says."""
     # gloo communicates CPU tensors; NCCL those on the params' device.
-    gloo_only = all(dist.get_backend(group) == "gloo" for _, group, _ in groups)
-    device = torch.device("cpu") if gloo_only else trainable[0][1].device
+    gloo_only = all(dist.get_backend(group) == "gloo" for _, group, _ in described)
+    device = torch.device("cpu") if gloo_only else device
     message = None
-    for name, group, full in groups:
-        mine = description if full else description.global_view()
-        if digests_differ(mine.digest(), group, device, stats):
+    for name, group, mine in described:
+        if _digests_differ(digest_of(mine), group, device, stats):
             # Only now the details: every rank of the group sees the same digests, so all of
             # them take this branch together.
-            found = first_difference(comm.all_gather_object(mine, group),
-                                     dist.get_process_group_ranks(group), name)
+            found = difference(comm.all_gather_object(mine, group),
+                               dist.get_process_group_ranks(group), name)
             message = message or found
-    if len(groups) > 1:
-        message = spread_verdict(message, [group for _, group, _ in groups], device, stats)
+    if len(described) > 1:
+        message = _spread(message, [group for _, group, _ in described], device, stats)
     if message is not None:
         raise ValueError(message)
 
 
-def digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.device,
+def _digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.device,
                     stats: comm.CommStats | None) -> bool:
     mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)  # [4]
     every = [torch.empty_like(mine) for _ in range(comm.group_size(group))]
@@ -320,7 +347,7 @@ def digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.device
     return any(not torch.equal(d, mine) for d in every)
 
 
-def spread_verdict(message: str | None, groups: list[dist.ProcessGroup], device: torch.device,
+def _spread(message: str | None, groups: list[dist.ProcessGroup], device: torch.device,
             stats: comm.CommStats | None) -> str | None:
     # The groups are the dimensions of one mesh: reducing over each in turn reaches every rank.
     flag = torch.tensor([message is not None], dtype=torch.int32, device=device)

@@ -25,11 +25,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .. import collectives as comm
-from ..model_check import digests_differ, spread_verdict
+from ..model_check import compared_groups, raise_unless_same
 from ..parallel.groups import ParallelGroups
 
 Description = tuple[Any, ...]
@@ -114,24 +112,11 @@ def check_same_optimizer(description: Description, parallel: ParallelGroups,
                          device: torch.device) -> None:
     """Raise the same ``ValueError`` on every rank of ``parallel``'s groups unless all hold the
     same ``description``; see [Note: one optimizer on every rank]. Nothing on one process."""
-    tp_groups = list(parallel.tp.groups) if parallel.tp is not None else []
-    groups = [(name, group) for name, group in (
-        ("data-parallel", parallel.dp_group),
-        ("data-parallel replicate", parallel.replicate_group),
-        *(("tensor-parallel", group) for group in tp_groups),
-    ) if comm.group_size(group) > 1]
+    groups = compared_groups(parallel)
     if not groups:
         return
     digest = hashlib.sha256(repr(description).encode()).digest()
-    gloo_only = all(dist.get_backend(group) == "gloo" for _, group in groups)
-    device = torch.device("cpu") if gloo_only else device
-    message = None
-    for name, group in groups:
-        if digests_differ(digest, group, device, None):
-            found = first_difference(comm.all_gather_object(description, group),
-                                     dist.get_process_group_ranks(group), name)
-            message = message or found
-    if len(groups) > 1:
-        message = spread_verdict(message, [group for _, group in groups], device, None)
-    if message is not None:
-        raise ValueError(message)
+    # Every group compares the whole description: param names and options do not depend on
+    # the tensor-parallel coordinate.
+    raise_unless_same([(name, group, description) for name, group, _ in groups],
+                      lambda _: digest, first_difference, device, None)
