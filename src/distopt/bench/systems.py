@@ -243,7 +243,7 @@ class _Distopt(System):
         self.name = name
         self.model = distopt.DistributedDataParallel(
             module, bucket_size=bucket_size, overlap_grad_reduce=reduce,
-            **({"shard_grads": True} if shard_grads else {}),
+            shard_grads=shard_grads,
         )
         self.optimizer = distopt.DistributedOptimizer(
             self.model, torch.optim.AdamW, overlap_param_gather=gather, **ADAMW
