@@ -49,8 +49,7 @@ block's largest magnitude within the format's max, stored as one int8.
   e4m3 (beta1 = 0.9: steps of 10%) loses nothing. ``state_rounding="stochastic"`` rounds
   up or down with probability by distance, so the expected held value is the fp32 one and
   small updates survive on average: both formats then end within 0.5% of fp32 state, e5m2
-  (the wider range) slightly ahead. Holding ``sqrt(exp_avg_sq)`` instead (half the range, but
-  steps of half the size) was worse in both roundings, and is not offered.
+  (the wider range) slightly ahead.
 * Stochastic rounding draws from one generator per device, seeded alike on every rank (the
   replicas of a hierarchical mesh stay equal) and advanced in the same order every step: a run
   repeats bit for bit, but a resumed run draws other numbers than the run it resumes.
