@@ -364,15 +364,16 @@ def grad_dtype_paths(param_dtype: torch.dtype, grad_dtype: torch.dtype) -> dict:
     views, dtypes, exact_copy, worst_rel = 0, set(), True, 0.0
     for main in opt.main_params:
         param, piece = opt.piece_info(main)
-        views += main.grad.untyped_storage().data_ptr() in grad_storages
-        dtypes.add(main.grad.dtype)
+        main_grad = opt.main_grad(main)
+        views += main_grad.untyped_storage().data_ptr() in grad_storages
+        dtypes.add(main_grad.dtype)
         lo, hi = piece.param_range.start, piece.param_range.end
         reduced = param.main_grad.reshape(-1)[lo:hi]
-        exact_copy &= torch.equal(main.grad, reduced.float())
+        exact_copy &= torch.equal(main_grad, reduced.float())
         want = expected_of[param].reshape(-1)[lo:hi]
         # Rounding errors of a sum scale with its terms, not with the result.
         size = magnitude_of[param].reshape(-1)[lo:hi].max()
-        worst_rel = max(worst_rel, ((main.grad.double() - want).abs().max() / size).item())
+        worst_rel = max(worst_rel, ((main_grad.double() - want).abs().max() / size).item())
     padded = sum(buf.layout.numel for buf in ddp.flat_buffers)
     return {"views": views, "pieces": len(opt.main_params), "dtypes": dtypes,
             "exact_copy": exact_copy, "worst_rel": worst_rel,
@@ -491,7 +492,7 @@ def autocast_parity() -> dict:
             param, piece = opt.piece_info(main)
             want = ref_grads[index[param]].reshape(-1)[piece.param_range.start:
                                                        piece.param_range.end]
-            worst = max(worst, (main.grad - want).abs().max().item() / scale)
+            worst = max(worst, (opt.main_grad(main) - want).abs().max().item() / scale)
     ddp.finish_param_sync()
     return {"logits_dtypes": logits_dtypes, "grad_rel_diff": worst,
             "param_dtypes": {p.dtype for p in model.parameters()},

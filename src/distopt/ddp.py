@@ -36,6 +36,7 @@ shard, so only a grad for a bucket launched in the same backward raises, on one 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from torch import nn
 
 from . import collectives as comm
 from .buckets import Bucket, ParamAndGradBuffer, ShardedGradBucket
+from .grad_marker import GradInBuffer
 from .grad_pool import GradPool, grad_pools_for
 from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from .layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
@@ -176,8 +178,15 @@ class DistributedDataParallel(nn.Module):
         # With shard_grads: one pool per grad dtype, and whether this backward queued its end.
         self.grad_pools: dict[torch.dtype, GradPool] = {}
         self._in_backward = False
+        # What p.grad holds once its grad is in the buffers, and the params holding it now;
+        # see [Note: p.grad under distopt] in grad_marker.py.
+        self._markers = {p: GradInBuffer(p, self.param_names[p]) for p in self.params}
+        self._marked: set[nn.Parameter] = set()
         self._grad_hooks = [
-            p.register_post_accumulate_grad_hook(self._accumulate_grad) for p in self.params
+            hook for p in self.params for hook in (
+                p.register_hook(functools.partial(self._before_accumulate, p)),
+                p.register_post_accumulate_grad_hook(self._accumulate_grad),
+            )
         ]
 
     def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
@@ -312,6 +321,13 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync_enabled = previous
 
+    def _before_accumulate(self, param: nn.Parameter, _grad: torch.Tensor) -> None:
+        # Tensor hook, before autograd accumulates into param.grad: the marker goes, so the
+        # new grad is written as into an empty .grad; see [Note: p.grad under distopt].
+        if not self._in_backward:
+            self._start_backward()
+        param.grad = None
+
     def _accumulate_grad(self, param: nn.Parameter) -> None:
         # Post-accumulate hook: move autograd's grad into the buffer and free it at once.
         grad = param.grad
@@ -320,16 +336,18 @@ class DistributedDataParallel(nn.Module):
         if self._flat_buffers is None:  # a backward before any optimizer: element-wise layout
             self.build_buffers({})
         shard_grads = self.options.shard_grads
-        if shard_grads and not self._in_backward:
-            self._start_backward()
         bucket = self._bucket_of[param]
         if (self.dp_size > 1 or shard_grads) and self._reduction_started(bucket):
             param.grad = None  # so that the next backward, after zero_grad(), starts clean
+            self._marked.discard(param)
             self._raise_late_grad(param)
         if param in self._dtensor_params:
             grad = local_grad(param, grad)
         bucket.add_grad(param, grad)
-        param.grad = None
+        marker = self._markers[param]
+        marker.zeroed = False
+        param.grad = marker
+        self._marked.add(param)
         self._grad_sync_done = False
         if self.options.find_unused_parameters:
             self._used[self._param_index[param]] = 1
@@ -372,17 +390,41 @@ class DistributedDataParallel(nn.Module):
         self._next_launch += 1
 
     def _start_backward(self) -> None:
-        # The first grad of a backward with sharded grads: an earlier backward's reductions
-        # finish first (their second stages keep the launch order on every rank), and the
-        # end of this one is queued on the autograd engine.
+        # The first grad of a backward. Grads cleared outside distopt (a zero_grad of the
+        # wrapped module) start a new step; with sharded grads an earlier backward's reductions
+        # finish first (their second stages keep the launch order on every rank). The end of
+        # this backward is queued on the autograd engine.
+        self._zero_if_cleared()
         self._in_backward = True
-        for bucket in self._buckets:
-            bucket.wait_reduction()
+        if self.options.shard_grads:
+            for bucket in self._buckets:
+                bucket.wait_reduction()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _zero_if_cleared(self) -> None:
+        # See [Note: p.grad under distopt]: torch's zero_grad on the module clears p.grad only.
+        cleared = [p for p in self._marked
+                   if p.grad is not self._markers[p] or self._markers[p].zeroed]
+        if not cleared:
+            return
+        if len(cleared) == len(self._marked):
+            self.zero_grad_buffer()
+            return
+        raise RuntimeError(
+            f"the gradient of parameter '{self.param_names[cleared[0]]}' was cleared (p.grad "
+            f"set to None or zeroed) but those of {len(self._marked) - len(cleared)} other "
+            "parameters were not: distopt zeroes a step's gradients as a whole; call "
+            "optimizer.zero_grad() (or zero_grad() of the whole model) before the step's first "
+            "backward"
+        )
+
     def _end_backward(self) -> None:
-        # See [Note: sharded grads]: every bucket reduces, and the next backward starts fresh.
         self._in_backward = False
+        if self.options.shard_grads:
+            self._end_sharded_backward()
+
+    def _end_sharded_backward(self) -> None:
+        # See [Note: sharded grads]: every bucket reduces, and the next backward starts fresh.
         self._launch_ready_buckets()
         while self._next_launch < len(self._buckets):
             self._launch_next()
@@ -458,10 +500,19 @@ class DistributedDataParallel(nn.Module):
         for bucket in self._buckets:
             bucket.wait_reduction()
             bucket.forget_grads()
+        for param in self._marked:
+            param.grad = None
+        self._marked.clear()
         self._reset_reductions()
         self._grad_sync_done = False
         self._in_backward = False  # a backward that raised never reached its end
         self._release_grad_pools()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new step's grads, as ``optimizer.zero_grad()`` does (torch's module method
+        alone would clear only ``p.grad``, which holds no grads under distopt)."""
+        self.zero_grad_buffer()
+        super().zero_grad(set_to_none)
 
     def _release_grad_pools(self) -> None:
         # Nothing transient between steps; see [Note: sharded grads].

@@ -238,7 +238,7 @@ def measure_state_bytes(optimizer) -> MemoryReport:
     # The full grad buffer, or with sharded grads the kept shards alone.
     grads = counted(t for buf in buffers for t in buf.grad_storage())
     main_params = counted(optimizer.main_param_storage())
-    main_grads = counted(m.grad for m in optimizer.main_params)
+    main_grads = counted(optimizer.main_grad(m) for m in optimizer.main_params)
     # Step counters are one scalar per tensor, not per element: bookkeeping, not state.
     state = counted(
         v for s in optimizer.state.values() for k, v in s.items()

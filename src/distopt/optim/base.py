@@ -25,6 +25,7 @@ from ..options import StepOptions
 from ..parallel.groups import ParallelGroups, common_groups
 from ..parallel.tensor_parallel import counted_grads
 from ..scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from .amp import TorchGradScaler, refuse_attribute_protocol
 from .groups import (
     build_inner_optimizers,
     group_class,
@@ -48,6 +49,9 @@ class BufferOptimizer(torch.optim.Optimizer):
     the inner torch optimizers and the step. Not constructed directly; see distopt.optimizer."""
 
     _sharded: bool
+    # torch.amp.GradScaler.step(opt) calls step(grad_scaler=scaler); see [Note: torch's
+    # GradScaler] in optim/amp.py.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -195,20 +199,41 @@ class BufferOptimizer(torch.optim.Optimizer):
             model.zero_grad_buffer()
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> StepResult:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None
+    ) -> StepResult:
+        """Finish the grad sync, then unscale, clip and step this rank's shard, and gather the
+        params. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step(opt)``; see
+        [Note: torch's GradScaler] in optim/amp.py."""
         if closure is not None:
             raise ValueError(
                 "distopt optimizers take no closure: run forward and backward, then call step()"
             )
+        loss_scaler = self._loss_scaler_for(grad_scaler)
         for model in self.models:
             model.finish_grad_sync()
             model.finish_param_sync()
         unused = {main for model in self.models for param in model.unused_params
                   for main in self._mains_of.get(param, ())}
-        result = self._pipeline.run(self.loss_scaler, unused)
+        result = self._pipeline.run(loss_scaler, unused)
         if result.updated:
             self._gather_params()
         return result
+
+    def _loss_scaler_for(self, grad_scaler: torch.amp.GradScaler | None) -> Any:
+        # Checked on every rank before the grad sync's collectives.
+        if grad_scaler is None:
+            if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):
+                refuse_attribute_protocol()
+            return self.loss_scaler
+        if self.loss_scaler is not None:
+            raise ValueError(
+                "the optimizer has a loss_scaler and torch.amp.GradScaler steps it too, so the "
+                "grads would be unscaled by one scale and the loss scaled by the other: use "
+                "one of the two (drop loss_scaler=, or call opt.step() instead of "
+                "scaler.step(opt))"
+            )
+        return TorchGradScaler(grad_scaler, self, self._device)
 
     def _gather_params(self) -> None:
         """Bring every rank's model params up to date (nothing to do when replicated)."""
@@ -236,6 +261,12 @@ class BufferOptimizer(torch.optim.Optimizer):
     def main_params(self) -> list[nn.Parameter]:
         """The fp32 pieces the inner optimizer updates, in param-group order."""
         return [m for g in self.param_groups for m in g["params"]]
+
+    def main_grad(self, main: nn.Parameter) -> torch.Tensor | None:
+        """The fp32 grad the step gives the main param ``main`` as its ``.grad`` (a view of
+        the reduced grads, or their fp32 copy; None where the step makes one per bucket):
+        readable after the grad sync, though ``main.grad`` is None outside the step."""
+        return self._main_grads[main]
 
     def piece_info(self, main: nn.Parameter) -> tuple[nn.Parameter, ShardPiece]:
         """The model param a piece belongs to, and where the piece lies in it."""
@@ -294,6 +325,11 @@ class BufferOptimizer(torch.optim.Optimizer):
     def param_group_of(self, main: nn.Parameter) -> dict[str, Any]:
         """The param group (of ``param_groups``) that holds the main param ``main``."""
         return self._group_by_main[main]
+
+    @functools.cached_property
+    def _main_grads(self) -> dict[nn.Parameter, torch.Tensor | None]:
+        return {main: grad for owned in self._owned
+                for main, grad in zip(owned.main_params, owned.main_grads, strict=True)}
 
     @functools.cached_property
     def _group_by_main(self) -> dict[nn.Parameter, dict[str, Any]]:

@@ -5,7 +5,10 @@ a view into the model's param buffer (fp32 params), into ``shard_fp32`` [owned n
 dtypes), or, with ``store_param_remainders``, a placeholder that holds the fp32 masters only
 inside ``bucket_masters`` (see [Note: param remainders] in optim/remainders.py). Their grads
 are views of the reduced grads (fp32), of ``grad_fp32`` [owned numel], or transient copies of
-one bucket. The step (optim/step.py) reads them through these methods alone.
+one bucket. They are the main params' ``.grad`` only while a step runs (between steps
+``.grad`` is None, so that nothing reads grads that are not reduced yet, such as
+``torch.amp.GradScaler.unscale_`` iterating the optimizer's params); see [Note: p.grad under
+distopt] in grad_marker.py. The step (optim/step.py) reads them through these methods alone.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class ShardMainParams:
 
         self.pieces: list[ShardPiece] = pieces
         self.main_params: list[nn.Parameter] = []
+        # Each main param's persistent fp32 grad (None with transient grads), its .grad only
+        # inside the step (expose_grads .. hide_grads).
+        self.main_grads: list[torch.Tensor | None] = []
         # What a main param holds between steps with remainders: one scalar, seen as its shape.
         self._placeholder = (
             torch.zeros(1, dtype=fp32, device=device) if self.remainders is not None else None
@@ -87,8 +93,7 @@ class ShardMainParams:
             else:
                 main = self._placeholder.expand(shape)
             param = nn.Parameter(main, requires_grad=True)
-            if not self.transient_grads:
-                param.grad = grad[lo:hi].view(shape)
+            self.main_grads.append(None if self.transient_grads else grad[lo:hi].view(shape))
             self.main_params.append(param)
         # The (main param, piece) pairs of each bucket, for steps one bucket at a time.
         self._bucket_mains: list[list[tuple[nn.Parameter, ShardPiece]]] = [
@@ -131,6 +136,16 @@ class ShardMainParams:
         if self.grad_fp32 is not None:
             torch._foreach_copy_(self._grad_segments, self.grad_regions)
 
+    def expose_grads(self) -> None:
+        """Give every main param its persistent fp32 grad as ``.grad`` (for the step)."""
+        for main, grad in zip(self.main_params, self.main_grads, strict=True):
+            main.grad = grad
+
+    def hide_grads(self) -> None:
+        """Drop the main params' ``.grad`` (after the step)."""
+        for main in self.main_params:
+            main.grad = None
+
     def copy_params_out(self) -> None:
         """Updated fp32 main params -> this rank's region of the model's param buffer (with
         remainders the step has written it already)."""
@@ -170,14 +185,12 @@ class ShardMainParams:
         are (one transient bucket shard, dropped after the block); otherwise they are the
         persistent main grads."""
         mains = self._bucket_mains[bucket]
-        if not self.transient_grads:
-            yield self.bucket_main_params(bucket), False
-            return
-        grad = self.grad_regions[bucket].float()
+        fresh = self.transient_grads
+        grad = self.grad_regions[bucket].float() if fresh else self._grad_segments[bucket]
         for main, piece in mains:
             main.grad = grad[piece.local_range.start : piece.local_range.end].view(main.shape)
         try:
-            yield self.bucket_main_params(bucket), True
+            yield self.bucket_main_params(bucket), fresh
         finally:
             for main, _ in mains:
                 main.grad = None

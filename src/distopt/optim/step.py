@@ -44,7 +44,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..collectives import CommStats
-from ..scaler import LossScaler
 from . import grad_stats
 from .main_params import ShardMainParams
 from .state_precision import StatePrecision
@@ -65,6 +64,16 @@ class StepResult:
     num_zeros: int | None = None
 
 
+class Unscaler(Protocol):
+    """The loss scale a step unscales by, and where its agreed inf/nan verdict goes: a distopt
+    loss scaler, or a ``torch.amp.GradScaler`` seen through optim/amp.py."""
+
+    @property
+    def scale(self) -> float: ...
+
+    def update(self, found_inf: bool) -> None: ...
+
+
 class ChunkSource(Protocol):
     """Where a step's main params and their fp32 grads come from; see [Note: step chunks]."""
 
@@ -83,6 +92,9 @@ class ChunkSource(Protocol):
     def end(self) -> None:
         """After pass 2: the updated masters into this rank's part of the model params."""
 
+    def release(self) -> None:
+        """After the step, updated or skipped: no main param keeps a ``.grad``."""
+
 
 class WholeShard:
     """Every main param at once, with persistent fp32 grads; ``by_bucket``: pass 2 steps one
@@ -97,6 +109,7 @@ class WholeShard:
     def begin(self) -> None:
         for owned in self.owned:
             owned.copy_grads_in()
+            owned.expose_grads()
 
     def grad_chunks(self) -> Iterator[contextlib.AbstractContextManager[list[nn.Parameter]]]:
         yield contextlib.nullcontext(self.mains)
@@ -114,6 +127,10 @@ class WholeShard:
     def end(self) -> None:
         for owned in self.owned:
             owned.copy_params_out()
+
+    def release(self) -> None:
+        for owned in self.owned:
+            owned.hide_grads()
 
 
 class BucketByBucket:
@@ -137,6 +154,9 @@ class BucketByBucket:
 
     def end(self) -> None:
         pass  # the chunks wrote their params back as they closed
+
+    def release(self) -> None:
+        pass  # the chunks dropped their grads as they closed
 
 
 @contextlib.contextmanager
@@ -170,9 +190,15 @@ class StepPipeline:
     state_precision: StatePrecision | None = None
     """With state held below fp32: expands each chunk's state around its inner step."""
 
-    def run(self, loss_scaler: LossScaler | None, unused: set[nn.Parameter]) -> StepResult:
+    def run(self, loss_scaler: Unscaler | None, unused: set[nn.Parameter]) -> StepResult:
         """One step over grads already synced; ``unused``: main params no rank computed a
         grad for, left out of the update."""
+        try:
+            return self._run(loss_scaler, unused)
+        finally:
+            self.source.release()
+
+    def _run(self, loss_scaler: Unscaler | None, unused: set[nn.Parameter]) -> StepResult:
         groups, device, stats = self.reduce_groups, self.device, self.stats
         counted = self.counted
         inv_scale = None

@@ -1,0 +1,78 @@
+"""What ``p.grad`` holds for a param of a distopt model: a marker that refuses to be read.
+
+[Note: p.grad under distopt]
+The DDP moves each grad out of ``p.grad`` into its bucket as soon as autograd has accumulated
+it (ddp.py), and after the reduce-scatter a rank holds the reduced grad of its own shard only
+(with sharded grads, nothing else): no rank ever holds the full reduced grad that torch's DDP
+leaves in ``p.grad``. A ``p.grad`` of None would let torch's utilities work on nothing, in
+silence: ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` would return 0 and clip
+nothing. So once its grad is moved, a param's ``.grad`` is a ``GradInBuffer``: a tensor of the
+param's shape, dtype and device without storage, whose every operation raises one error that
+names the param and the fix (``clip_grad=`` on the optimizer; its global norm is
+``StepResult.grad_norm``). Every rank runs the same user code, so every rank raises at the same
+call, and none is left waiting in a collective. A tensor hook that runs before autograd's
+accumulation removes the marker, so autograd writes the next grad as into an empty ``.grad``.
+
+The marker keeps torch's meaning of ``p.grad``: present means "this param has a grad since the
+last zero". ``opt.zero_grad()`` and ``ddp.zero_grad()`` remove the markers with the step's
+grads. A ``zero_grad()`` of the wrapped module itself clears the markers alone (``p.grad =
+None``, or ``zero_()`` with ``set_to_none=False``, which the marker records): the next backward
+finds them cleared and starts a new step's grads, as ``opt.zero_grad()`` would have. Markers
+cleared for some params and not for others are an error, since distopt zeroes a step's grads
+as a whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_ALLOWED = {torch.ops.aten.detach_.default}  # nn.Module.zero_grad(set_to_none=False) calls it
+
+
+class GradInBuffer(torch.Tensor):
+    """``p.grad`` of a param whose grad distopt holds in its buffers; see
+    [Note: p.grad under distopt]."""
+
+    param_name: str
+    zeroed: bool
+
+    @staticmethod
+    def __new__(cls, param: nn.Parameter, name: str) -> GradInBuffer:
+        marker = torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
+        )
+        marker.param_name = name
+        marker.zeroed = False
+        return marker
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        marker = next(a for a in args if isinstance(a, GradInBuffer))
+        if func is torch.ops.aten.zero_.default:
+            marker.zeroed = True  # the grads were zeroed: the next backward starts a new step
+            return marker
+        if func in _ALLOWED:
+            return marker
+        raise RuntimeError(
+            f"p.grad of parameter '{marker.param_name}' is not readable under distopt (it "
+            f"was used by {func}): distopt moves each gradient into its data-parallel "
+            "buffers as soon as autograd computes it, and after the reduction each rank holds "
+            "the reduced gradient of its own shard only, so no rank has what torch's DDP leaves "
+            "in p.grad. "
+            "For clipping pass clip_grad=max_norm to distopt.DistributedOptimizer (or "
+            "BasicOptimizer) instead of calling torch.nn.utils.clip_grad_norm_ / "
+            "clip_grad_value_ / get_total_norm; the global norm is opt.step().grad_norm. With "
+            "torch.amp.GradScaler, scaler.step(opt) unscales before clipping. See "
+            "docs/mixed-precision.md"
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (f"GradInBuffer(param='{self.param_name}', shape={tuple(self.shape)}, "
+                f"dtype={self.dtype})")
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None  # a copy of the model has no grads in distopt's buffers
