@@ -110,7 +110,7 @@ class GradSyncOptions:
     average once; see [Note: fp32-accumulated reduce-scatter] in collectives.py."""
     shard_grads: bool = False
     """Keep only this rank's reduced shard of the grads between steps, each bucket's full grads
-    only while it is reduced; see [Note: sharded grads] in sharded_grads.py."""
+    only while it is reduced; see [Note: sharded grads] in grad_pool.py."""
 
     def __post_init__(self) -> None:
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
