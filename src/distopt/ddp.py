@@ -330,8 +330,9 @@ class DistributedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate grads in the buffer without any communication (micro-batches); the
-        forward after one run inside does not broadcast buffers, as with torch DDP."""
+        """Accumulate grads in the buffer without reducing them (micro-batches). As with torch
+        DDP, a forward inside may still broadcast module buffers (the first micro-batch's) and
+        the forward after one run inside does not; see [Note: buffer broadcasting]."""
         previous = self._sync_enabled
         self._sync_enabled = False
         try:
