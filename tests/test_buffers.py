@@ -128,7 +128,7 @@ def against_torch_ddp(run: Run) -> dict:
         ref_ddp = nn.parallel.DistributedDataParallel(ref, broadcast_buffers=run.broadcast)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     seen = {"distopt": record_forwards(model), "torch": record_forwards(ref)}
-    worst, after, calls = 0.0, [], []
+    worst, after, calls, sent = 0.0, [], [], []
     for step in range(STEPS):
         for wrapper, optimizer in ((ddp, opt), (ref_ddp, ref_opt)):
             optimizer.zero_grad()
@@ -139,17 +139,19 @@ def against_torch_ddp(run: Run) -> dict:
                     out = wrapper(x)
                     if wrapper is ddp:
                         calls.append(dict(ddp.comm_stats.calls))
+                        sent.append(dict(ddp.comm_stats.bytes))
                     (F.mse_loss(out, y) / run.micro).backward()
             optimizer.step()
         ddp.finish_param_sync()
         worst = max(worst, state_diff(model, ref))
         after.append({"distopt": flat_buffers(model), "torch": flat_buffers(ref)})
     ddp.comm_stats.reset()
-    model.eval(), ref.eval()
+    model.eval()
+    ref.eval()
     with torch.no_grad():
         x, _ = micro_batch(run.model, STEPS)
         evaluated = {"distopt": ddp(x), "torch": ref_ddp(x)}
-    return {"max_diff": worst, "after": after, "seen": seen, "calls": calls,
+    return {"max_diff": worst, "after": after, "seen": seen, "calls": calls, "bytes": sent,
             "eval_calls": dict(ddp.comm_stats.calls), "eval": evaluated,
             "buffer_dtypes": len({b.dtype for b in model.buffers()}),
             "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers())}
@@ -387,6 +389,7 @@ TWO_ONLY = {
     "mlp-no-sync-shard-grads": Run(micro=2, shard_grads=True),
     "mlp-mesh-2x1": Run(micro=2, mesh=(2, 1)),
 }
+RUNS = {**TORCH_RUNS, **TWO_ONLY}
 
 
 def _cases(world: int, tmp: str) -> list:
@@ -451,7 +454,7 @@ def test_each_forward_reads_the_first_ranks_buffers_where_torch_ddp_broadcasts(w
     micro-batch's does and the one after a no_sync() forward does not, as with torch DDP."""
     d, results = world
     for name in _runs_at(d):
-        run = {**TORCH_RUNS, **TWO_ONLY}[name]
+        run = RUNS[name]
         values = case_result(results, name)
         if not run.broadcast:
             continue
@@ -481,16 +484,18 @@ def test_without_broadcast_the_ranks_keep_their_own_buffers_as_with_torch_ddp(wo
 def test_one_broadcast_per_dtype_per_forward(world):
     d, results = world
     for name in _runs_at(d):
-        run = {**TORCH_RUNS, **TWO_ONLY}[name]
+        run = RUNS[name]
         if not run.broadcast:
             continue
         op = "broadcast_buffers" if run.mesh is None else "replicate_broadcast_buffers"
         for v in case_result(results, name):
             assert v["buffer_dtypes"] == 2  # fp32 statistics, int64 counters of 2 layers
-            for forward, calls in enumerate(v["calls"]):
+            for forward, (calls, sent) in enumerate(zip(v["calls"], v["bytes"], strict=True)):
                 broadcasts = {k: n for k, n in calls.items() if k in BROADCAST_OPS}
-                expected = {op: v["buffer_dtypes"]} if forward % run.micro == 0 else {}
-                assert broadcasts == expected, (name, forward, calls)
+                syncs = forward % run.micro == 0
+                assert broadcasts == ({op: v["buffer_dtypes"]} if syncs else {}), (name, forward)
+                # Every buffer once: one flat tensor per dtype.
+                assert sent.get(op, 0) == (v["buffer_bytes"] if syncs else 0), (name, forward)
                 # Nothing else is sent in a forward (sharded grads wait for backward's end).
                 assert calls == broadcasts, (name, forward, calls)
             assert v["eval_calls"] == {op: v["buffer_dtypes"]}, name
@@ -500,7 +505,7 @@ def test_evaluation_after_training_is_the_same_on_every_rank(world):
     d, results = world
     for name in _runs_at(d):
         values = case_result(results, name)
-        if {**TORCH_RUNS, **TWO_ONLY}[name].broadcast:
+        if RUNS[name].broadcast:
             assert _spread([v["eval"]["distopt"] for v in values]) == 0.0, name
         for v in values:
             assert (v["eval"]["distopt"] - v["eval"]["torch"]).abs().max() <= FP32_TOL, name
@@ -539,6 +544,7 @@ def test_sync_batchnorm_groups(world):
         assert "are not the default group" in v["error"] and "convert_sync_batchnorm" in v["error"]
 
 
+@pytest.mark.slow  # a group of 3 ranks, as world_params marks them
 def test_sync_batchnorm_saved_at_2_resumes_at_3_within_1e_5(three):
     for v in case_result(three, "sync-bn-cnn-resumed"):
         assert v["max_diff"] <= FP32_TOL and v["from_saved_run"] <= FP32_TOL, v
