@@ -265,7 +265,7 @@ STEP_FILES = {
     "ddp.py", "buckets.py", "collectives.py", "optimizer.py", "optim/base.py", "optim/step.py",
     "optim/main_params.py", "optim/remainders.py", "optim/grad_stats.py",
     "optim/state_precision.py", "optim/block_scaling.py", "scaler.py", "grad_pool.py",
-    "param_gather.py", "nan_check.py", "optim/amp.py",
+    "param_gather.py", "nan_check.py", "optim/amp.py", "module_buffers.py",
 }
 PACKAGE = Path(distopt.__file__).parent
 

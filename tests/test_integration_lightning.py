@@ -103,6 +103,46 @@ class GPTModule(pl.LightningModule):
         return DataLoader(TensorDataset(tokens(GLOBAL_BATCH, 2)), batch_size=per_rank)
 
 
+class BatchNormModule(pl.LightningModule):
+    """A BatchNorm MLP on a regression task: what its running statistics become is compared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # No bias before the BatchNorm: its grad would be roundoff that AdamW turns into steps.
+        self.net = nn.Sequential(nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(),
+                                 nn.Linear(16, 3))
+        self.losses: list[float] = []
+
+    def _loss(self, batch):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def _data(self, batches: int, seed: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        n = GLOBAL_BATCH * batches
+        data = TensorDataset(2 * torch.randn(n, 6, generator=g) + 0.5,
+                             torch.randn(n, 3, generator=g))
+        return DataLoader(data, batch_size=GLOBAL_BATCH // self.trainer.world_size)
+
+    def train_dataloader(self):
+        return self._data(BATCHES_PER_EPOCH, 3)
+
+    def val_dataloader(self):
+        return self._data(1, 4)
+
+
 class SaveAfterEpoch(pl.Callback):
     def __init__(self, epoch: int, path: Path) -> None:
         self.epoch, self.path = epoch, path
@@ -171,6 +211,7 @@ def outcome(module: pl.LightningModule, trainer: pl.Trainer) -> dict:
         "collectives": probe.collectives,
         "losses": list(module.losses),
         "params": {k: v.detach().float().clone() for k, v in module.named_parameters()},
+        "buffers": {k: v.detach().double().clone() for k, v in module.named_buffers()},
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "num_params": sum(p.numel() for p in module.parameters()),
         "steps": trainer.global_step,
@@ -321,6 +362,31 @@ def manual_runs() -> dict:
             for name, strategy in (("ddp", DDPStrategy()), ("distopt", DistoptStrategy()))}
 
 
+def batchnorm_runs() -> dict:
+    """The BatchNorm module fitted under DDPStrategy and DistoptStrategy, with broadcast_buffers
+    True and False; and Trainer(sync_batchnorm=True): the group its layers get."""
+    runs = {}
+    for broadcast in (True, False):
+        runs[broadcast] = {
+            name: fit(strategy, BatchNormModule(), **SHORT)
+            for name, strategy in (("ddp", DDPStrategy(broadcast_buffers=broadcast)),
+                                   ("distopt", DistoptStrategy(broadcast_buffers=broadcast)))}
+    groups = []
+
+    class SeeGroups(pl.Callback):  # Lightning turns the layers back into BatchNorm at teardown
+        def on_fit_start(self, trainer, module) -> None:
+            groups.extend(m.process_group for m in trainer.strategy.ddp.modules()
+                          if isinstance(m, nn.SyncBatchNorm))
+
+    t = trainer(DistoptStrategy(), sync_batchnorm=True, max_steps=0, limit_val_batches=0,
+                callbacks=[SeeGroups()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(BatchNormModule())
+    runs["sync_batchnorm"] = len(groups) == 1 and groups[0] is dist.group.WORLD
+    return runs
+
+
 def model_checkpoint_run(root: str) -> dict:
     """Lightning's ModelCheckpoint writes distopt checkpoints, replaces last.ckpt, prunes the
     worse one, and fit(ckpt_path="last") resumes from it."""
@@ -391,7 +457,8 @@ def two_ranks(ckpt_root):
              ("shard_grads", shard_grads_run, ()),
              ("muon", muon_runs, ()), ("frozen", frozen_runs, ()),
              ("precision", precision_runs, ()),
-             ("manual", manual_runs, ()), ("errors", error_runs, (str(ckpt_root / "plain.ckpt"),)),
+             ("manual", manual_runs, ()), ("batchnorm", batchnorm_runs, ()),
+             ("errors", error_runs, (str(ckpt_root / "plain.ckpt"),)),
              ("model_checkpoint", model_checkpoint_run, (str(ckpt_root / "callback"),))]
     return run_cases(2, cases)
 
@@ -539,6 +606,26 @@ def test_registered_by_name():
 def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision):
     with pytest.raises(ValueError, match=f"got .*precision='{precision}'"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=DistoptStrategy(), precision=precision)
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "own-buffers"])
+def test_batchnorm_statistics_as_ddp_strategy(two_ranks, broadcast):
+    """Params and running statistics within TOL of DDPStrategy's on each rank, with
+    broadcast_buffers either way; broadcasting, the validation forward after training starts
+    from rank 0's statistics on both ranks, and leaves them equal (eval mode updates none)."""
+    runs = [v[broadcast] for v in case_result(two_ranks, "batchnorm")]
+    for run in runs:
+        assert_same_run(run["distopt"], run["ddp"])
+        for name, value in run["ddp"]["buffers"].items():
+            assert (run["distopt"]["buffers"][name] - value).abs().max() < TOL, name
+    for name in ("ddp", "distopt"):
+        means = [run[name]["buffers"]["net.1.running_mean"] for run in runs]
+        gap = (means[0] - means[1]).abs().max().item()
+        assert (gap == 0.0) if broadcast else (gap > 1e-2), (name, gap)
+
+
+def test_sync_batchnorm_layers_reduce_over_the_data_parallel_group(two_ranks):
+    assert all(v["sync_batchnorm"] for v in case_result(two_ranks, "batchnorm"))
 
 
 def test_model_checkpoint_callback(two_ranks):

@@ -172,6 +172,20 @@ def refused_arguments(root: Path) -> dict[str, str]:
     return messages
 
 
+def broadcast_buffers_argument(root: Path) -> dict[Any, bool]:
+    """distopt's broadcast_buffers under each ddp_broadcast_buffers (unset, True, False)."""
+    from distopt.integrations.transformers import DistoptTrainer
+
+    set_launcher_environment()
+    taken = {}
+    for given in (None, True, False):
+        args = training_arguments(root / "buffers", dist.get_world_size(),
+                                  ddp_broadcast_buffers=given, eval_strategy="no")
+        trainer = DistoptTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(8, 1))
+        taken[given] = trainer._distopt_ddp().broadcast_buffers
+    return taken
+
+
 def train_distopt(root: Path) -> dict[str, Any]:
     """DistoptTrainer on this group, saving every SAVE_AT steps (the step-10 one kept aside)."""
     from transformers import TrainerCallback
@@ -352,6 +366,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     variants = [(f"{v}-{plain}", train_variant, (root, v, plain))
                 for v in VARIANTS for plain in (False, True) if not (v in DISTOPT_ONLY and plain)]
     two = launch(2, [("refused", refused_arguments, (root,)),
+                     ("broadcast_buffers", broadcast_buffers_argument, (root,)),
                      ("distopt", train_distopt, (root,)),
                      ("ddp", train_plain, (root,)),
                      ("fp16-skip", train_fp16_overflowing, (root,)), *variants])
@@ -363,6 +378,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         "fp16-skip": result(two, "fp16-skip"),
         "muon1": result(one, "muon")[0],
         "refused": result(two, "refused"),
+        "broadcast_buffers": result(two, "broadcast_buffers"),
         "distopt": result(two, "distopt"),
         "ddp": result(two, "ddp"),
         "single": result(one, "single")[0],
@@ -413,12 +429,24 @@ def test_distopt_trainer_matches_the_trainers_ddp_and_one_process(runs):
     assert sorted(run["eval_loss"]) == [10, 20, 30]
 
 
-def test_no_communication_on_accumulation_micro_batches(runs):
+def test_no_reduction_on_accumulation_micro_batches(runs):
+    """The accumulation micro-batch sends one collective: the broadcast of the Llama's rotary
+    buffers (fp32) that torch DDP makes in its forward too, except after an evaluation, whose
+    no_grad forward broadcast them last (torch's rule)."""
+    after_evaluation = (SAVE_AT, 2 * SAVE_AT)  # eval_steps = SAVE_AT
+    expected = [0 if i in after_evaluation else 1 for i in range(STEPS)]
     for run in runs["distopt"]:
-        assert run["calls_in_accumulation"] == [0] * STEPS
+        assert run["calls_in_accumulation"] == expected
         # The last micro-batch and the step: reduce-scatters, the norm, the gathers, the unused
         # param check; the same number every step.
-        assert len(set(run["calls_per_step"])) == 1 and run["calls_per_step"][0] > 0
+        synced = [step - micro for step, micro in zip(run["calls_per_step"],
+                                                       run["calls_in_accumulation"], strict=True)]
+        assert len(set(synced)) == 1 and synced[0] > 0
+
+
+def test_ddp_broadcast_buffers_is_distopts_broadcast_buffers(runs):
+    for taken in runs["broadcast_buffers"]:
+        assert taken == {None: True, True: True, False: False}
 
 
 def test_training_state_per_rank_is_distopts_table_against_ddps_16_bytes(runs):

@@ -3,11 +3,11 @@
 The pure part (describing a model, finding the first difference, planning the layout) is tested
 on one process. The collective part runs at d = 2 and 3, every case in one spawned group per
 world size: the last rank builds the model differently (a wider layer, a transposed weight of
-the same numel, a frozen param, a tie, another bucket_size, another dtype or option, in the
-replicate group of a hierarchical mesh, across a tensor-parallel group), and every rank must
-raise a ValueError naming the first differing param, both sides and the ranks, within seconds.
-The same for the optimizer built over the same model (another lr, param groups, class or clip;
-see [Note: one optimizer on every rank]).
+the same numel, a frozen param, a tie, another bucket_size, another dtype or option, no
+broadcast of module buffers, in the replicate group of a hierarchical mesh, across a
+tensor-parallel group), and every rank must raise a ValueError naming the first differing
+param, both sides and the ranks, within seconds. The same for the optimizer built over the
+same model (another lr, param groups, class or clip; see [Note: one optimizer on every rank]).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def _last(rank: int, world: int) -> bool:
 
 
 def mismatch(kind: str) -> dict:
-    bucket_size = 100
+    bucket_size, options = 100, {}
     if kind == "width":  # the Sequential of the report: the same code, another config
         def make(rank, world):
             w = 24 if _last(rank, world) else 16
@@ -218,7 +218,11 @@ def mismatch(kind: str) -> dict:
         def make(rank, world):
             return Net()
         bucket_size = 200 if _last(dist.get_rank(), dist.get_world_size()) else 100
-    result = _build(make, bucket_size=bucket_size)
+    elif kind == "broadcast-buffers":  # one rank would skip the broadcast the others wait in
+        def make(rank, world):
+            return Net()
+        options["broadcast_buffers"] = not _last(dist.get_rank(), dist.get_world_size())
+    result = _build(make, bucket_size=bucket_size, **options)
     result.pop("ddp", None)
     return result
 
@@ -269,7 +273,7 @@ def tensor_parallel_differs() -> dict:
     return result
 
 
-KINDS = ("width", "transposed", "frozen", "tie", "bucket-size")
+KINDS = ("width", "transposed", "frozen", "tie", "bucket-size", "broadcast-buffers")
 
 
 def optimizer_mismatch(kind: str) -> dict:
@@ -327,6 +331,8 @@ EXPECTED = {
            "'emb.weight' on rank {last}",
     "bucket-size": "the planned bucket layout differs (bucket_size 100 on rank 0, 200 on rank "
                    "{last})",
+    "broadcast-buffers": "broadcast_buffers=True on rank 0 but broadcast_buffers=False on rank "
+                         "{last}",
 }
 
 

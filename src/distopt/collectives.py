@@ -457,6 +457,38 @@ def broadcast_from_first_ranks(
                 dist.broadcast(tensor, src=src, group=group)
 
 
+def broadcast_coalesced(
+    tensors: list[torch.Tensor],
+    groups: list[tuple[str, dist.ProcessGroup | None]],
+    stats: CommStats | None = None,
+) -> None:
+    """``broadcast_from_first_ranks`` with one broadcast per dtype and group instead of one per
+    tensor: the tensors of each dtype travel in one flat copy, copied back into them once it
+    has arrived. ``groups`` are (name, group) in the order to go through them; the name is the
+    op counted in ``stats``."""
+    groups = [(op, group) for op, group in groups if group_size(group) > 1]
+    if not groups or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:  # the same order on every rank: the model check compared them
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for same_dtype in by_dtype.values():
+            alone = len(same_dtype) == 1 and same_dtype[0].is_contiguous()
+            flat = (same_dtype[0].view(-1) if alone
+                    else torch.cat([t.reshape(-1) for t in same_dtype]))
+            for op, group in groups:
+                if stats is not None:
+                    stats.record(op, flat)
+                with failures_named("broadcast", f"{len(same_dtype)} {flat.dtype} tensors "
+                                                 f"({flat.numel()} elements)"):
+                    dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            if not alone:
+                for tensor, arrived in zip(same_dtype, flat.split([t.numel() for t in same_dtype]),
+                                           strict=True):
+                    tensor.copy_(arrived.view_as(tensor))
+
+
 def all_reduce_small(
     tensor: torch.Tensor,
     op: dist.ReduceOp,

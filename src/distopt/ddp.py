@@ -51,6 +51,7 @@ from .grad_pool import GradPool, grad_pools_for
 from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from .layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
 from .model_check import check_same_model
+from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
 from .module_params import trainable_named_params
 from .nan_check import raise_on_nonfinite_grad
 from .options import GradSyncOptions
@@ -98,6 +99,15 @@ class DistributedDataParallel(nn.Module):
             in a small pool of bucket-sized buffers (``grad_pools``). Every backward then
             reduces, inside ``no_sync()`` too. Needs the distributed optimizer. See
             [Note: sharded grads] in grad_pool.py.
+        broadcast_buffers: as torch DDP's: before a forward, broadcast the module's buffers
+            (BatchNorm's running statistics) from the first data-parallel rank to the others
+            (over the replicas of a hierarchical mesh too, never across tensor-parallel
+            ranks), one broadcast per buffer dtype; the forwards that broadcast are torch's:
+            the first, and each one after a forward with grad enabled outside ``no_sync()``.
+            False: no broadcast, not even at construction; each rank keeps its own buffers.
+            ``nn.SyncBatchNorm`` layers without a ``process_group`` are given the
+            data-parallel group either way. See [Note: buffer broadcasting] in
+            module_buffers.py.
     """
 
     def __init__(
@@ -114,6 +124,7 @@ class DistributedDataParallel(nn.Module):
         reduce_scatter_with_fp32_accumulation: bool = False,
         device_mesh: DeviceMesh | None = None,
         shard_grads: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         named = trainable_named_params(
@@ -127,6 +138,7 @@ class DistributedDataParallel(nn.Module):
             check_for_nan_in_grad=check_for_nan_in_grad,
             reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
             shard_grads=shard_grads,
+            broadcast_buffers=broadcast_buffers,
         )
         self.options.check_param_dtypes({p.dtype for _, p in named})
 
@@ -143,6 +155,8 @@ class DistributedDataParallel(nn.Module):
         # does, and each learns which rank produced the nan.
         self._nan_check_groups = self.parallel.verdict_groups(replicas=True)
         self.comm_stats = comm.CommStats()
+        # Raises, on every rank alike, where no one group spans the DP ranks.
+        adopt_sync_batchnorm_group(module, self.parallel)
 
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
@@ -156,10 +170,13 @@ class DistributedDataParallel(nn.Module):
         # collective; see [Note: one model on every rank] in model_check.py.
         check_same_model(module, named, self.options, bucket_size=self.bucket_size,
                          parallel=self.parallel, stats=self.comm_stats)
-        # Torch DDP semantics: every replica starts from rank 0's weights.
-        comm.broadcast_from_first_ranks(
-            [local_tensor(t.data) for t in (*module.parameters(), *module.buffers())],
-            self.parallel.data_parallel_groups)
+        # Torch DDP semantics: every replica starts from rank 0's weights (and buffers, unless
+        # broadcast_buffers=False).
+        synced = (*module.parameters(), *(module.buffers() if broadcast_buffers else ()))
+        comm.broadcast_from_first_ranks([local_tensor(t.data) for t in synced],
+                                        self.parallel.data_parallel_groups)
+        self._buffer_broadcast = BufferBroadcast(module, self.parallel, self.comm_stats,
+                                                 enabled=broadcast_buffers)
 
         # Laid out once, when first needed; see [Note: layout planned once] in layout/planner.py.
         self._whole_tensor_costs: dict[nn.Parameter, float] = {}
@@ -299,6 +316,12 @@ class DistributedDataParallel(nn.Module):
         return self.parallel.dp_rank
 
     @property
+    def broadcast_buffers(self) -> bool:
+        """Whether the first ranks' module buffers are broadcast before forwards, as torch DDP's
+        attribute of that name says; see [Note: buffer broadcasting] in module_buffers.py."""
+        return self.options.broadcast_buffers
+
+    @property
     def tp_mesh(self) -> TensorParallelMesh | None:
         """The mesh of the DTensor params, None without them; see [Note: DTensor params]."""
         return self.parallel.tp
@@ -306,14 +329,19 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward / backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # See [Note: buffer broadcasting] in module_buffers.py.
+        self._buffer_broadcast.before_forward()
         output = self.module(*args, **kwargs)
+        self._buffer_broadcast.after_forward(grad_sync=self._sync_enabled)
         if self._gathers_in_flight:
             self.finish_param_sync()
         return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate grads in the buffer without any communication (micro-batches)."""
+        """Accumulate grads in the buffer without reducing them (micro-batches). As with torch
+        DDP, a forward inside may still broadcast module buffers (the first micro-batch's) and
+        the forward after one run inside does not; see [Note: buffer broadcasting]."""
         previous = self._sync_enabled
         self._sync_enabled = False
         try:

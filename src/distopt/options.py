@@ -111,8 +111,17 @@ class GradSyncOptions:
     shard_grads: bool = False
     """Keep only this rank's reduced shard of the grads between steps, each bucket's full grads
     only while it is reduced; see [Note: sharded grads] in grad_pool.py."""
+    broadcast_buffers: bool = True
+    """Broadcast the first ranks' module buffers (BatchNorm statistics) over the DP group
+    before a forward, as torch DDP does; see [Note: buffer broadcasting] in module_buffers.py."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.broadcast_buffers, bool):
+            raise ValueError(
+                f"broadcast_buffers must be True (the first ranks' module buffers are "
+                f"broadcast before each forward, as torch DDP does) or False (each rank keeps "
+                f"its own), got {self.broadcast_buffers!r}"
+            )
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise ValueError(
                 f"grad_dtype={self.grad_dtype} is not supported; use torch.float32, "

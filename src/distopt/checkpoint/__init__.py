@@ -8,7 +8,9 @@ writes only what it owns, through torch.distributed.checkpoint (DCP), under thes
                          per-parameter scalars (step) once, as 0-d tensors; whole-parameter
                          state of a param owned whole (Adafactor's row_var) in its own shape,
                          from the owner
-    model/{key}          the module's state_dict() in its own dtype, each tensor written once
+    model/{key}          the module's state_dict() in its own dtype, each tensor written once;
+                         buffers as the first DP ranks hold them (what the next forward
+                         broadcasts, see [Note: buffer broadcasting])
     meta/param_groups    the param groups' options, each naming its parameters
     extra                the caller's object (LR scheduler, data position, RNG), from rank 0
 

@@ -130,6 +130,11 @@ def model_prefixes(opt: Optimizer) -> list[str]:
     return [""] if len(opt.models) == 1 else [f"chunk{i}." for i in range(len(opt.models))]
 
 
+def buffer_keys(module: nn.Module) -> set[str]:
+    """The ``state_dict()`` keys of ``module``'s buffers (every name each is registered under)."""
+    return {name for name, _ in module.named_buffers(remove_duplicate=False)}
+
+
 def param_names(opt: Optimizer) -> dict[nn.Parameter, str]:
     names = {}
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):

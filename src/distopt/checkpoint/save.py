@@ -17,6 +17,7 @@ from .files import CheckpointError
 from .format import (
     FlatShard,
     Optimizer,
+    buffer_keys,
     class_path,
     describe,
     group_class_paths,
@@ -149,8 +150,12 @@ def _dcp_state(opt: Optimizer, extra: Any, rank: int
                 whole.setdefault(name, {})[key] = describe(value)
             state[f"state/{name}/{key}"] = value
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        # Buffers from the first DP ranks only, so that DCP writes theirs, which the next
+        # forward broadcasts; see [Note: buffer broadcasting] in module_buffers.py.
+        others = set() if model.parallel.first_dp_rank else buffer_keys(model.module)
         for key, value in model.module.state_dict().items():
-            state[f"model/{prefix}{key}"] = value
+            if key not in others:
+                state[f"model/{prefix}{key}"] = value
     state["meta/param_groups"] = sd["param_groups"]
     if rank == 0:
         state["extra"] = extra

@@ -11,6 +11,9 @@ state. Lightning's switches keep their meaning:
   communication; the last micro-batch's backward reduce-scatters.
 - ``gradient_clip_val`` (``gradient_clip_algorithm="norm"``): distopt's one global norm over
   every shard, inside the step. Clipping by value is refused.
+- ``broadcast_buffers`` and ``Trainer(sync_batchnorm=True)``: BatchNorm statistics are kept as
+  ``DDPStrategy`` keeps them, rank 0's broadcast before each forward, or reduced over the
+  data-parallel group by ``nn.SyncBatchNorm``.
 - ``precision``: "32-true", "bf16-mixed", "bf16-true" (bf16 weights, fp32 masters in the
   optimizer), "16-mixed" (distopt's DynamicLossScaler; see _lightning_precision.py).
 - ``trainer.save_checkpoint(path)`` writes a distopt checkpoint directory at ``path`` (each rank
@@ -73,8 +76,10 @@ class DistoptStrategy(DDPStrategy):
         basic: use ``distopt.BasicOptimizer`` (grads all-reduced, every rank keeps all of the
             optimizer state) instead of ``distopt.DistributedOptimizer``, to compare.
         bucket_size, overlap_grad_reduce, grad_dtype, find_unused_parameters,
-        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation, shard_grads: passed to
-            ``distopt.DistributedDataParallel``.
+        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation, shard_grads,
+        broadcast_buffers: passed to ``distopt.DistributedDataParallel``
+            (``broadcast_buffers`` as with ``DDPStrategy(broadcast_buffers=...)``: rank 0's
+            BatchNorm statistics broadcast before each forward, True by default).
         overlap_param_gather, store_param_remainders: passed to ``distopt.DistributedOptimizer``.
         loss_scaler: the distopt loss scaler for fp16; by default a ``DynamicLossScaler`` with
             precision "16-mixed" and none otherwise.
@@ -98,6 +103,7 @@ class DistoptStrategy(DDPStrategy):
         check_for_nan_in_grad: bool = False,
         reduce_scatter_with_fp32_accumulation: bool = False,
         shard_grads: bool = False,
+        broadcast_buffers: bool = True,
         overlap_param_gather: bool = False,
         store_param_remainders: bool = False,
         loss_scaler: LossScaler | None = None,
@@ -144,6 +150,7 @@ class DistoptStrategy(DDPStrategy):
             check_for_nan_in_grad=check_for_nan_in_grad,
             reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
             shard_grads=shard_grads,
+            broadcast_buffers=broadcast_buffers,
         )
         self._optimizer_options = (
             {} if basic else dict(overlap_param_gather=overlap_param_gather,

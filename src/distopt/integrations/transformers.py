@@ -122,6 +122,7 @@ class DistoptTrainer(transformers.Trainer):
                 overlap_grad_reduce=self.distopt_args.overlap_grad_reduce,
                 find_unused_parameters=self._find_unused_parameters(),
                 shard_grads=self.distopt_args.shard_grads,
+                broadcast_buffers=self._broadcast_buffers(),
             )
         return self.distopt_model
 
@@ -131,6 +132,11 @@ class DistoptTrainer(transformers.Trainer):
         if self.args.ddp_bucket_cap_mb is not None:  # torch DDP's cap, in fp32 grad elements
             return max(1, int(self.args.ddp_bucket_cap_mb * 2**20) // 4)
         return None
+
+    def _broadcast_buffers(self) -> bool:
+        # The Trainer passes ddp_broadcast_buffers to torch DDP when set; its default is True.
+        given = self.args.ddp_broadcast_buffers
+        return True if given is None else bool(given)
 
     def _find_unused_parameters(self) -> bool:
         # The Trainer's rule for torch DDP: a param no rank used skips the step (grad None).

@@ -15,7 +15,8 @@ own the same chunk in the other replicas), still during backward, in launch orde
 (``Bucket.advance_reduction``); the optimizer steps the chunk, and the all-gather runs in the
 shard group. Replicas then hold identical chunks, so grad statistics (norm, zero count, inf
 flag, nan check) reduce over the shard group only and count every element once; only
-``find_unused_parameters`` and the start-up broadcast span both groups. Memory per rank is the
+``find_unused_parameters``, the start-up broadcast and the broadcast of module buffers
+([Note: buffer broadcasting] in module_buffers.py) span both groups. Memory per rank is the
 table at d = the shard size; the replicate group carries 2 (N/s)(r - 1)/r elements per rank
 and step, 1/s of a flat all-reduce. With ``reduce_scatter_with_fp32_accumulation`` the second
 stage sums in fp32 as well (see [Note: fp32-accumulated reduce-scatter]).
@@ -126,6 +127,13 @@ class ParallelGroups:
     def data_parallel_groups(self) -> list[dist.ProcessGroup | None]:
         """Every group of data-parallel ranks: the shard group, then the replicate group."""
         return [self.dp_group, self.replicate_group]
+
+    @property
+    def first_dp_rank(self) -> bool:
+        """Whether this rank is at coordinate 0 of every data-parallel group: the rank whose
+        module buffers the others receive (see [Note: buffer broadcasting] in
+        module_buffers.py)."""
+        return self.dp_rank == 0 and comm.group_rank(self.replicate_group) == 0
 
     def verdict_groups(
         self, *, sharded: bool = True, replicas: bool = False
