@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import email
 import importlib
 import importlib.metadata
 import os
@@ -212,15 +213,12 @@ def test_wheel_installs_distopt_and_its_metadata_only(wheel):
 
 
 def test_one_version_in_the_wheel_the_package_and_the_command(wheel, capsys):
-    metadata = next(name for name in wheel.namelist() if name.endswith(".dist-info/METADATA"))
-    fields = dict(
-        line.split(": ", 1) for line in wheel.read(metadata).decode().split("\n\n")[0]
-        .splitlines() if ": " in line
-    )
-    assert fields["Name"] == DISTRIBUTION
-    assert fields["Version"] == distopt.__version__
+    name = next(name for name in wheel.namelist() if name.endswith(".dist-info/METADATA"))
+    metadata = email.message_from_bytes(wheel.read(name))  # the core metadata's format
+    assert metadata["Name"] == DISTRIBUTION
+    assert metadata["Version"] == distopt.__version__
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out == f"distopt {fields['Version']} ({DISTRIBUTION})\n"
+    assert capsys.readouterr().out == f"distopt {metadata['Version']} ({DISTRIBUTION})\n"
 
 
 def test_installed_metadata_is_this_version():
