@@ -7,9 +7,12 @@ PEERS   := .venv/.peers-installed
 
 .PHONY: setup peers train test
 
-$(STAMP): pyproject.toml constraints.txt
+# _version.py: an editable install's metadata holds the version it was installed with.
+$(STAMP): pyproject.toml constraints.txt src/distopt/_version.py
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
+	@# A .venv made before distopt was named torch-distopt has it registered as distopt.
+	$(PY) -m pip uninstall -q -y distopt 2>/dev/null || true
 	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,hf,lightning]'
 	touch $(STAMP)
 

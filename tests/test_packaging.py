@@ -1,18 +1,32 @@
 """The library needs only torch; the applications' packages come with the ``train`` extra, and
-``distopt train`` / ``distopt bench`` without them say so in one line."""
+``distopt train`` / ``distopt bench`` without them say so in one line. The wheel that
+``python -m build`` makes holds every file of the package and one version, the one
+``distopt --version`` shows (.ci/wheel_smoke.sh installs it and tries it outside the tree)."""
 
 from __future__ import annotations
 
+import email
+import importlib
+import importlib.metadata
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import distopt
+from distopt._version import DISTRIBUTION
+from distopt.cli import main
 from distopt.cli.needs import BENCH_NEEDS, TRAIN_NEEDS, missing
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "distopt"
 
 APPLICATION_PACKAGES = ("matplotlib", "tqdm", "numpy")
 
@@ -51,8 +65,10 @@ def test_import_distopt_loads_no_application_package():
 
 
 def test_library_and_memory_command_work_without_the_extra():
+    # distopt imported first, as the distopt command does: torch's warning that numpy is
+    # missing is not printed, so a command's one-line message is the whole of stderr.
     proc = _python(
-        "import sys, torch, distopt\n"
+        "import sys, distopt, torch\n"
         "from distopt.cli import main\n"
         "assert distopt.theoretical_bytes_per_param(torch.float32, None, 4) == 10.0\n"
         "sys.exit(main(['memory', '--model', 'tiny', '--dp', '2']))\n",
@@ -60,10 +76,11 @@ def test_library_and_memory_command_work_without_the_extra():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("--model tiny, bf16 params, fp32 grads")
+    assert proc.stderr == ""
 
 
 def _one_line(command: str, needs: str) -> str:
-    return f"{command}: needs {needs} (not installed): pip install 'distopt[train]'"
+    return f"{command}: needs {needs} (not installed): pip install 'torch-distopt[train]'"
 
 
 @pytest.mark.parametrize(
@@ -99,6 +116,27 @@ def test_each_entry_point_names_what_it_lacks(monkeypatch, entry, argv, blocked,
     assert exited.value.code == message  # printed on stderr, exit status 1
 
 
+@pytest.mark.parametrize(
+    "module,blocked,message",
+    [
+        ("distopt.integrations.lightning", ("lightning", "lightning.pytorch"),
+         "distopt.integrations.lightning needs Lightning: pip install 'torch-distopt[lightning]'"),
+        ("distopt.integrations.transformers", ("transformers", "accelerate"),
+         "distopt.integrations.transformers needs transformers and accelerate: "
+         "pip install 'torch-distopt[hf]'"),
+    ],
+    ids=["lightning", "hf"],
+)
+def test_a_trainer_door_without_its_extra_names_it_in_one_line(monkeypatch, module, blocked,
+                                                               message):
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError) as raised:
+        importlib.import_module(module)
+    assert str(raised.value) == message
+
+
 def test_missing_sees_blocked_and_absent_modules(monkeypatch):
     assert missing(TRAIN_NEEDS) == []  # the test environment has the extra
     monkeypatch.setitem(sys.modules, "tqdm", None)
@@ -112,9 +150,82 @@ def _requirement_names(requirements: list[str]) -> set[str]:
 
 def test_pyproject_puts_application_packages_in_the_train_extra():
     tomllib = pytest.importorskip("tomllib")
-    project = tomllib.loads(
-        (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    )["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert _requirement_names(project["dependencies"]) == {"torch"}
     train = _requirement_names(project["optional-dependencies"]["train"])
     assert set(TRAIN_NEEDS) | set(BENCH_NEEDS) <= train
+
+
+# What the sdist is built from (pyproject.toml and MANIFEST.in name these); a file added there
+# must be added here too, or the build below fails on it.
+BUILD_INPUTS = ("pyproject.toml", "MANIFEST.in", "README.md", "CHANGELOG.md", "src")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Iterator[zipfile.ZipFile]:
+    """The wheel ``python -m build`` makes: the sdist, then the wheel built from it, as a release
+    is built. It is built from a copy of the build inputs, so that nothing stale in the tree
+    (build/, *.egg-info) can add a file to it or hide one, and with this environment's
+    setuptools (the dev extra), so that no download is needed."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    (tmp / "tree").mkdir()
+    for name in BUILD_INPUTS:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, tmp / "tree" / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(ROOT / name, tmp / "tree" / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp / "dist"),
+         str(tmp / "tree")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = (tmp / "dist").glob("*.whl")
+    with zipfile.ZipFile(path) as opened:
+        yield opened
+
+
+def _package_files() -> set[str]:
+    """Every file under src/distopt, as its path in the wheel (caches left out)."""
+    return {
+        f"distopt/{path.relative_to(PACKAGE).as_posix()}" for path in PACKAGE.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+    }
+
+
+def test_wheel_holds_every_file_of_the_package(wheel):
+    in_wheel = {name for name in wheel.namelist() if name.startswith("distopt/")}
+    source = _package_files()
+    assert "distopt/py.typed" in source, "py.typed marks the package as typed"
+    # A module or data file left out breaks every user and no test that runs in the tree: a
+    # file that is not Python must be named in pyproject.toml's package-data.
+    assert sorted(source - in_wheel) == [], "in src/distopt, not in the wheel: see package-data"
+    assert sorted(in_wheel - source) == [], "in the wheel but not in src/distopt"
+
+
+def test_wheel_installs_distopt_and_its_metadata_only(wheel):
+    # pip install torch-distopt puts these top-level names into site-packages and no other.
+    version = distopt.__version__
+    info = f"{DISTRIBUTION.replace('-', '_')}-{version}.dist-info"
+    assert {name.split("/")[0] for name in wheel.namelist()} == {"distopt", info}
+    assert wheel.read(f"{info}/top_level.txt").decode().split() == ["distopt"]
+    entry_points = wheel.read(f"{info}/entry_points.txt").decode()
+    assert "distopt = distopt.cli:main" in entry_points.splitlines()
+
+
+def test_one_version_in_the_wheel_the_package_and_the_command(wheel, capsys):
+    name = next(name for name in wheel.namelist() if name.endswith(".dist-info/METADATA"))
+    metadata = email.message_from_bytes(wheel.read(name))  # the core metadata's format
+    assert metadata["Name"] == DISTRIBUTION
+    assert metadata["Version"] == distopt.__version__
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"distopt {metadata['Version']} ({DISTRIBUTION})\n"
+
+
+def test_installed_metadata_is_this_version():
+    # make setup installs the tree (editable); its metadata is written at install time, so a
+    # version changed since is caught here (the Makefile reinstalls when _version.py changes).
+    try:
+        installed = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{DISTRIBUTION} is not installed in this environment (make setup does it)")
+    assert installed.version == distopt.__version__

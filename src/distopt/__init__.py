@@ -1,5 +1,7 @@
 """distopt: a Megatron-style distributed optimizer (ZeRO-1/2) for PyTorch."""
 
+from . import _torch_import  # noqa: F401  (first: torch without a warning about numpy)
+from ._version import __version__
 from .checkpoint import (
     CheckpointError,
     export_checkpoint,
@@ -31,4 +33,5 @@ __all__ = [
     "register_whole_tensor_optimizer",
     "save_checkpoint",
     "theoretical_bytes_per_param",
+    "__version__",
 ]

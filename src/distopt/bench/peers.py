@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from distopt._version import pip_install
 from distopt.memory import storage_bytes
 
 from .systems import ADAMW, PEER_SYSTEMS, System, _state_tensors
@@ -65,8 +66,8 @@ MEGATRON_SYSTEMS = ("megatron", "megatron-overlap")
 DEEPSPEED_SYSTEMS = ("deepspeed-z1", "deepspeed-z2", "deepspeed-z2-overlap")
 
 INSTALL_HINT = (
-    "install the peers with `make peers` (pip install -c constraints.txt -e '.[peers]', then "
-    "pip install --ignore-requires-python --no-deps megatron-core==0.19.2)"
+    f"install the peers with `{pip_install('peers')}`, then `pip install "
+    "--ignore-requires-python --no-deps megatron-core==0.19.2` (in a clone: `make peers`)"
 )
 
 

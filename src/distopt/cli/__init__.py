@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .._version import DISTRIBUTION, __version__
 from .needs import BENCH_NEEDS, TRAIN_NEEDS, require
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
@@ -36,7 +37,8 @@ register("export", "distopt.cli.export", "main", "checkpoint -> plain PyTorch fi
 def _usage() -> str:
     lines = ["usage: distopt <command> [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_line}" for name, (_, _, help_line) in SUBCOMMANDS.items()]
-    lines += ["", "distopt <command> --help shows a command's options."]
+    lines += ["", "distopt <command> --help shows a command's options;",
+              "distopt --version shows the version."]
     return "\n".join(lines)
 
 
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"distopt {__version__} ({DISTRIBUTION})")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

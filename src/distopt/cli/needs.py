@@ -1,7 +1,7 @@
 """What distopt's applications need beyond torch: the ``train`` extra.
 
 The library needs only torch. ``distopt train`` draws a progress bar (tqdm) and a loss plot
-(matplotlib), ``distopt bench`` a bar chart (matplotlib); ``pip install 'distopt[train]'``
+(matplotlib), ``distopt bench`` a bar chart (matplotlib); ``pip install 'torch-distopt[train]'``
 installs both. The commands look for these packages before they start anything, so that a
 missing one costs one line of error up front, not a traceback at the end of a run or from
 every rank.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Sequence
+
+from .._version import pip_install
 
 TRAIN_NEEDS = ("matplotlib", "tqdm")
 """Imported by ``distopt train``'s rank 0: the loss plot and the progress bar."""
@@ -35,6 +37,5 @@ def require(command: str, modules: Sequence[str], extra: str = "train") -> None:
     absent = missing(modules)
     if absent:
         raise SystemExit(
-            f"{command}: needs {' and '.join(absent)} (not installed): "
-            f"pip install 'distopt[{extra}]'"
+            f"{command}: needs {' and '.join(absent)} (not installed): {pip_install(extra)}"
         )

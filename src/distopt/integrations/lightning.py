@@ -35,11 +35,13 @@ from typing import Any
 
 import torch
 
+from .._version import pip_install
+
 try:
     import lightning.pytorch as pl
 except ImportError as exc:  # one line that says what to install, not a deep traceback
     raise ImportError(
-        "distopt.integrations.lightning needs Lightning: pip install 'distopt[lightning]'"
+        f"distopt.integrations.lightning needs Lightning: {pip_install('lightning')}"
     ) from exc
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout

@@ -39,8 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
+
+from .._version import pip_install
+
+try:
+    import accelerate  # noqa: F401  (the Trainer's own dependency, checked here with the rest)
+    import transformers
+except ImportError as exc:  # one line that says what to install, not a deep traceback
+    raise ImportError(
+        f"distopt.integrations.transformers needs transformers and accelerate: {pip_install('hf')}"
+    ) from exc
 from transformers.trainer_optimizer import is_optimizer_factory
 
 import distopt
