@@ -625,3 +625,24 @@ def test_resume_at_another_number_of_devices(two_ranks, ckpt_root, world_size):
         assert max(abs(a - b) for a, b in zip(losses, full_losses, strict=True)) < TOL
         for name, value in full[0]["params"].items():
             assert (result["params"][name] - value).abs().max().item() < TOL, name
+
+
+def test_the_files_optimizer_state_numbers_frozen_params_as_torch_does():
+    from distopt.integrations._lightning_checkpoints import _with_frozen
+
+    # distopt's groups hold the trainable params only: 0, 1 in the first, 2 in the second.
+    exported = {"state": {0: {"step": 1}, 1: {"step": 2}, 2: {"step": 3}},
+                "param_groups": [{"lr": 1, "params": [0, 1]}, {"lr": 2, "params": [2]}]}
+    trainable = [[True, False, True], [False, True]]
+    model = nn.ModuleList([nn.Linear(1, 1, bias=False) for _ in range(5)])
+    params = [m.weight for m in model]
+    for p, trains in zip(params, [t for g in trainable for t in g], strict=True):
+        p.requires_grad_(trains)
+    torch_opt = torch.optim.SGD([{"params": params[:3]}, {"params": params[3:]}], lr=0.1)
+    renumbered = _with_frozen(exported, trainable)
+    assert renumbered["param_groups"] == [{"lr": 1, "params": [0, 1, 2]},
+                                          {"lr": 2, "params": [3, 4]}]
+    assert renumbered["state"] == {0: {"step": 1}, 2: {"step": 2}, 4: {"step": 3}}
+    assert [g["params"] for g in renumbered["param_groups"]] == [
+        g["params"] for g in torch_opt.state_dict()["param_groups"]]
+    assert _with_frozen(exported, [[True, True], [True]]) is exported

@@ -556,8 +556,9 @@ class DistributedDataParallel(nn.Module):
         its ``main_grad``; grads not yet reduced are dropped too. The module then trains like
         any other (under torch's DDP, a plain optimizer or a new distopt wrapper). This wrapper
         and its optimizer refuse to train afterwards, but still read: a checkpoint saved after
-        the release holds the run as it ended. Starts no collective of its own (all ranks
-        release alike when reductions or gathers are in flight). Calling it again does nothing.
+        the release holds the run as it ended. It communicates only to finish what is in
+        flight, so ranks with reductions or gathers in flight release together; otherwise each
+        rank may release on its own. Calling it again does nothing.
 
         Wrapping the module in a new ``DistributedDataParallel`` releases this one first; ``with
         DistributedDataParallel(module) as ddp:`` releases it when the block ends. See
