@@ -316,7 +316,9 @@ def train_in_turn(root: Path, plain: bool) -> dict[str, Any]:
     params = list(model.parameters())
     return {"runs": runs, "hooks_left": sum(len(p._post_accumulate_grad_hooks or {})
                                             for p in params),
-            "main_grads_left": sum(hasattr(p, "main_grad") for p in params)}
+            "main_grads_left": sum(hasattr(p, "main_grad") for p in params),
+            # Outside train(), on the plain model, as the Trainer evaluates.
+            "eval_loss": trainer.evaluate(eval_dataset=TokenDataset(16, 1))["eval_loss"]}
 
 
 PLAIN_RESUME_AT = 20
@@ -659,6 +661,7 @@ def test_trainers_in_turn_over_one_model_train_as_the_plain_trainers(runs):
         # Each run started where the last one ended, and trained on.
         assert mine["runs"][1]["loss"][0] < mine["runs"][0]["loss"][0]
         assert mine["hooks_left"] == mine["main_grads_left"] == 0  # a plain module again
+        assert abs(mine["eval_loss"] - theirs["eval_loss"]) <= EXACT
 
 
 def test_a_distopt_checkpoint_resumes_under_the_plain_trainer(runs):

@@ -261,7 +261,8 @@ class DistoptTrainer(transformers.Trainer):
         # Evaluation inside train() goes through the wrapper: given the bare model, accelerate
         # would move it to "cpu:0" (a copy on CPU), cutting its params loose from distopt's
         # buffers. Outside, the model is plain (released) and evaluates as under the Trainer.
-        return self._live_ddp() or self.model
+        live = self._live_ddp()
+        return self.model if live is None else live
 
     # ------------------------------------------------------------------ step
 
