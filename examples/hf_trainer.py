@@ -97,6 +97,9 @@ def main() -> None:
         table = distopt.theoretical_bytes_per_param(model.dtype, torch.float32, world)
         print(f"rank {args.process_index}: {report.bytes_per_param:.2f} bytes/param of "
               f"training state (table {table:.2f}; the Trainer's DDP holds 16)")
+    # End the process group the Trainer started: left to the interpreter's exit, gloo's
+    # threads can abort a rank whose training finished, and the launcher reports a failure.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

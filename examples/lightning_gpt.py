@@ -126,8 +126,14 @@ def main() -> None:
     if args.save:
         trainer.save_checkpoint(args.save)
     if trainer.is_global_zero:
-        print(f"step {trainer.global_step}: loss {float(trainer.callback_metrics['loss']):.4f}, "
-              f"val_loss {float(trainer.callback_metrics['val_loss']):.4f}")
+        metrics = trainer.callback_metrics  # val_loss once a validation ran (every 20 batches)
+        print(f"step {trainer.global_step}: "
+              + ", ".join(f"{k} {float(metrics[k]):.4f}" for k in ("loss", "val_loss")
+                          if k in metrics))
+    # End the process group here rather than at the interpreter's exit, where gloo's threads
+    # can abort a rank whose training finished.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -76,6 +76,12 @@ def test_run_directory_latest_keep_and_names(tmp_path):
         distopt.save_checkpoint(run, ddp, opt, name="best")
     with pytest.raises(distopt.CheckpointError, match="is a checkpoint itself"):
         distopt.save_checkpoint(run / "best", ddp, opt)
+    # latest=False, for a folder another tool owns: the checkpoint, and no pointer to it.
+    side = tmp_path / "other-tool"
+    assert distopt.save_checkpoint(side, ddp, opt, name="a", latest=False) == side / "a"
+    assert sorted(p.name for p in side.iterdir()) == ["a"] and distopt.has_checkpoint(side / "a")
+    assert distopt.save_checkpoint(run, ddp, opt, name="side", latest=False).name == "side"
+    assert (run / "latest").read_text() == "best\n"
     # Loading a run directory loads its latest; a checkpoint directory loads that one.
     fresh = build()
     assert distopt.load_checkpoint(run, fresh[1], fresh[2]) is None

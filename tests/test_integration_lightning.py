@@ -41,6 +41,7 @@ BATCHES_PER_EPOCH = 10  # micro-batches, so 5 optimizer steps per epoch with acc
 ACCUMULATE, EPOCHS, SAVE_AFTER_EPOCH = 2, 6, 3
 STEPS = EPOCHS * BATCHES_PER_EPOCH // ACCUMULATE  # 30
 TOL = 1e-5
+EXACT = 1e-6  # fits in turn: DDPStrategy's numbers, to 1e-6
 # bf16 autocast rounds every matmul input to 8 significant bits, so the last-bit differences
 # of two correct reductions (a clip coefficient, say) can flip roundings in the next forward.
 # After 4 steps the largest differences seen are 2e-5 (losses) and 7e-5 (weights), bf16-mixed
@@ -387,6 +388,33 @@ def batchnorm_runs() -> dict:
     return runs
 
 
+def fits_in_turn() -> dict:
+    """One module fitted by two Trainers in turn (each a fresh optimizer and schedule, as
+    configure_optimizers builds them), under each strategy; distopt's wrapper is released in
+    between and at the end."""
+    out = {}
+    for name, strategy in (("ddp", DDPStrategy), ("distopt", DistoptStrategy)):
+        module = GPTModule()
+        runs = [fit(strategy(), module, **SHORT) for _ in range(2)]
+        params = list(module.parameters())
+        out[name] = {"runs": runs,
+                     "hooks_left": sum(len(p._post_accumulate_grad_hooks or {}) for p in params),
+                     "main_grads_left": sum(hasattr(p, "main_grad") for p in params)}
+    return out
+
+
+def ddp_resume_run(ckpt: str) -> dict:
+    """Lightning's own DDPStrategy resumed from the file DistoptStrategy saved halfway."""
+    module = GPTModule()
+    t = trainer(DDPStrategy(), callbacks=[Probe()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(module, ckpt_path=ckpt)
+    saved = torch.load(ckpt, weights_only=True)
+    return {**outcome(module, t), "file_keys": sorted(saved),
+            "optimizer_state_keys": sorted(saved["optimizer_states"][0])}
+
+
 def model_checkpoint_run(root: str) -> dict:
     """Lightning's ModelCheckpoint writes distopt checkpoints, replaces last.ckpt, prunes the
     worse one, and fit(ckpt_path="last") resumes from it."""
@@ -405,8 +433,9 @@ def model_checkpoint_run(root: str) -> dict:
         t.fit(GPTModule(), ckpt_path="last")
     t.save_checkpoint(Path(root) / "after-fit.ckpt")  # once fit has returned, too
     return {"saved": saved, "steps": t.global_step,
-            "after_fit": distopt.has_checkpoint(Path(root) / "after-fit.ckpt"),
-            "complete": all(distopt.has_checkpoint(Path(root) / name)
+            "after_fit": distopt.has_checkpoint(Path(root) / "after-fit.ckpt.distopt")
+            and (Path(root) / "after-fit.ckpt").is_file(),
+            "complete": all(distopt.has_checkpoint(Path(root) / f"{name}.distopt")
                             for name in saved if name.endswith(".ckpt"))}
 
 
@@ -453,7 +482,9 @@ def ckpt_root():
 @pytest.fixture(scope="module")
 def two_ranks(ckpt_root):
     ckpt = str(ckpt_root / "half.ckpt")
-    cases = [("ddp", ddp_run, ()), ("distopt", distopt_run, (ckpt,)), ("basic", basic_run, ()),
+    cases = [("ddp", ddp_run, ()), ("distopt", distopt_run, (ckpt,)),
+             ("ddp_resumed", ddp_resume_run, (ckpt,)), ("turns", fits_in_turn, ()),
+             ("basic", basic_run, ()),
              ("shard_grads", shard_grads_run, ()),
              ("muon", muon_runs, ()), ("frozen", frozen_runs, ()),
              ("precision", precision_runs, ()),
@@ -631,8 +662,38 @@ def test_sync_batchnorm_layers_reduce_over_the_data_parallel_group(two_ranks):
 def test_model_checkpoint_callback(two_ranks):
     for result in case_result(two_ranks, "model_checkpoint"):
         assert result["complete"] and result["after_fit"]
-        assert "last.ckpt" in result["saved"] and len(result["saved"]) == 3  # + best + latest
+        # last.ckpt and the best one, each a file with its sharded part, and nothing else in
+        # the callback's folder (no 'latest' pointer).
+        files = [n for n in result["saved"] if n.endswith(".ckpt")]
+        assert "last.ckpt" in files and len(files) == 2
+        assert sorted(result["saved"]) == sorted([*files, *(f + ".distopt" for f in files)])
         assert result["steps"] == 3 * 2
+
+
+def test_a_second_fit_of_the_same_module_trains_as_ddp_strategys(two_ranks):
+    for result in case_result(two_ranks, "turns"):
+        ours, ddp = result["distopt"], result["ddp"]
+        for run, ref in zip(ours["runs"], ddp["runs"], strict=True):
+            assert_same_run(run, ref, tol=EXACT)
+        # The second fit started where the first ended (the losses of both are in the list).
+        assert ours["runs"][1]["losses"][:8] == ours["runs"][0]["losses"]
+        assert ours["hooks_left"] == ours["main_grads_left"] == 0  # a plain module again
+
+
+def test_ddp_strategy_resumes_a_distopt_checkpoint(two_ranks):
+    full = case_result(two_ranks, "distopt")
+    after = (EPOCHS - SAVE_AFTER_EPOCH) * BATCHES_PER_EPOCH
+    for rank, result in enumerate(case_result(two_ranks, "ddp_resumed")):
+        # An ordinary Lightning checkpoint file: weights, torch.optim state, Lightning's own.
+        assert {"state_dict", "optimizer_states", "loops", "lr_schedulers",
+                "epoch"} <= set(result["file_keys"])
+        assert result["optimizer_state_keys"] == ["param_groups", "state"]
+        assert result["steps"] == STEPS and len(result["losses"]) == after
+        diffs = [abs(a - b) for a, b in zip(result["losses"], full[rank]["losses"][-after:],
+                                            strict=True)]
+        assert max(diffs) < TOL, max(diffs)
+        for name, value in full[rank]["params"].items():
+            assert (result["params"][name] - value).abs().max().item() < TOL, name
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -651,3 +712,24 @@ def test_resume_at_another_number_of_devices(two_ranks, ckpt_root, world_size):
         assert max(abs(a - b) for a, b in zip(losses, full_losses, strict=True)) < TOL
         for name, value in full[0]["params"].items():
             assert (result["params"][name] - value).abs().max().item() < TOL, name
+
+
+def test_the_files_optimizer_state_numbers_frozen_params_as_torch_does():
+    from distopt.integrations._lightning_checkpoints import _with_frozen
+
+    # distopt's groups hold the trainable params only: 0, 1 in the first, 2 in the second.
+    exported = {"state": {0: {"step": 1}, 1: {"step": 2}, 2: {"step": 3}},
+                "param_groups": [{"lr": 1, "params": [0, 1]}, {"lr": 2, "params": [2]}]}
+    trainable = [[True, False, True], [False, True]]
+    model = nn.ModuleList([nn.Linear(1, 1, bias=False) for _ in range(5)])
+    params = [m.weight for m in model]
+    for p, trains in zip(params, [t for g in trainable for t in g], strict=True):
+        p.requires_grad_(trains)
+    torch_opt = torch.optim.SGD([{"params": params[:3]}, {"params": params[3:]}], lr=0.1)
+    renumbered = _with_frozen(exported, trainable)
+    assert renumbered["param_groups"] == [{"lr": 1, "params": [0, 1, 2]},
+                                          {"lr": 2, "params": [3, 4]}]
+    assert renumbered["state"] == {0: {"step": 1}, 2: {"step": 2}, 4: {"step": 3}}
+    assert [g["params"] for g in renumbered["param_groups"]] == [
+        g["params"] for g in torch_opt.state_dict()["param_groups"]]
+    assert _with_frozen(exported, [[True, True], [True]]) is exported

@@ -159,13 +159,16 @@ def refused_arguments(root: Path) -> dict[str, str]:
         "optimizer_cls_and_kwargs": {"args": base,
                                      "optimizer_cls_and_kwargs": (torch.optim.LBFGS, {})},
     }
+    import distopt
+
+    cases["model"] = {"args": base, "model": distopt.DistributedDataParallel(tiny_llama())}
     deepspeed = TrainingArguments.__new__(TrainingArguments)  # deepspeed itself is not installed
     deepspeed.__dict__.update(vars(base), deepspeed={"zero_optimization": {"stage": 2}})
     cases["deepspeed"] = {"args": deepspeed}
     messages = {}
     for name, kwargs in cases.items():
         try:
-            DistoptTrainer(model=model, train_dataset=data, **kwargs)
+            DistoptTrainer(**{"model": model, "train_dataset": data, **kwargs})
             messages[name] = "no error"
         except ValueError as exc:
             messages[name] = str(exc)
@@ -249,6 +252,105 @@ def resume(root: Path) -> dict[str, Any]:
                              eval_dataset=TokenDataset(16, 1))
     trainer.train(resume_from_checkpoint=str(root / "saved"))
     return run_record(trainer)
+
+
+def looking(cls: type, seen: list[dict[str, Any]]) -> type:
+    """``cls`` with a compute_loss override that records what it sees through the wrapper, as
+    a user's override would look: the accelerator's unwrap, ``model.module``, PEFT, the loss
+    kwargs and item counts, and (once) a greedy generate of the unwrapped model."""
+    from transformers.trainer_utils import _is_peft_model
+
+    class Looking(cls):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            unwrapped = self.accelerator.unwrap_model(model)
+            record = {
+                "unwrapped": type(unwrapped).__name__,
+                "module": type(getattr(model, "module", model)).__name__,
+                "peft": _is_peft_model(unwrapped),
+                "accepts_loss_kwargs": self.model_accepts_loss_kwargs,
+                "num_items": None if num_items_in_batch is None else int(num_items_in_batch),
+                "label_smoother": self.label_smoother is not None,
+            }
+            if not seen:
+                with torch.no_grad():
+                    record["generated"] = unwrapped.generate(
+                        inputs["input_ids"][:1, :4], attention_mask=torch.ones(1, 4),
+                        max_new_tokens=3, do_sample=False, pad_token_id=0).tolist()
+            seen.append(record)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    return Looking
+
+
+EXACT = 1e-6  # label smoothing and trainers in turn: the plain Trainer's numbers, to 1e-6
+SHORT_STEPS = 4
+
+
+def train_label_smoothing(root: Path, plain: bool) -> dict[str, Any]:
+    """A causal LM with label_smoothing_factor=0.1 (the Trainer shifts the labels for it only
+    when it sees through the wrapper that the model is a causal LM)."""
+    from transformers import Trainer
+
+    from distopt.integrations.transformers import DistoptTrainer
+
+    set_launcher_environment()
+    seen: list[dict[str, Any]] = []
+    args = training_arguments(root / f"smoothing-{plain}", dist.get_world_size(),
+                              max_steps=SHORT_STEPS, eval_strategy="no",
+                              label_smoothing_factor=0.1)
+    trainer = looking(Trainer if plain else DistoptTrainer, seen)(
+        model=tiny_llama(), args=args, train_dataset=TokenDataset(64, 0))
+    trainer.train()
+    return {**run_record(trainer), "seen": seen}
+
+
+def train_in_turn(root: Path, plain: bool) -> dict[str, Any]:
+    """One model trained by a trainer, by the same trainer again (it keeps its optimizer), then
+    by a second trainer (a fresh optimizer): each run's record. distopt's wrapper is released
+    between them, and the model ends as a plain module."""
+    from transformers import Trainer
+
+    from distopt.integrations.transformers import DistoptTrainer
+
+    set_launcher_environment()
+    cls = Trainer if plain else DistoptTrainer
+    world = dist.get_world_size()
+    model = tiny_llama()
+    runs = []
+    first = cls(model=model, args=training_arguments(
+        root / f"turn-a-{plain}", world, max_steps=SHORT_STEPS, eval_strategy="no"),
+        train_dataset=TokenDataset(64, 0))
+    for trainer, data_seed in ((first, 0), (first, 0), (None, 1)):
+        if trainer is None:
+            trainer = cls(model=model, args=training_arguments(
+                root / f"turn-b-{plain}", world, max_steps=SHORT_STEPS, eval_strategy="no",
+                learning_rate=1e-3), train_dataset=TokenDataset(64, data_seed))
+        trainer.train()
+        runs.append(run_record(trainer))
+    params = list(model.parameters())
+    return {"runs": runs, "hooks_left": sum(len(p._post_accumulate_grad_hooks or {})
+                                            for p in params),
+            "main_grads_left": sum(hasattr(p, "main_grad") for p in params),
+            # Outside train(), on the plain model, as the Trainer evaluates.
+            "eval_loss": trainer.evaluate(eval_dataset=TokenDataset(16, 1))["eval_loss"]}
+
+
+PLAIN_RESUME_AT = 20
+
+
+def resume_plain(root: Path) -> dict[str, Any]:
+    """transformers.Trainer (torch DDP) resumed from the 2-rank DistoptTrainer run's step-20
+    checkpoint (the last but one, which save_total_limit kept)."""
+    from transformers import Trainer
+
+    set_launcher_environment()
+    world = dist.get_world_size()
+    trainer = Trainer(model=tiny_llama(), args=training_arguments(root / "plain-resumed", world),
+                      train_dataset=TokenDataset(64, 0), eval_dataset=TokenDataset(16, 1))
+    checkpoint = root / "distopt" / f"checkpoint-{PLAIN_RESUME_AT}"
+    record = {"files": sorted(p.name for p in checkpoint.iterdir())}
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return {**record, **run_record(trainer)}
 
 
 VARIANTS = {
@@ -365,16 +467,21 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf")
     variants = [(f"{v}-{plain}", train_variant, (root, v, plain))
                 for v in VARIANTS for plain in (False, True) if not (v in DISTOPT_ONLY and plain)]
+    turns = [(f"{name}-{plain}", fn, (root, plain)) for plain in (False, True)
+             for name, fn in (("smoothing", train_label_smoothing), ("turns", train_in_turn))]
     two = launch(2, [("refused", refused_arguments, (root,)),
                      ("broadcast_buffers", broadcast_buffers_argument, (root,)),
                      ("distopt", train_distopt, (root,)),
+                     ("plain-resumed", resume_plain, (root,)),
                      ("ddp", train_plain, (root,)),
-                     ("fp16-skip", train_fp16_overflowing, (root,)), *variants])
+                     ("fp16-skip", train_fp16_overflowing, (root,)), *variants, *turns])
     one = launch(1, [("single", train_plain, (root,)), ("resumed", resume, (root,)),
                      ("muon", train_variant, (root, "muon", False))])
     four = launch(4, [("resumed", resume, (root,))])
     return {
         "variants": {name: result(two, name)[0] for name, _, _ in variants},
+        "turns": {name: result(two, name) for name, _, _ in turns},
+        "plain-resumed": result(two, "plain-resumed"),
         "fp16-skip": result(two, "fp16-skip"),
         "muon1": result(one, "muon")[0],
         "refused": result(two, "refused"),
@@ -491,6 +598,7 @@ def test_arguments_distopt_cannot_honour_raise_on_every_rank(runs):
     assert "compile its blocks" in first["torch_compile"]
     assert "optimizer_cls_and_kwargs" in first["optimizers"]
     assert "LBFGS" in first["optimizer_cls_and_kwargs"]
+    assert "pass the model it wraps (ddp.module)" in first["model"]
 
 
 def test_optim_names_and_precisions_match_the_trainers_ddp(runs):
@@ -559,3 +667,49 @@ def test_a_model_loaded_in_bf16_trains_on_fp32_main_params(runs):
     losses = zip(run["loss"], fp32["loss"][:VARIANT_STEPS], strict=True)
     assert max(abs(a - b) for a, b in losses) < 2e-3
     assert all(w.dtype == torch.bfloat16 for w in run["weights"].values())
+
+
+def test_label_smoothing_sees_the_causal_lm_under_the_wrapper(runs):
+    turns = runs["turns"]
+    for mine, theirs in zip(turns["smoothing-False"], turns["smoothing-True"], strict=True):
+        # What a compute_loss override sees through distopt's wrapper is what it sees through
+        # torch's: the Llama, its loss kwargs and item counts, the same greedy generation.
+        assert mine["seen"] == theirs["seen"]
+        assert {r["unwrapped"] for r in mine["seen"]} == {"LlamaForCausalLM"}
+        assert {r["module"] for r in mine["seen"]} == {"LlamaForCausalLM"}
+        assert all(r["label_smoother"] for r in mine["seen"])
+        assert_same_run(mine, theirs, steps=SHORT_STEPS, tol=EXACT)
+
+
+def test_trainers_in_turn_over_one_model_train_as_the_plain_trainers(runs):
+    turns = runs["turns"]
+    for mine, theirs in zip(turns["turns-False"], turns["turns-True"], strict=True):
+        for run, ref in zip(mine["runs"], theirs["runs"], strict=True):
+            assert_same_run(run, ref, steps=SHORT_STEPS, tol=EXACT)
+        # Each run started where the last one ended, and trained on.
+        assert mine["runs"][1]["loss"][0] < mine["runs"][0]["loss"][0]
+        assert mine["hooks_left"] == mine["main_grads_left"] == 0  # a plain module again
+        assert abs(mine["eval_loss"] - theirs["eval_loss"]) <= EXACT
+
+
+def test_a_distopt_checkpoint_resumes_under_the_plain_trainer(runs):
+    uninterrupted = runs["distopt"][0]
+    for run in runs["plain-resumed"]:
+        # Beside distopt's own state, the checkpoint holds what the plain Trainer resumes.
+        assert {"distopt", "model.safetensors", "optimizer.pt", "scheduler.pt",
+                "trainer_state.json"} <= set(run["files"])
+        # The optimizer state came along in optimizer.pt: Adam and the schedule go on where
+        # they were, so steps 21 to 30 are the uninterrupted run's.
+        assert_same_run(run, uninterrupted, first_step=PLAIN_RESUME_AT + 1)
+
+
+def test_optimizer_pt_keeps_the_trainers_empty_param_groups():
+    from distopt.integrations.transformers import _trainer_optimizer_state
+
+    exported = {"optimizer": {"state": {0: {"step": 1}},
+                              "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]}]}}
+    # The Trainer's no-decay group is empty here; distopt has no group for it.
+    state = _trainer_optimizer_state(exported, [None, 0.0])
+    assert state["param_groups"] == [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]},
+                                     {"lr": 1e-3, "weight_decay": 0.0, "params": []}]
+    assert state["state"] == {0: {"step": 1}}

@@ -300,6 +300,72 @@ def late_grads() -> dict:
     }
 
 
+def rewrap() -> dict:
+    """A module wrapped again: a second DDP and optimizer over a module a first one trained,
+    built while the first one's gathers are still in flight, trains as a fresh torch optimizer
+    over the trained model; the first wrapper then refuses to train. ``release()`` leaves a
+    plain module, and a ``with`` block releases at its end."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Shuffled()
+    ref = copy.deepcopy(model)
+
+    def train(step_fn, zero_fn, forward, steps):
+        for step in range(steps):
+            tokens, targets = batches(step, global_batch=4 * world)
+            zero_fn()
+            if forward is ref:
+                _loss(ref, tokens, targets).backward()
+            else:
+                _loss(forward, *(rank_slice(t, rank, world) for t in (tokens, targets))).backward()
+            step_fn()
+
+    out: dict = {}
+    for run in range(2):  # each run: a new wrapper and a new AdamW, as a second trainer builds
+        ddp = distopt.DistributedDataParallel(model, bucket_size=BUCKET)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, overlap_param_gather=True,
+                                           lr=2e-2, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-2, weight_decay=0.1)
+        train(opt.step, opt.zero_grad, ddp, 2)
+        train(ref_opt.step, ref_opt.zero_grad, ref, 2)
+        if run == 0:
+            first, first_opt = ddp, opt
+            out["in_flight_at_rewrap"] = ddp.param_gathers_in_flight
+    ddp.finish_param_sync()
+    out["diff"] = max((a - b).abs().max().item()
+                      for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+    out["first_released"] = first.released
+    try:
+        first_opt.zero_grad()
+        out["first_error"] = None
+    except RuntimeError as error:
+        out["first_error"] = str(error)
+
+    # release(): the same values, storage of its own, no hook, no main_grad; plain autograd.
+    before = [p.detach().clone() for p in model.parameters()]
+    buffers = {b.param_data.untyped_storage().data_ptr() for b in ddp.flat_buffers}
+    assert ddp.release() is model and ddp.release() is model  # twice is harmless
+    params = list(model.parameters())
+    out["same_values"] = all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    out["own_storage"] = all(p.untyped_storage().data_ptr() not in buffers for p in params)
+    out["no_main_grad"] = not any(hasattr(p, "main_grad") for p in params)
+    out["no_hooks"] = not any(p._post_accumulate_grad_hooks for p in params) and not any(
+        m._forward_pre_hooks for m in model.modules())
+    tokens, targets = batches(0, global_batch=4 * world)
+    _loss(model, tokens, targets).backward()
+    ref.zero_grad()
+    _loss(ref, tokens, targets).backward()
+    out["plain_grads"] = max((p.grad - r.grad).abs().max().item()
+                             for p, r in zip(params, ref.parameters(), strict=True))
+    model.zero_grad()
+    with distopt.DistributedDataParallel(model, bucket_size=BUCKET) as scoped:
+        scoped_opt = distopt.DistributedOptimizer(scoped, torch.optim.SGD, lr=0.1)
+        train(scoped_opt.step, scoped_opt.zero_grad, scoped, 1)
+    out["scoped_released"] = scoped.released and not any(
+        p._post_accumulate_grad_hooks for p in model.parameters())
+    return out
+
+
 DELAYS = ("none", "collectives", "before_step", "after_forward")
 
 
@@ -310,6 +376,7 @@ def _cases() -> list:
     cases.append(("strict-first-use", strict_gather_with_first_use, ()))
     cases.append(("counts", counts_per_step, ()))
     cases.append(("late-grads", late_grads, ()))
+    cases.append(("rewrap", rewrap, ()))
     return cases
 
 
@@ -396,11 +463,30 @@ def test_grad_after_its_bucket_was_reduced_raises_on_every_rank(world):
             error = value["errors"][overlap]
             assert error is not None, f"overlap={overlap}: the second backward did not raise"
             assert "after its bucket's data-parallel reduction had started" in error
-            assert "ddp.no_sync()" in error and "zero_grad()" in error
             assert error.startswith("parameter '")
+        # Each names its own case and its fix: a second micro-batch outside no_sync (overlap
+        # reduced the first during its backward), a backward after the step without zero_grad.
+        assert "already had a grad this step" in value["errors"][True]
+        assert "ddp.no_sync()" in value["errors"][True]
+        assert "already reduced" in value["errors"][False]
+        assert "call optimizer.zero_grad() before" in value["errors"][False]
         # After zero_grad() the next step is exactly that of a model that never saw the bad
         # backward: no stale grad, no reduction left half done.
         assert value["recovered_diff"] == {True: 0.0, False: 0.0}
         # All-reduced buckets accumulate across synced backwards like torch DDP.
         assert value["grad_scale"] > 1e-2
         assert value["all_reduce_accumulated_diff"] <= 1e-6
+
+
+def test_a_module_wrapped_again_trains_and_release_leaves_a_plain_module(world):
+    _, results = world
+    for value in case_result(results, "rewrap"):
+        assert value["in_flight_at_rewrap"] > 0  # the takeover waited for them
+        # Two wrappers in turn train as two AdamWs in turn on the whole batch.
+        assert value["diff"] <= FP32_TOL, value["diff"]
+        assert value["first_released"]
+        assert "no longer holds its module (a newer distopt.DistributedDataParallel wrapped " \
+            "its parameter '" in value["first_error"]
+        for key in ("same_values", "own_storage", "no_main_grad", "no_hooks", "scoped_released"):
+            assert value[key], key
+        assert value["plain_grads"] <= 1e-6

@@ -103,6 +103,10 @@ class Bucket:
     def ready(self) -> bool:
         return not self._pending
 
+    def wrote(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` got a grad since the last ``forget_grads``."""
+        return param in self._written
+
     @property
     def has_grads(self) -> bool:
         """Whether a grad of this step has been written since the last ``forget_grads``."""

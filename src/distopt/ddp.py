@@ -30,7 +30,11 @@ all-reduced buckets and a finished sync, every rank holds the same average, and 
 backward adds to it and reduces again, as torch DDP does. On one process nothing is reduced
 and grads simply accumulate. With sharded grads every backward reduces and adds to the kept
 shard, so only a grad for a bucket launched in the same backward raises, on one process too
-([Note: sharded grads] in grad_pool.py).
+([Note: sharded grads] in grad_pool.py). The error names the case it sees: a backward after
+the step's sync without ``zero_grad``; a parameter that already had a grad this step (a second
+micro-batch outside ``no_sync``, or a grad accumulated twice in one backward); anything else. A
+second wrapper over the same params, which used to end here too (the first wrapper's hooks took
+the grads), now releases the first ([Note: one wrapper per param] in param_owners.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as comm
+from . import param_owners
 from .buckets import Bucket, ParamAndGradBuffer, ShardedGradBucket
 from .grad_marker import GradInBuffer
 from .grad_pool import GradPool, grad_pools_for
@@ -55,7 +60,7 @@ from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
 from .module_params import trainable_named_params
 from .nan_check import raise_on_nonfinite_grad
 from .options import GradSyncOptions
-from .parallel.dtensor import is_dtensor, local_grad, local_tensor
+from .parallel.dtensor import alias_local, is_dtensor, local_grad, local_tensor
 from .parallel.groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from .parallel.tensor_parallel import TensorParallelMesh, check_params
 from .param_gather import register_param_wait_hooks
@@ -170,6 +175,16 @@ class DistributedDataParallel(nn.Module):
         # collective; see [Note: one model on every rank] in model_check.py.
         check_same_model(module, named, self.options, bucket_size=self.bucket_size,
                          parallel=self.parallel, stats=self.comm_stats)
+        # A module wrapped before is taken over, its old wrapper released first (its gathers
+        # may still write into the params); see [Note: one wrapper per param] in
+        # param_owners.py.
+        self._released: str | None = None  # why this wrapper let go of its module
+        for older, param in param_owners.other_owners(self.params, self):
+            older._release(
+                f"a newer distopt.DistributedDataParallel wrapped its parameter "
+                f"'{older.param_names[param]}'"
+            )
+        param_owners.claim(self.params, self)
         # Torch DDP semantics: every replica starts from rank 0's weights (and buffers, unless
         # broadcast_buffers=False).
         synced = (*module.parameters(), *(module.buffers() if broadcast_buffers else ()))
@@ -205,6 +220,7 @@ class DistributedDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._accumulate_grad),
             )
         ]
+        self._param_wait_hooks: list[Any] = []  # forward pre-hooks, once laid out
 
     def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
         return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p))
@@ -216,6 +232,7 @@ class DistributedDataParallel(nn.Module):
         element-wise shards. The optimizer calls this with its whole-tensor params; it is
         deterministic, so every rank lays out the same buffers without communicating. Done
         once: see [Note: layout planned once] in layout/planner.py."""
+        self._check_live()
         unknown = [p for p in whole_tensor_costs if p not in self._param_index]
         if unknown:
             raise ValueError(
@@ -368,7 +385,7 @@ class DistributedDataParallel(nn.Module):
         if (self.dp_size > 1 or shard_grads) and self._reduction_started(bucket):
             param.grad = None  # so that the next backward, after zero_grad(), starts clean
             self._marked.discard(param)
-            self._raise_late_grad(param)
+            self._raise_late_grad(param, bucket)
         if param in self._dtensor_params:
             grad = local_grad(param, grad)
         bucket.add_grad(param, grad)
@@ -392,14 +409,38 @@ class DistributedDataParallel(nn.Module):
             return self.options.use_distributed_optimizer
         return bucket.reduction_started
 
-    def _raise_late_grad(self, param: nn.Parameter) -> None:
+    def _raise_late_grad(self, param: nn.Parameter, bucket: Bucket) -> None:
+        # Says which of the ways to get here this one is; see [Note: grads after the reduction].
+        name = self.param_names[param]
+        if self._grad_sync_done and not self.options.shard_grads:
+            why = (
+                "this step's grads were already reduced (optimizer.step() or "
+                "ddp.finish_grad_sync() ran) and optimizer.zero_grad() was not called since: "
+                "call optimizer.zero_grad() before the next step's first backward"
+            )
+        elif bucket.wrote(param) and self.options.shard_grads:
+            why = (
+                "its grad was accumulated twice in one backward, the second time after its "
+                "bucket was reduced: run each parameter's backward once per backward (no "
+                "reentrant activation checkpointing across a bucket: use_reentrant=False)"
+            )
+        elif bucket.wrote(param):
+            why = (
+                "it already had a grad this step, and its bucket was reduced since: accumulate "
+                "micro-batches inside ddp.no_sync() (all but the last), and run each "
+                "parameter's backward once per backward (no reentrant activation "
+                "checkpointing across a bucket: use_reentrant=False)"
+            )
+        else:
+            why = (
+                "accumulate micro-batches inside ddp.no_sync() (all but the last), call "
+                "optimizer.zero_grad() before the next step's first backward, and run each "
+                "parameter's backward once per step (no reentrant activation checkpointing "
+                "across a bucket)"
+            )
         raise RuntimeError(
-            f"parameter '{self.param_names[param]}' got a gradient after its bucket's "
-            "data-parallel reduction had started, so it would be left out of the reduced "
-            "gradient; accumulate micro-batches inside ddp.no_sync() (all but the last), call "
-            "optimizer.zero_grad() before the next step's first backward, and run each "
-            "parameter's backward once per step (no reentrant activation checkpointing across "
-            "a bucket)"
+            f"parameter '{name}' got a gradient after its bucket's data-parallel reduction had "
+            f"started, so it would be left out of the reduced gradient: {why}"
         )
 
     def _launch_ready_buckets(self) -> None:
@@ -483,6 +524,7 @@ class DistributedDataParallel(nn.Module):
         optimizer; ``grad_shards`` with sharded grads) holds the grads averaged over the group.
         Calling it again before the next backward does nothing.
         """
+        self._check_live()
         if self._grad_sync_done:
             return
         if self.options.shard_grads and not self._in_backward:
@@ -523,6 +565,7 @@ class DistributedDataParallel(nn.Module):
         The next grad of each parameter replaces what the buffer holds, and a parameter that
         gets none counts as zero (see [Note: grads written, not zeroed]).
         """
+        self._check_live()
         # Reductions launched but never waited for (a backward that raised before the step)
         # still write into the buffer and own their receive buffers: finish them first.
         for bucket in self._buckets:
@@ -560,6 +603,7 @@ class DistributedDataParallel(nn.Module):
         waits for its own buckets in a forward pre-hook; see [Note: param gather] in
         param_gather.py.
         """
+        self._check_live()
         self.finish_param_sync()
         # Always started together: without overlap one wait for all of them costs one round
         # trip instead of one per bucket (see [Note: collectives on gloo]).
@@ -579,3 +623,76 @@ class DistributedDataParallel(nn.Module):
     def param_gathers_in_flight(self) -> int:
         """How many buckets' param gathers are started and not yet waited for."""
         return sum(bucket.gather_in_flight for bucket in self._buckets)
+
+    # ------------------------------------------------------------------ release
+
+    def release(self) -> nn.Module:
+        """Give the module back as a plain module holding its current values; return it.
+
+        Waits for the collectives in flight, removes every hook this wrapper put on the module
+        (each param's grad hook, the forward pre-hooks that wait for gathers), gives each param
+        storage of its own (a copy of its current values, out of the param buffer) and drops
+        its ``main_grad``; grads not yet reduced are dropped too. The module then trains like
+        any other (under torch's DDP, a plain optimizer or a new distopt wrapper). This wrapper
+        and its optimizer refuse to train afterwards, but still read: a checkpoint saved after
+        the release holds the run as it ended. It communicates only to finish what is in
+        flight, so ranks with reductions or gathers in flight release together; otherwise each
+        rank may release on its own. Calling it again does nothing.
+
+        Wrapping the module in a new ``DistributedDataParallel`` releases this one first; ``with
+        DistributedDataParallel(module) as ddp:`` releases it when the block ends. See
+        [Note: one wrapper per param] in param_owners.py.
+        """
+        self._release("ddp.release() was called")
+        return self.module
+
+    def __enter__(self) -> DistributedDataParallel:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if exc_type is None:
+            self.release()
+            return
+        with contextlib.suppress(Exception):  # the error that ended the block is the one to see
+            self.release()
+
+    @property
+    def released(self) -> bool:
+        """Whether this wrapper let go of its module (``release``, or a newer wrapper)."""
+        return self._released is not None
+
+    def _release(self, reason: str) -> None:
+        if self._released is not None:
+            return
+        # Nothing may still write into the buffers once the params stop being their views.
+        for bucket in self._buckets:
+            bucket.wait_reduction()
+            bucket.wait_gather()
+            bucket.forget_grads()
+        self._gathers_in_flight = False
+        self._reset_reductions()
+        self._release_grad_pools()
+        for handle in (*self._grad_hooks, *self._param_wait_hooks):
+            handle.remove()
+        self._grad_hooks, self._param_wait_hooks = [], []
+        for param in self._marked:  # plain autograd would add the next grad to the marker
+            param.grad = None
+        self._marked.clear()
+        laid_out = self._flat_buffers is not None
+        with torch.no_grad():
+            for param in self.params:
+                if laid_out:  # the params are views into param_data
+                    alias_local(param, local_tensor(param).detach().clone())
+                if "main_grad" in param.__dict__:
+                    del param.main_grad
+        param_owners.disown(self.params, self)
+        self._released = reason
+
+    def _check_live(self) -> None:
+        if self._released is not None:
+            raise RuntimeError(
+                f"this distopt.DistributedDataParallel no longer holds its module ({self._released}"
+                "): it and its optimizer cannot train it any more; train with the wrapper that "
+                "holds the module now, or wrap the module in a new DistributedDataParallel and "
+                "build a new optimizer over it"
+            )

@@ -22,6 +22,7 @@ import collections
 import os
 import pickle
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,12 +114,16 @@ def export_checkpoint(
     *,
     master_weights: bool = False,
     verify: bool = True,
+    transform: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Path:
     """Write checkpoint ``ckpt`` (or the latest in a run directory) as one torch.save file.
 
     ``master_weights`` writes trainable params from the fp32 main params (float32) instead of
     the model's own dtype: what plain fp32 training should continue from after bf16/fp16.
-    One process, no process group; memory stays bounded (see [Note: bounded export]).
+    ``transform`` makes the object the file holds out of the exported dict (its tensors not
+    read yet): ``lambda tree: tree["optimizer"]`` writes the torch optimizer state alone, the
+    trainer integrations write their trainers' own file formats; only the tensors it keeps are
+    read. One process, no process group; memory stays bounded (see [Note: bounded export]).
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -137,6 +142,8 @@ def export_checkpoint(
                                if isinstance(v, BytesStorageMetadata)}
     dcp.load(objects, ckpt_dir, None, metadata)
     tree = _export_tree(manifest, index, objects, master_weights)
+    if transform is not None:
+        tree = transform(tree)
 
     tmp = out.with_name(out.name + files.TMP_SUFFIX)
     try:

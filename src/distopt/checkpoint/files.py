@@ -187,8 +187,10 @@ def _write_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def commit(tmp: Path, final: Path, manifest: dict[str, Any], keep: int | None) -> None:
-    """Write the manifest, move the checkpoint into place, point ``latest`` at it, prune.
+def commit(tmp: Path, final: Path, manifest: dict[str, Any], keep: int | None,
+           latest: bool = True) -> None:
+    """Write the manifest, move the checkpoint into place, point ``latest`` at it (unless
+    ``latest`` is False: a folder another tool owns), prune.
 
     Raises OSError if the checkpoint could not be published; a checkpoint that was published
     stays so even if deleting old ones fails (a warning names what is left)."""
@@ -197,10 +199,11 @@ def commit(tmp: Path, final: Path, manifest: dict[str, Any], keep: int | None) -
     _fsync_dir(tmp)
     os.rename(tmp, final)
     _fsync_dir(run_dir)
-    pointer = run_dir / f".{LATEST}{TMP_SUFFIX}"
-    _write_durably(pointer, final.name + "\n")
-    os.replace(pointer, run_dir / LATEST)
-    _fsync_dir(run_dir)
+    if latest:
+        pointer = run_dir / f".{LATEST}{TMP_SUFFIX}"
+        _write_durably(pointer, final.name + "\n")
+        os.replace(pointer, run_dir / LATEST)
+        _fsync_dir(run_dir)
     if keep is not None:
         for _, old in _complete_checkpoints(run_dir)[:-keep]:
             if old != final:

@@ -37,12 +37,15 @@ def save_checkpoint(
     *,
     keep: int | None = None,
     name: str | None = None,
+    latest: bool = True,
 ) -> Path:
     """Save a checkpoint into the run directory ``path``; collective; returns its directory.
 
     Each call adds a checkpoint (``ckpt-000001``, ``ckpt-000002``, ... or ``name``) and points
     ``path/latest`` at it once it is complete; ``keep`` keeps only the newest ``keep``. ``extra``
     is any object ``torch.save`` accepts, taken from rank 0 and returned by load_checkpoint.
+    ``latest=False`` writes no ``latest`` file, for a folder another tool owns (Lightning's
+    ModelCheckpoint): load the checkpoint by its own directory then.
     """
     check_pair(ddp, opt)
     group = opt.parallel.checkpoint_group()
@@ -100,7 +103,7 @@ def save_checkpoint(
                     for name, entries in per_rank.items():
                         whole_state.setdefault(name, {}).update(entries)
                 manifest = _manifest(opt, sequence, final.name, listed, whole_state)
-                files.commit(tmp, final, manifest, keep)
+                files.commit(tmp, final, manifest, keep, latest)
             except Exception as exc:  # a full disk, a lost directory: nothing is published
                 problems.append(f"rank 0: {type(exc).__name__}: {exc}")
         if problems:

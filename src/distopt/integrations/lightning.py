@@ -16,9 +16,14 @@ state. Lightning's switches keep their meaning:
   data-parallel group by ``nn.SyncBatchNorm``.
 - ``precision``: "32-true", "bf16-mixed", "bf16-true" (bf16 weights, fp32 masters in the
   optimizer), "16-mixed" (distopt's DynamicLossScaler; see _lightning_precision.py).
-- ``trainer.save_checkpoint(path)`` writes a distopt checkpoint directory at ``path`` (each rank
-  its shard, Lightning's loop, scheduler and callback state beside it), and
-  ``fit(ckpt_path=path)`` resumes from one at any number of devices.
+- ``trainer.save_checkpoint(path)`` writes distopt's sharded checkpoint (each rank its shard,
+  Lightning's loop, scheduler and callback state with it) and, at ``path``, an ordinary
+  Lightning checkpoint file that Lightning's own strategies resume; ``fit(ckpt_path=path)``
+  resumes from the sharded part at any number of devices. See [Note: Lightning checkpoints
+  under distopt] in _lightning_checkpoints.py.
+- The module leaves ``fit`` a plain module: the wrapper is released at teardown, so a second
+  ``fit`` (under any strategy) wraps it anew ([Note: one wrapper per param] in
+  distopt/param_owners.py).
 
 ``DistoptStrategy(basic=True)`` uses ``distopt.BasicOptimizer`` (all-reduced grads, replicated
 state) instead, to compare. docs/lightning.md has the details and the limits.
@@ -26,7 +31,6 @@ state) instead, to compare. docs/lightning.md has the details and the limits.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -52,10 +56,11 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..ddp import DistributedDataParallel
 from ..optimizer import BasicOptimizer, DistributedOptimizer
 from ..scaler import LossScaler
+from . import _lightning_checkpoints as checkpoint_files
 from ._lightning_optimizers import check_convertible, repoint_scheduler, to_distopt
 from ._lightning_precision import DistoptPrecision
 
@@ -85,6 +90,10 @@ class DistoptStrategy(DDPStrategy):
         overlap_param_gather, store_param_remainders: passed to ``distopt.DistributedOptimizer``.
         loss_scaler: the distopt loss scaler for fp16; by default a ``DynamicLossScaler`` with
             precision "16-mixed" and none otherwise.
+        torch_optimizer_state: put the optimizer state, in torch.optim's format, in the
+            checkpoint file Lightning's plain strategies read, so that they resume with it
+            (rank 0 reads it back from distopt's shards and writes it once more); False writes
+            the weights and Lightning's state only.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
 
@@ -109,6 +118,7 @@ class DistoptStrategy(DDPStrategy):
         overlap_param_gather: bool = False,
         store_param_remainders: bool = False,
         loss_scaler: LossScaler | None = None,
+        torch_optimizer_state: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -159,9 +169,14 @@ class DistoptStrategy(DDPStrategy):
                                   store_param_remainders=store_param_remainders)
         )
         self._loss_scaler = loss_scaler
-        # Kept after teardown, so that trainer.save_checkpoint works once fit has returned.
+        self._torch_optimizer_state = torch_optimizer_state
+        # Kept (released) after teardown, so that trainer.save_checkpoint works once fit has
+        # returned.
         self.ddp: DistributedDataParallel | None = None
         self.optimizer: DistributedOptimizer | BasicOptimizer | None = None
+        # Which params of each group of configure_optimizers' optimizer train, for the
+        # optimizer state in torch's numbering.
+        self._trainable: list[list[bool]] | None = None
 
     # ------------------------------------------------------------------ precision
 
@@ -201,6 +216,7 @@ class DistoptStrategy(DDPStrategy):
         self.ddp = DistributedDataParallel(self.lightning_module, **self._ddp_options)
         self.model = self.ddp
         original = self.optimizers[0]
+        self._trainable = [[p.requires_grad for p in g["params"]] for g in original.param_groups]
         scaler = self._loss_scaler or self.precision_plugin.loss_scaler()
         self.optimizer = to_distopt(
             original, self.ddp, basic=self.basic, clip_grad=trainer.gradient_clip_val or None,
@@ -270,6 +286,9 @@ class DistoptStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self.model is self.ddp and self.ddp is not None:
             self.model = self.lightning_module
+        if self.ddp is not None:
+            # The module leaves fit a plain module; see [Note: one wrapper per param].
+            self.ddp.release()
         # Lightning moves optimizer state to the CPU here; distopt's stays beside its main
         # params, so that trainer.save_checkpoint still works once fit has returned.
         optimizers, self._optimizers = self._optimizers, []
@@ -297,7 +316,8 @@ class DistoptStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        """Write a distopt checkpoint directory at ``filepath``; collective."""
+        """Write distopt's sharded checkpoint beside ``filepath`` and a Lightning checkpoint
+        file at ``filepath``; collective. See [Note: Lightning checkpoints under distopt]."""
         if storage_options is not None:
             raise TypeError("DistoptStrategy.save_checkpoint takes no storage_options")
         if self.ddp is None or self.optimizer is None:
@@ -306,15 +326,29 @@ class DistoptStrategy(DDPStrategy):
                 "them); none has run with this strategy"
             )
         path = Path(filepath)
-        if self.is_global_zero and path.exists():
-            _remove(path)  # Lightning overwrites a checkpoint saved under the same name
+        if self.is_global_zero:
+            # Lightning overwrites a checkpoint saved under the same name.
+            checkpoint_files.remove(path)
         self.barrier("DistoptStrategy.save_checkpoint")
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_checkpoint(path.parent, self.ddp, self.optimizer, extra=extra, name=path.name)
+        sharded = checkpoint_files.sharded_dir(path)
+        save_checkpoint(sharded.parent, self.ddp, self.optimizer, extra=extra,
+                        name=sharded.name, latest=False)
+        failure = None
+        if self.is_global_zero:
+            try:
+                checkpoint_files.write_file(
+                    sharded, path, trainable=self._trainable,
+                    optimizer=self._torch_optimizer_state and "optimizer_states" in checkpoint)
+            except Exception as exc:  # every rank raises it, none waits in Lightning's barrier
+                failure = f"cannot write {path} from {sharded}: {type(exc).__name__}: {exc}"
+        failure = self.broadcast(failure, src=0)
+        if failure:
+            raise RuntimeError(failure)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            _remove(Path(filepath))
+            checkpoint_files.remove(filepath)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
         """Load a distopt checkpoint into the module and the optimizer (at any number of
@@ -327,12 +361,15 @@ class DistoptStrategy(DDPStrategy):
                 "for validate/test/predict, load the weights in the module first (a plain file "
                 "from distopt.export_checkpoint loads with torch.load)"
             )
-        if not has_checkpoint(checkpoint_path):
+        sharded = checkpoint_files.resolve(checkpoint_path)
+        if sharded is None:
             raise ValueError(
-                f"{checkpoint_path} is not a distopt checkpoint: DistoptStrategy resumes from "
-                "the directories its trainer.save_checkpoint writes"
+                f"{checkpoint_path} is not a distopt checkpoint (no "
+                f"{checkpoint_files.sharded_dir(checkpoint_path).name} beside it): "
+                "DistoptStrategy resumes from the checkpoints its trainer.save_checkpoint "
+                "writes, the file with its sharded part"
             )
-        extra = load_checkpoint(checkpoint_path, self.ddp, self.optimizer)
+        extra = load_checkpoint(sharded, self.ddp, self.optimizer)
         return dict(extra or {})
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -340,13 +377,6 @@ class DistoptStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # so did it the optimizer's state
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 if DistoptStrategy.strategy_name not in StrategyRegistry:

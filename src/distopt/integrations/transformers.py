@@ -22,6 +22,19 @@ one of the Trainer's documented extension points, overridden here:
   on any number. The Trainer writes the rest of ``checkpoint-N`` (weights, trainer state,
   scheduler, RNG) as usual.
 
+The Trainer and accelerate look through a DDP wrapper in a few places (label smoothing's
+causal-LM check, ``_is_peft_model``, saving, a ``compute_loss`` override's
+``self.accelerator.unwrap_model(model)``), all through the accelerator's ``unwrap_model``, whose
+list of wrapper classes is accelerate's own. This trainer's accelerator gets an ``unwrap_model``
+that also takes distopt's wrapper off, so each of them sees the user's model exactly as under
+torch's DDP. The wrapper is released when ``train()`` returns or raises (see [Note: one wrapper
+per param] in distopt/param_owners.py): the model leaves the trainer a plain module, which
+another trainer (a second ``DistoptTrainer``, the plain Trainer) can wrap; a later ``train()``
+of this trainer wraps it anew and carries the optimizer's state over, as the Trainer keeps its
+optimizer across ``train()`` calls. A checkpoint also holds ``optimizer.pt``, the optimizer
+state in torch.optim's format (distopt's export of its own checkpoint), so that the plain
+Trainer resumes it with the optimizer state and not a fresh one.
+
 A subclass is the Trainer's own way to change how it builds its optimizer and wraps its model,
 so the change to a script is one name. Gradient accumulation needs nothing: the Trainer runs
 all but the last micro-batch of a step inside ``model.no_sync()``, which is distopt's (no
@@ -31,6 +44,8 @@ argument and the fix when the trainer is built, on every rank alike, before anyt
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import os
 from collections.abc import Callable
@@ -60,6 +75,7 @@ __all__ = ["DISTOPT_CHECKPOINT_DIR", "DistoptArguments", "DistoptTrainer", "Trai
 DISTOPT_CHECKPOINT_DIR = "distopt"
 """The folder inside the Trainer's ``checkpoint-N`` that holds distopt's sharded state."""
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name for it, so its tools find it
+OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's name for the torch.optim state it resumes
 
 # ``optim`` names whose class and options distopt can shard (the rest are refused, see below).
 SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
@@ -86,6 +102,13 @@ class DistoptArguments:
     muon_adjust_lr_fn: str = "match_rms_adamw"
     """Muon's step-size rule when ``optimizer_cls_and_kwargs`` names ``torch.optim.Muon`` and
     does not set it: "match_rms_adamw" lets Muon share the Trainer's one ``learning_rate``."""
+    torch_optimizer_file: bool = True
+    """Also write ``checkpoint-N/optimizer.pt``, the optimizer state in torch.optim's format, so
+    that the plain ``transformers.Trainer`` resumes the checkpoint with it. The main process
+    reads the whole optimizer state back from distopt's checkpoint and writes it once more (one
+    tensor at a time): turn it off where that costs too much. Runs whose param groups use
+    several optimizer classes (Muon + AdamW) have no torch.optim counterpart and never write
+    it."""
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and (
@@ -121,9 +144,35 @@ class DistoptTrainer(transformers.Trainer):
         # scale the loss or wrap the model's forward as well.
         return {**super()._build_accelerator_args(**kwargs), "mixed_precision": "no"}
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        _see_through_distopt(self.accelerator)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; the model leaves it a plain module (distopt's wrapper released),
+        whether training ends or raises. See [Note: distopt inside the Trainer]."""
+        try:
+            output = super().train(*args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that ended training is the one
+                self._release_wrapper()
+            raise
+        self._release_wrapper()
+        return output
+
+    def _release_wrapper(self) -> None:
+        if self.distopt_model is not None:
+            self.distopt_model.release()
+
+    def _live_ddp(self) -> distopt.DistributedDataParallel | None:
+        ddp = self.distopt_model
+        live = ddp is not None and not ddp.released and ddp.module is self.model
+        return ddp if live else None
+
     def _distopt_ddp(self) -> distopt.DistributedDataParallel:
-        """distopt's DDP over ``self.model``, built once per model."""
-        if self.distopt_model is None or self.distopt_model.module is not self.model:
+        """distopt's DDP over ``self.model``: the live one, or a new one (which takes the
+        model over from any wrapper that still holds it)."""
+        if self._live_ddp() is None:
             self.distopt_model = distopt.DistributedDataParallel(
                 self.model,
                 grad_dtype=self.distopt_args.grad_dtype,
@@ -157,6 +206,12 @@ class DistoptTrainer(transformers.Trainer):
         return True
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        previous = self.optimizer
+        if isinstance(previous, TrainerOptimizer) and (
+            previous.distributed.models[0] is not self._live_ddp()
+        ):
+            # A later train(): the model was wrapped anew, the Trainer keeps its optimizer.
+            self.optimizer = None
         if self.optimizer is None:
             ddp = self._distopt_ddp()
             optimizer_cls, groups, kwargs = self._distopt_param_groups()
@@ -169,6 +224,8 @@ class DistoptTrainer(transformers.Trainer):
                 clip_grad=max_norm if max_norm and max_norm > 0 else float("inf"),
                 loss_scaler=scaler, **kwargs,
             )
+            if isinstance(previous, TrainerOptimizer):
+                _carry_state(previous.distributed, opt)
             self.optimizer = TrainerOptimizer(opt, self._grad_norm)
         return self.optimizer
 
@@ -189,6 +246,8 @@ class DistoptTrainer(transformers.Trainer):
              "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
         ]
+        # The Trainer keeps an empty group, distopt drops it: optimizer.pt puts it back.
+        self._trainer_group_slots = [None if g["params"] else g["weight_decay"] for g in groups]
         if issubclass(optimizer_cls, torch.optim.Muon):
             groups = self._muon_groups(groups, kwargs)
         return optimizer_cls, [g for g in groups if g["params"]], kwargs
@@ -212,9 +271,13 @@ class DistoptTrainer(transformers.Trainer):
 
     def _wrap_model(self, model: nn.Module, training: bool = True,
                     dataloader: Any = None) -> nn.Module:
-        # Evaluation too: given the bare model, accelerate would move it to "cpu:0" (a copy on
-        # CPU), cutting its params loose from distopt's buffers.
-        return self._distopt_ddp()
+        if training:
+            return self._distopt_ddp()
+        # Evaluation inside train() goes through the wrapper: given the bare model, accelerate
+        # would move it to "cpu:0" (a copy on CPU), cutting its params loose from distopt's
+        # buffers. Outside, the model is plain (released) and evaluates as under the Trainer.
+        live = self._live_ddp()
+        return self.model if live is None else live
 
     # ------------------------------------------------------------------ step
 
@@ -248,9 +311,18 @@ class DistoptTrainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = self._distributed_optimizer()
-        distopt.save_checkpoint(Path(output_dir) / DISTOPT_CHECKPOINT_DIR, opt.models[0], opt)
+        saved = distopt.save_checkpoint(Path(output_dir) / DISTOPT_CHECKPOINT_DIR, opt.models[0],
+                                        opt)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+            if self.distopt_args.torch_optimizer_file and len(opt.optimizers) == 1:
+                # Written last, from the complete checkpoint: the plain Trainer resumes a
+                # checkpoint-N with its optimizer only where optimizer.pt exists.
+                distopt.export_checkpoint(
+                    saved, Path(output_dir) / OPTIMIZER_FILE, verify=False,
+                    transform=functools.partial(_trainer_optimizer_state,
+                                                slots=self._trainer_group_slots),
+                )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -272,6 +344,45 @@ class DistoptTrainer(transformers.Trainer):
         if not isinstance(self.optimizer, TrainerOptimizer):
             raise RuntimeError("the distopt optimizer is built when training starts")
         return self.optimizer.distributed
+
+
+def _see_through_distopt(accelerator: Any) -> None:
+    """Make ``accelerator.unwrap_model`` take distopt's wrapper off too, as it takes torch's
+    DDP off: the Trainer (label smoothing, ``_is_peft_model``, saving) and ``compute_loss``
+    overrides then see the user's model. Only this trainer's accelerator changes."""
+    unwrap = accelerator.unwrap_model
+
+    @functools.wraps(unwrap)
+    def unwrap_model(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        model = unwrap(model, *args, **kwargs)
+        while isinstance(model, distopt.DistributedDataParallel):
+            model = unwrap(model.module, *args, **kwargs)
+        return model
+
+    accelerator.unwrap_model = unwrap_model
+
+
+def _carry_state(old: distopt.DistributedOptimizer, new: distopt.DistributedOptimizer) -> None:
+    """``old``'s optimizer state (moments, step counts, the groups' options, the loss scale)
+    into ``new``, built over the same model wrapped anew. The main params stay ``new``'s, the
+    model's values now: the Trainer may have loaded other weights since (its best model)."""
+    state = old.state_dict()
+    state["main_params"] = new.state_dict()["main_params"]
+    new.load_state_dict(state)  # collective, as every rank builds its optimizer
+
+
+def _trainer_optimizer_state(tree: dict[str, Any], slots: list[float | None]) -> dict[str, Any]:
+    """The torch.optim state dict the plain Trainer's optimizer loads, from distopt's export:
+    an empty param group wherever the Trainer keeps one (``slots``: None for a group distopt
+    has, else the empty group's weight decay)."""
+    state = tree["optimizer"]
+    saved = list(state["param_groups"])
+    template = saved[0]
+    groups = []
+    for weight_decay in slots:
+        groups.append(saved.pop(0) if weight_decay is None
+                      else {**template, "weight_decay": weight_decay, "params": []})
+    return {"state": state["state"], "param_groups": groups + saved}
 
 
 class TrainerOptimizer(torch.optim.Optimizer):
@@ -400,6 +511,11 @@ def _check_unsupported(given: _Given) -> None:
                 check_optimizer_cls(cls, "optimizer_cls_and_kwargs")
             except TypeError as exc:
                 problems.append(str(exc))
+    if isinstance(given.model, distopt.DistributedDataParallel):
+        problems.append(
+            "model: it is a distopt.DistributedDataParallel already; pass the model it wraps "
+            "(ddp.module): DistoptTrainer wraps it itself, taking it over from the old wrapper"
+        )
     tp_size = getattr(given.model, "tp_size", None) or 1
     if tp_size > 1:
         problems.append(
