@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distopt
-from distopt import collectives as comm
 from distopt.bench.models import build_model
 from distopt.bench.runner import init_rank
+from distopt.comm import collectives as comm
 
 
 def _ways(rank: int, d: int, buckets: list[torch.Tensor], whole: torch.Tensor):

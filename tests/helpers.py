@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distopt
-from distopt import collectives as comm
+from distopt.comm import collectives as comm
 
 from models import AwkwardLM, batches, markov_batch, mlp, rank_slice
 
@@ -262,10 +262,11 @@ def free_port() -> int:
 # ---------------------------------------------------------------- which files a call runs
 
 STEP_FILES = {
-    "ddp.py", "buckets.py", "collectives.py", "optimizer.py", "optim/base.py", "optim/step.py",
-    "optim/main_params.py", "optim/remainders.py", "optim/grad_stats.py",
-    "optim/state_precision.py", "optim/block_scaling.py", "scaler.py", "grad_pool.py",
-    "param_gather.py", "nan_check.py", "optim/amp.py", "module_buffers.py",
+    "ddp/wrapper.py", "ddp/buckets.py", "ddp/grad_pool.py", "ddp/param_gather.py",
+    "ddp/nan_check.py", "ddp/module_buffers.py", "comm/collectives.py", "optim/optimizers.py",
+    "optim/base.py", "optim/step.py", "optim/main_params.py", "optim/remainders.py",
+    "optim/grad_stats.py", "optim/state_precision.py", "optim/block_scaling.py",
+    "optim/loss_scalers.py", "optim/amp.py",
 }
 PACKAGE = Path(distopt.__file__).parent
 

@@ -20,10 +20,10 @@ from torch import nn
 
 import distopt
 from distopt.layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from distopt.optim.recipes import muon_param_groups
 from distopt.plan.ownership import plan_of, predict_plan, state_bytes
 from distopt.train.config import OPTIMIZERS
 from distopt.train.model import GPT, gpt_config
-from distopt.train.recipes import muon_param_groups
 
 from dist_harness import case_result, run_cases
 

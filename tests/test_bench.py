@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distopt.bench import main
-from distopt.bench.collectives import OPS
+from distopt.bench.collective_timings import OPS
 from distopt.bench.host_overhead import measure_host_overhead
 from distopt.bench.systems import wire_bytes
 

@@ -12,7 +12,7 @@ import torch
 from distopt.bench import main
 from distopt.bench.models import build_model
 from distopt.bench.muon import muon_state_bytes
-from distopt.train.recipes import hidden_matrices
+from distopt.optim.recipes import hidden_matrices
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ must give the layers its data-parallel group (a subgroup of 2 of 3 ranks tells i
 default group). Checkpoints: saved and resumed at d = 2 the run ends bitwise where it would
 have, buffers included, and the buffers loaded are rank 0's; with SyncBatchNorm saved at d = 2
 and resumed at d = 3, within 1e-5. See [Note: buffer broadcasting] in
-src/distopt/module_buffers.py.
+src/distopt/ddp/module_buffers.py.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import distopt
-from distopt.module_buffers import sync_batchnorm_group
-from distopt.parallel.groups import ParallelGroups
+from distopt.ddp.wrapper.module_buffers import sync_batchnorm_group
+from distopt.parallel.process_groups import ParallelGroups
 
 from dist_harness import case_result, run_cases
 from helpers import FP32_TOL, world_params

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import distopt
-from distopt import collectives as comm
+from distopt.comm import collectives as comm
+from distopt.comm import sums
 from distopt.options import GradSyncOptions
 
 from dist_harness import case_result, run_cases
@@ -82,7 +83,7 @@ def collective_errors(kind: str, dtype: torch.dtype) -> dict:
     handle.wait()
     # The all_to_all_single version (NCCL's), on gloo too, must give the same bits.
     a2a = torch.empty(CHUNK, dtype=dtype)
-    comm._all_to_all_reduce_scatter_fp32(a2a, every[rank].clone(), group, async_op=False)
+    sums.all_to_all_reduce_scatter_fp32(a2a, every[rank].clone(), group, async_op=False)
 
     result = full[mine]
     return {

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import distopt
-from distopt import collectives as comm
 from distopt.checkpoint import merge_state_dicts
+from distopt.comm import collectives as comm
+from distopt.comm import sums
 
 from dist_harness import case_result, run_cases
 from helpers import (
@@ -152,7 +153,7 @@ def fp32_accumulated_reduction(replicate: int, shard: int) -> dict:
     mine = copies[dist.get_rank(group)]
     p2p, gathered = mine.clone(), mine.clone()
     comm.all_reduce_avg_fp32_accum(p2p, group, async_op=True).wait()
-    comm._all_gather_all_reduce_fp32(gathered, group, async_op=False)
+    sums.all_gather_all_reduce_fp32(gathered, group, async_op=False)
     return {"two_stage": two_stage, "single_rounding": single, "over_half_ulp": worst,
             "pieces": pieces, "buckets": len(ddp.buckets), "calls": dict(ddp.comm_stats.calls),
             "bytes": dict(ddp.comm_stats.bytes),

@@ -525,7 +525,7 @@ def test_distopt_trainer_matches_the_trainers_ddp_and_one_process(runs):
     assert runs["ddp"][0]["wrapper"] == "DistributedDataParallel"  # torch's, in the reference
     assert single["wrapper"] == "LlamaForCausalLM"
     for rank_run in runs["distopt"]:
-        assert rank_run["wrapper"] == "distopt.ddp.DistributedDataParallel"
+        assert rank_run["wrapper"] == "distopt.ddp.wrapper.DistributedDataParallel"
         assert not rank_run["torch_ddp_inside"]
         assert_same_run(rank_run, ddp)
         assert_same_run(rank_run, single)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import distopt
-from distopt.optim.groups import default_kernel_kwargs
 from distopt.optim.kinds import ELEMENTWISE_OPTIMIZERS
+from distopt.optim.param_groups import default_kernel_kwargs
 
 from models import AwkwardLM, batches
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import distopt
 from distopt.layout.elementwise import TARGET_BUCKETS_GLOO
-from distopt.layout.planner import ParamSpec, plan_model_layout
+from distopt.layout.model_layout import ParamSpec, plan_model_layout
 from distopt.plan.ownership import plan_of, predict_plan
 
 from dist_harness import case_result, run_cases

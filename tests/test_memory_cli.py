@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distopt
-from distopt.cli.memory import main
+from distopt.cli.memory_command import main
 from distopt.dtypes import DTYPES
 from distopt.memory import BytesPerParam, bytes_per_param_breakdown
 

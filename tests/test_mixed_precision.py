@@ -33,7 +33,7 @@ CLIP = 0.05  # below the grad norms of the first steps, so clipping really acts
 SCRIPT_SCALER = dict(initial_scale=1024.0, growth_factor=2.0, backoff_factor=0.5,
                      growth_interval=3, hysteresis=2, min_scale=128.0)
 SCRIPT = "OGGOGOOGGGOOOOGGGO"
-# Worked out by hand from the rules in scaler.py: the scale after each step of SCRIPT.
+# Worked out by hand from the rules in optim/loss_scalers.py: the scale after each step of SCRIPT.
 #   1 O  hysteresis 2->1, keep 1024     10 G  3rd good step: grow to 256, hysteresis back to 2
 #   4 O  hysteresis 1->0: 512 (good     11 O  hysteresis 2->1, keep 256
 #        steps 2-3 did not refill it)   12 O  hysteresis 1->0: 128

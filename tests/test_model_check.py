@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import distopt
-from distopt.model_check import describe_model, first_difference
-from distopt.optim.same_groups import first_difference as first_optimizer_difference
+from distopt.cross_rank.model import describe_model, first_difference
+from distopt.cross_rank.optimizer import first_difference as first_optimizer_difference
 from distopt.options import GradSyncOptions
 
 from dist_harness import case_result, run_cases
@@ -52,7 +52,7 @@ class Net(nn.Module):
 
 
 def _describe(model: nn.Module, bucket_size: int = 100, dp_size: int = 2,
-              **options) -> distopt.model_check.ModelDescription:
+              **options) -> distopt.cross_rank.model.ModelDescription:
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return describe_model(model, trainable, GradSyncOptions(**options), bucket_size=bucket_size,
                           dp_size=dp_size)
@@ -157,7 +157,7 @@ def test_the_described_buckets_are_the_ones_the_ddp_builds():
 def test_an_optimizer_is_described_by_values_not_addresses():
     """Two processes hold other objects for the same options: a callable by name, an object by
     type, a tensor by its values; a real difference is still named."""
-    from distopt.optim.same_groups import describe_optimizer
+    from distopt.cross_rank.optimizer import describe_optimizer
     from distopt.options import StepOptions
 
     class Schedule:  # an option object without a value-based repr

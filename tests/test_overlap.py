@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distopt
-from distopt import collectives as comm
+from distopt.comm import collectives as comm
 
 from dist_harness import case_result, run_cases
 from helpers import StrictCollectives, world_params

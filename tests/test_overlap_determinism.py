@@ -2,8 +2,8 @@
 give the same params, optimizer state and grad norms, bit for bit, step after step.
 
 Overlap moves when a bucket's collective is issued and waited for, never what it sums or in
-which order (see [Note: bucket launch order] in ddp.py and [Note: collectives on gloo] in
-collectives.py), so any difference is a bug: a grad that reached a bucket after its launch, a
+which order (see [Note: bucket launch order] in ddp/wrapper.py and [Note: collectives on gloo] in
+comm/collectives.py), so any difference is a bug: a grad that reached a bucket after its launch, a
 forward that read a param before its gather, a summation whose order followed arrival times.
 Each case trains the same model on the same data four times (the two switches on and off) and
 compares every step's grad norm, this rank's main params and optimizer state, and the whole

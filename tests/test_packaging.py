@@ -53,7 +53,7 @@ def test_import_distopt_loads_no_application_package():
     proc = _python(
         "import sys, torch\n"
         "before = set(sys.modules)\n"
-        "import distopt, distopt.cli, distopt.cli.memory\n"
+        "import distopt, distopt.cli, distopt.cli.memory_command\n"
         "print(' '.join(sorted(set(sys.modules) - before)))\n"
         "print('matplotlib' in sys.modules)\n"
     )

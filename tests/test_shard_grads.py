@@ -6,7 +6,7 @@ same (one backward per step): with bf16, remainders, fp32-accumulated reductions
 scaling, Muon, no overlap, a hierarchical mesh and tensor parallelism. Also: what a rank holds
 between steps (the kept shards alone) and during backward (plus k pool buffers), the nan
 check, checkpoints across both paths, and the option's check. One spawned group per world
-size runs every case; see [Note: sharded grads] in src/distopt/grad_pool.py.
+size runs every case; see [Note: sharded grads] in src/distopt/ddp/grad_pool.py.
 """
 
 from __future__ import annotations
@@ -553,7 +553,7 @@ def test_a_step_touches_only_the_step_modules():
 
     train_step()
     touched = files_run_by(train_step)
-    assert {"ddp.py", "buckets.py", "grad_pool.py"} <= touched
+    assert {"ddp/wrapper.py", "ddp/buckets.py", "ddp/grad_pool.py"} <= touched
     assert touched <= STEP_FILES, f"a step ran code of {sorted(touched - STEP_FILES)}"
 
 

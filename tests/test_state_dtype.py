@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distopt
-from distopt.optim.groups import CLASS_KEY
+from distopt.optim.param_groups import CLASS_KEY
 from distopt.parallel.dtensor import local_tensor
 from distopt.plan.ownership import plan_of, predict_plan
 
@@ -438,7 +438,7 @@ def test_table_of_state_bytes():
     (["--dtype", "fp32"], 8 + 4 / 4),
 ])
 def test_memory_command_prints_the_rows(capsys, args, total):
-    from distopt.cli.memory import main
+    from distopt.cli.memory_command import main
 
     assert main(["--params", "1e9", "--dp", "4", "--state-dtype", "bf16", *args]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()

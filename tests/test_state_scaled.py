@@ -462,7 +462,7 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_either_side(dtype):
 
 
 def test_table_and_commands_give_the_scaled_rows(capsys):
-    from distopt.cli.memory import main
+    from distopt.cli.memory_command import main
     from distopt.optim.kinds import state_bytes
     from distopt.train.config import parse_args
 

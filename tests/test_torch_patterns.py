@@ -7,7 +7,7 @@ torch DDP averages them), skip an inf that only one rank's shard holds on every 
 scale as torch moves it, and end bit for bit where distopt's own DynamicLossScaler with the same
 rules ends. torch's grad utilities on the model's params (``clip_grad_norm_``,
 ``clip_grad_value_``, ``get_total_norm``, any read of ``p.grad``) raise one error naming
-``clip_grad=`` instead of working on nothing ([Note: p.grad under distopt] in grad_marker.py),
+``clip_grad=`` instead of working on nothing ([Note: p.grad under distopt] in ddp/grad_marker.py),
 and a ``zero_grad()`` of the model itself zeroes a step's grads as ``opt.zero_grad()`` does.
 """
 

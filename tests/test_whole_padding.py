@@ -17,9 +17,9 @@ from test_whole_layout import check_layout, check_pieces
 
 from distopt.layout import whole
 from distopt.layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from distopt.optim.recipes import muon_param_groups
 from distopt.plan.ownership import predict_plan
 from distopt.train.model import GPT, gpt_config
-from distopt.train.recipes import muon_param_groups
 
 UNIT = 256 * 256
 """Every matrix of the GPT ``small`` is 1, 3 or 4 of these (n_embd = vocab = seq_len = 256)."""

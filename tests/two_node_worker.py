@@ -19,14 +19,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import distopt
-from distopt import collectives as comm
+from distopt.comm import collectives as comm
+from distopt.comm import gloo
 
 from helpers import CLIP, lm_loss, parity_groups
 from models import AwkwardLM, batches, rank_slice
 
 STEPS = 5
 SHAPE = (2, 2)  # (replicate, shard): one shard group per launcher of two ranks
-DISTOPT_TAGS = (comm._REDUCE_TAG, comm._GATHER_TAG)
+DISTOPT_TAGS = (gloo.REDUCE_TAG, gloo.GATHER_TAG)
 
 
 def build() -> tuple[torch.nn.Module, Any, Any]:

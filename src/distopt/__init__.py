@@ -10,11 +10,11 @@ from .checkpoint import (
     load_plain_checkpoint,
     save_checkpoint,
 )
-from .ddp import DistributedDataParallel
+from .ddp.wrapper import DistributedDataParallel
 from .memory import MemoryReport, measure_state_bytes, theoretical_bytes_per_param
 from .optim.kinds import register_whole_tensor_optimizer
-from .optimizer import BasicOptimizer, DistributedOptimizer, StepResult
-from .scaler import ConstantLossScaler, DynamicLossScaler
+from .optim.loss_scalers import ConstantLossScaler, DynamicLossScaler
+from .optim.optimizers import BasicOptimizer, DistributedOptimizer, StepResult
 
 __all__ = [
     "BasicOptimizer",

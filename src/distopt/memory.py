@@ -113,7 +113,7 @@ def bytes_per_param_breakdown(
     ``state_block_size`` elements (None: 32). See [Note: state precision] in
     optim/state_precision.py. ``shard_grads`` keeps only each rank's reduced shard of the
     grads between steps (``DistributedDataParallel(shard_grads=True)``): the grads are sharded
-    too. See [Note: sharded grads] in grad_pool.py.
+    too. See [Note: sharded grads] in ddp/grad_pool.py.
     """
     grad_dtype = grad_dtype or param_dtype
     if state_dtype is not None:

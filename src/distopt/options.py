@@ -107,13 +107,14 @@ class GradSyncOptions:
     """After the reduction, raise on every rank naming the first param with a nan or inf."""
     reduce_scatter_with_fp32_accumulation: bool = False
     """Send bf16/fp16 grads as they are, but sum each shard's d chunks in fp32 and round the
-    average once; see [Note: fp32-accumulated reduce-scatter] in collectives.py."""
+    average once; see [Note: fp32-accumulated reduce-scatter] in comm/collectives.py."""
     shard_grads: bool = False
     """Keep only this rank's reduced shard of the grads between steps, each bucket's full grads
-    only while it is reduced; see [Note: sharded grads] in grad_pool.py."""
+    only while it is reduced; see [Note: sharded grads] in ddp/grad_pool.py."""
     broadcast_buffers: bool = True
     """Broadcast the first ranks' module buffers (BatchNorm statistics) over the DP group
-    before a forward, as torch DDP does; see [Note: buffer broadcasting] in module_buffers.py."""
+    before a forward, as torch DDP does; see [Note: buffer broadcasting] in
+    ddp/module_buffers.py."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.broadcast_buffers, bool):

@@ -12,7 +12,7 @@ writes ``bench.json`` and ``bench.png`` into ``--out``.
 
 ``distopt bench --host-overhead`` runs the host-overhead microbenchmark instead
 (see ``host_overhead.py``), and ``distopt bench --collectives`` times distopt's collectives
-against the backend's own (see ``collectives.py``).
+against the backend's own (see ``comm/collectives.py``).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"installed): {INSTALL_HINT}", file=sys.stderr)
             return 2
     if args.collectives:
-        from .collectives import main as collectives_main
+        from .collective_timings import main as collectives_main
 
         return collectives_main(args)
     cores = os.cpu_count() or 1

@@ -1,7 +1,7 @@
 """The benchmark's Muon configurations: three ways to run the same Muon recipe on d ranks.
 
 All three train the hidden matrices with ``torch.optim.Muon`` and everything else with AdamW
-(``distopt.train.recipes.hidden_matrices``; for the MLP, every weight matrix), with the same
+(``distopt.optim.recipes.hidden_matrices``; for the MLP, every weight matrix), with the same
 options, so they compute the same step; they differ in who runs Newton-Schulz on which matrix
 and what crosses the wire:
 
@@ -27,8 +27,8 @@ from torch import nn
 
 import distopt
 
+from ..optim.recipes import hidden_matrices
 from ..plan.ownership import mean_state_bytes
-from ..train.recipes import hidden_matrices
 from .systems import ADAMW, System, _Distopt, _TorchDDP
 
 MUON_SYSTEMS = ("distopt-muon", "ddp-muon", "gather-muon")

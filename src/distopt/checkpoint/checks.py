@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import collectives as comm
+from ..comm import collectives as comm
 from ..optim.base import BufferOptimizer
 from .files import CheckpointError
 from .format import Optimizer, check_whole_state_fits, group_class_paths, hyper_params, whole_names

@@ -11,7 +11,7 @@ same for every piece of a parameter and are kept once per parameter.
 
 ``opt.state_dict()`` returns::
 
-    {"format": "distopt.optimizer/1",
+    {"format": "distopt.optim.optimizers/1",
      "optimizer": "torch.optim.adamw.AdamW",           # class of the inner torch optimizer
      "param_groups": [{"lr": 0.01, ..., "params": ["emb.weight", ...]}, ...],
      "main_params": {name: FlatShard},                  # fp32 master values this rank owns
@@ -66,12 +66,12 @@ from torch import nn
 
 from ..layout.elementwise import ShardPiece
 from ..optim.base import BufferOptimizer
-from ..optim.groups import CLASS_KEY
 from ..optim.kinds import whole_tensor_cost
+from ..optim.param_groups import CLASS_KEY
 from ..parallel.dtensor import is_dtensor
 from .files import CheckpointError
 
-STATE_DICT_FORMAT = "distopt.optimizer/1"
+STATE_DICT_FORMAT = "distopt.optim.optimizers/1"
 
 Optimizer = BufferOptimizer
 """Either distopt optimizer: what every checkpoint function takes."""

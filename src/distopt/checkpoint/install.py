@@ -18,7 +18,7 @@ from .format import CLASS_KEY, Optimizer, OwnedPiece
 KERNEL_OPTIONS = frozenset({"foreach", "fused", "capturable"})
 """Param-group options that say how torch.optim runs a step, not what it computes. They suit
 the device the optimizer runs on (fused on CUDA, foreach on CPU by default; see
-distopt.optimizer.default_kernel_kwargs), so a load keeps the loading optimizer's own: a
+distopt.optim.optimizers.default_kernel_kwargs), so a load keeps the loading optimizer's own: a
 checkpoint saved on CUDA resumes on the CPU with the CPU's kernels, and the reverse. Where
 ``state_tensor`` places the step counts follows the same, loading, options."""
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .. import collectives as comm
+from ..comm import collectives as comm
 from . import files
 from .checks import (
     Models,

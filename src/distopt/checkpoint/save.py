@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import collectives as comm
+from ..comm import collectives as comm
 from . import files
 from .checks import Models, check_pair
 from .files import CheckpointError
@@ -154,7 +154,7 @@ def _dcp_state(opt: Optimizer, extra: Any, rank: int
             state[f"state/{name}/{key}"] = value
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         # Buffers from the first DP ranks only, so that DCP writes theirs, which the next
-        # forward broadcasts; see [Note: buffer broadcasting] in module_buffers.py.
+        # forward broadcasts; see [Note: buffer broadcasting] in ddp/module_buffers.py.
         others = set() if model.parallel.first_dp_rank else buffer_keys(model.module)
         for key, value in model.module.state_dict().items():
             if key not in others:

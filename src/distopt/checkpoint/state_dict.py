@@ -1,7 +1,7 @@
 """``opt.state_dict()`` and ``opt.load_state_dict()``: the optimizer state in memory.
 
 The format is [Note: DP-size independent state] (format.py). The public optimizers' two methods
-(optimizer.py) call these functions; see [Note: one-way imports].
+(optim/optimizers.py) call these functions; see [Note: one-way imports].
 """
 
 from __future__ import annotations

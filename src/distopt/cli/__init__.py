@@ -30,7 +30,7 @@ register("train", "distopt.train.launch", "main", "train the demo GPT on several
          needs=TRAIN_NEEDS)
 register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO and FSDP2",
          needs=BENCH_NEEDS)
-register("memory", "distopt.cli.memory", "main", "bytes per parameter and GiB per rank")
+register("memory", "distopt.cli.memory_command", "main", "bytes per parameter and GiB per rank")
 register("export", "distopt.cli.export", "main", "checkpoint -> plain PyTorch file")
 
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ..ddp import DistributedDataParallel
-from ..optimizer import BasicOptimizer, DistributedOptimizer
-from ..scaler import LossScaler
+from ..ddp.wrapper import DistributedDataParallel
+from ..optim.loss_scalers import LossScaler
+from ..optim.optimizers import BasicOptimizer, DistributedOptimizer
 
 # Kernel choices left unset in torch's groups (None or False); distopt picks its own kernel for
-# the many small pieces of a shard (see distopt.optimizer.default_kernel_kwargs).
+# the many small pieces of a shard (see distopt.optim.optimizers.default_kernel_kwargs).
 _KERNEL_KEYS = ("foreach", "fused")
 
 

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import nn
 
-from ..scaler import DynamicLossScaler
+from ..optim.loss_scalers import DynamicLossScaler
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 

@@ -57,9 +57,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..ddp import DistributedDataParallel
-from ..optimizer import BasicOptimizer, DistributedOptimizer
-from ..scaler import LossScaler
+from ..ddp.wrapper import DistributedDataParallel
+from ..optim.loss_scalers import LossScaler
+from ..optim.optimizers import BasicOptimizer, DistributedOptimizer
 from . import _lightning_checkpoints as checkpoint_files
 from ._lightning_optimizers import check_convertible, repoint_scheduler, to_distopt
 from ._lightning_precision import DistoptPrecision

@@ -254,7 +254,7 @@ class DistoptTrainer(transformers.Trainer):
 
     def _muon_groups(self, groups: list[dict], kwargs: dict) -> list[dict]:
         """Muon for the hidden matrices, AdamW (the Trainer's adam_* options) for the rest."""
-        from distopt.train.recipes import hidden_matrices
+        from distopt.optim.recipes import hidden_matrices
 
         kwargs.setdefault("lr", self.args.learning_rate)
         kwargs.setdefault("adjust_lr_fn", self.distopt_args.muon_adjust_lr_fn)

@@ -18,7 +18,7 @@ step) finds no grads: a main param has a ``.grad`` only while a step runs, since
 grads do not exist before (optim/main_params.py). The step then unscales as above. Clip with
 ``clip_grad=``, which acts on the unscaled grads inside the step; torch's
 ``clip_grad_norm_(model.parameters())`` raises instead ([Note: p.grad under distopt] in
-grad_marker.py).
+ddp/grad_marker.py).
 
 GradScaler passes itself with a FutureWarning that it will one day set ``grad_scale`` and
 ``found_inf`` attributes instead; the call is the contract of this torch, so distopt silences

@@ -1,8 +1,8 @@
 """The optimizer class that DistributedOptimizer and BasicOptimizer share.
 
 Construction wires the parts (see docs/design.md, "Who calls whom"): the param groups and one
-inner torch optimizer per class (optim/groups.py), the DDP's buffers laid out for the owners of
-whole tensors (layout/planner.py), the fp32 main params of this rank's part
+inner torch optimizer per class (optim/param_groups.py), the DDP's buffers laid out for the
+owners of whole tensors (layout/model_layout.py), the fp32 main params of this rank's part
 (optim/main_params.py), the groups that grad statistics reduce over (with tensor parallelism,
 parallel/tensor_parallel.py) and the step pipeline (optim/step.py).
 """
@@ -19,22 +19,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ddp import DistributedDataParallel
+from ..cross_rank.optimizer import check_same_optimizer, describe_optimizer
+from ..ddp.wrapper import DistributedDataParallel
 from ..layout.elementwise import ShardPiece
 from ..options import StepOptions
-from ..parallel.groups import ParallelGroups, common_groups
+from ..parallel.process_groups import ParallelGroups, common_groups
 from ..parallel.tensor_parallel import counted_grads
-from ..scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from .amp import TorchGradScaler, refuse_attribute_protocol
-from .groups import (
+from .kinds import check_optimizer_cls
+from .loss_scalers import ConstantLossScaler, DynamicLossScaler, LossScaler
+from .main_params import ShardMainParams
+from .param_groups import (
     build_inner_optimizers,
     group_class,
     normalize_param_groups,
     whole_tensor_costs,
 )
-from .kinds import check_optimizer_cls
-from .main_params import ShardMainParams
-from .same_groups import check_same_optimizer, describe_optimizer
 from .state_precision import (
     StatePrecision,
     check_rounding,
@@ -46,7 +46,8 @@ from .step import BucketByBucket, StepPipeline, StepResult, WholeShard
 
 class BufferOptimizer(torch.optim.Optimizer):
     """What DistributedOptimizer and BasicOptimizer share: main params over a DDP's buffers,
-    the inner torch optimizers and the step. Not constructed directly; see distopt.optimizer."""
+    the inner torch optimizers and the step. Not constructed directly; see
+    distopt.optim.optimizers."""
 
     _sharded: bool
     # torch.amp.GradScaler.step(opt) calls step(grad_scaler=scaler); see [Note: torch's
@@ -114,7 +115,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         names = {p: m.param_names[p] for m in self.models for p in m.params}
         whole_costs = whole_tensor_costs(param_groups, group_classes, names)
         # The buffers are laid out once, now that the owners of whole tensors are known; see
-        # [Note: layout planned once] in layout/planner.py.
+        # [Note: layout planned once] in layout/model_layout.py.
         for model in self.models:
             model.build_buffers(
                 {p: c for p, c in whole_costs.items() if p in model.param_names}

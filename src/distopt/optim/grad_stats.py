@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import CommStats, all_reduce_small
+from ..comm.collectives import CommStats, all_reduce_small
 
 Groups = list[dist.ProcessGroup | None]
 

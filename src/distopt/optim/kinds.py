@@ -17,8 +17,8 @@ part may be depends on what the optimizer reads when it updates an element:
   which param balances a cost per param: for Muon the multiply-adds of Newton-Schulz, for
   Adafactor (whose work is linear) the elements. A user's own class joins with
   ``register_whole_tensor_optimizer``. On a hierarchical mesh
-  ([Note: hierarchical data parallelism] in parallel/groups.py) the owners are ranks of the shard
-  group, and each replica's owner steps the param, as each replica keeps its own state.
+  ([Note: hierarchical data parallelism] in parallel/process_groups.py) the owners are ranks
+  of the shard group, and each replica's owner steps the param, as each replica keeps its own state.
 * Anything else (LBFGS's line search over the whole model, SparseAdam's sparse grads) is
   refused.
 """

@@ -8,7 +8,7 @@ are views of the reduced grads (fp32), of ``grad_fp32`` [owned numel], or transi
 one bucket. They are the main params' ``.grad`` only while a step runs (between steps
 ``.grad`` is None, so that nothing reads grads that are not reduced yet, such as
 ``torch.amp.GradScaler.unscale_`` iterating the optimizer's params); see [Note: p.grad under
-distopt] in grad_marker.py. The step (optim/step.py) reads them through these methods alone.
+distopt] in ddp/grad_marker.py. The step (optim/step.py) reads them through these methods alone.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..buckets import ParamAndGradBuffer
+from ..ddp.buckets import ParamAndGradBuffer
 from ..layout.elementwise import ShardPiece
 from ..parallel.dtensor import local_tensor
 from .remainders import join_fp32, split_fp32
@@ -119,7 +119,7 @@ class ShardMainParams:
         if piece.param_range.size != local.numel():
             raise AssertionError(
                 "a whole-tensor param is split across ranks; the buffers were not laid out "
-                "for its optimizer (see [Note: layout planned once] in layout/planner.py)"
+                "for its optimizer (see [Note: layout planned once] in layout/model_layout.py)"
             )
         return tuple(local.shape)
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import CommStats
+from ..comm.collectives import CommStats
 from . import grad_stats
 from .main_params import ShardMainParams
 from .state_precision import StatePrecision

@@ -2,10 +2,10 @@
 
 Pure arithmetic, no torch.distributed: for ``nodes`` x ``gpus_per_node`` ranks and a shard size
 ``s``, the bytes per parameter one rank holds (``memory.bytes_per_param_breakdown`` at d = s) and
-the bytes per parameter it sends in one optimizer step, split into what stays inside a node and
-what crosses nodes, for sharding within groups of ``s`` ranks (a ("dp_replicate", "dp_shard")
-mesh; see [Note: hierarchical data parallelism] in parallel/groups.py) and for the flat layout
-(``s`` = every rank). ``distopt memory --nodes N --gpus-per-node G --shard-size S`` prints both.
+the bytes per parameter it sends in one optimizer step, split into what stays inside a node and what
+crosses nodes, for sharding within groups of ``s`` ranks (a ("dp_replicate", "dp_shard") mesh; see
+[Note: hierarchical data parallelism] in parallel/process_groups.py) and for the flat layout (``s``
+= every rank). ``distopt memory --nodes N --gpus-per-node G --shard-size S`` prints both.
 
 [Note: cluster traffic model]
 What one rank sends per step, with N params, s ranks per shard group, r = ranks / s replicas,

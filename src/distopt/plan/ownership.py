@@ -43,11 +43,11 @@ from torch import nn
 
 from ..layout.balance import BalanceReport, balance_report
 from ..layout.elementwise import TARGET_BUCKETS, BufferLayout
-from ..layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
+from ..layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
 from ..memory import BytesPerParam, MemoryReport, bytes_per_param_breakdown
 from ..optim.block_scaling import DEFAULT_BLOCK_SIZE
-from ..optim.groups import group_class, whole_tensor_costs
 from ..optim.kinds import StateDtypes, check_optimizer_cls, state_bytes
+from ..optim.param_groups import group_class, whole_tensor_costs
 from ..optim.state_precision import resolve_block_size, resolve_state_dtypes
 from ..options import StateDtype
 from ..parallel.dtensor import local_tensor

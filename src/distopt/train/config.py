@@ -27,7 +27,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "nadam": (torch.optim.NAdam, {"betas": (0.9, 0.95)}),
     "radam": (torch.optim.RAdam, {"betas": (0.9, 0.95)}),
     "adamax": (torch.optim.Adamax, {}),
-    # Whole-tensor optimizers, each in its standard recipe (train/recipes.py): Muon for the
+    # Whole-tensor optimizers, each in its standard recipe (optim/recipes.py): Muon for the
     # hidden matrices beside AdamW (the options above) for the rest, at AdamW's lr thanks to
     # adjust_lr_fn (see [Note: the Muon recipe]); Adafactor for every param, torch's defaults.
     "muon": (torch.optim.Muon, {"momentum": 0.95, "nesterov": True, "weight_decay": 0.1,
@@ -193,7 +193,7 @@ class TrainConfig:
         # The library raises the same on every rank; here it is one line before any starts.
         classes = [OPTIMIZERS[self.optimizer][0]]
         if self.optimizer == "muon":
-            classes.append(torch.optim.AdamW)  # the recipe's other params; see recipes.py
+            classes.append(torch.optim.AdamW)  # the recipe's other params; see optim/recipes.py
         try:
             dtypes = resolve_state_dtypes(parse_state_dtype(self.state_dtype), classes)
         except ValueError as error:

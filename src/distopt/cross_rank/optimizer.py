@@ -2,7 +2,7 @@
 
 [Note: one optimizer on every rank]
 The DDP compares the model and its element-wise layout across ranks when it is built ([Note:
-one model on every rank] in model_check.py). The optimizer then decides the rest on each rank
+one model on every rank] in cross_rank/model.py). The optimizer then decides the rest on each rank
 alone: which params go to which group, each group's class and options (lr, betas, weight
 decay, ...) and the step's own options (clipping, remainders, state dtype). A rank that decides
 otherwise (a param group built from a rank-dependent list, an lr read from another config)
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model_check import compared_groups, raise_unless_same
-from ..parallel.groups import ParallelGroups
+from ..parallel.process_groups import ParallelGroups
+from .agree import compared_groups, raise_unless_same
 
 Description = tuple[Any, ...]
 

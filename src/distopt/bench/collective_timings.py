@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import collectives as comm
+from ..comm import collectives as comm
 from .runner import init_rank
 
 OPS = (

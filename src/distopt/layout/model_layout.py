@@ -60,7 +60,7 @@ class ModelLayout:
     bucket_size: int
     buffers: tuple[PlannedBuffer, ...]
     launch_order: tuple[tuple[int, int], ...]
-    """(buffer, bucket) pairs in launch order; see [Note: bucket launch order] in ddp.py."""
+    """(buffer, bucket) pairs in launch order; see [Note: bucket launch order] in ddp/wrapper.py."""
 
 
 def resolve_bucket_size(

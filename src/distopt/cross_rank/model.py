@@ -17,7 +17,7 @@ its first broadcast, compares what every rank is about to communicate:
 * the bucket layout it plans: every buffer's buckets, their element ranges and params.
 
 ``describe_model`` and ``first_difference`` are the pure part (they use no
-torch.distributed; the layout comes from the DDP's own planner, layout/planner.py). The
+torch.distributed; the layout comes from the DDP's own planner, layout/model_layout.py). The
 collective part sends one 32-byte digest per rank per group (one all-gather); only when the
 digests differ does it exchange the descriptions, to name the first differing param, its value
 on each side and the ranks. It compares within the shard group and the replicate group
@@ -29,28 +29,25 @@ waiting in the broadcast that follows. The layout compared is the element-wise o
 ``DistributedOptimizer`` over whole-tensor optimizers has the buffers laid out for their owners
 ([Note: layout planned once]), deterministically from the (now checked) params and its param
 groups, which must be the same on every rank too: the optimizer compares them ([Note: one
-optimizer on every rank] in optim/same_groups.py).
+optimizer on every rank] in cross_rank/optimizer.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import collectives as comm
-from .layout.elementwise import BufferLayout
-from .layout.planner import ParamSpec, plan_model_layout
-from .options import GradSyncOptions
-from .parallel.dtensor import is_dtensor, local_tensor
-from .parallel.groups import ParallelGroups
-
-D = TypeVar("D")  # what the ranks of a group describe and compare
+from ..comm import collectives as comm
+from ..layout.elementwise import BufferLayout
+from ..layout.model_layout import ParamSpec, plan_model_layout
+from ..options import GradSyncOptions
+from ..parallel.dtensor import is_dtensor, local_tensor
+from ..parallel.process_groups import ParallelGroups
+from .agree import compared_groups, raise_unless_same
 
 _FIX = (
     "build the same model on every rank (the same config, the same frozen params and ties) and "
@@ -296,67 +293,3 @@ def check_same_model(
         [(name, group, description if full else description.global_view())
          for name, group, full in groups],
         lambda mine: mine.digest(), first_difference, trainable[0][1].device, stats)
-
-
-def compared_groups(parallel: ParallelGroups) -> list[tuple[str, dist.ProcessGroup, bool]]:
-    """The groups of ranks that must agree, by name, with whether they compare everything
-    (False: a tensor-parallel group, whose local shapes and layout legitimately differ);
-    those of one rank left out."""
-    tp_groups = list(parallel.tp.groups) if parallel.tp is not None else []
-    return [(name, group, full) for name, group, full in (
-        ("data-parallel", parallel.dp_group, True),
-        ("data-parallel replicate", parallel.replicate_group, True),
-        *(("tensor-parallel", group, False) for group in tp_groups),
-    ) if comm.group_size(group) > 1]
-
-
-def raise_unless_same(
-    described: list[tuple[str, dist.ProcessGroup, D]],
-    digest_of: Callable[[D], bytes],
-    difference: Callable[[list[D], list[int], str], str | None],
-    device: torch.device,
-    stats: comm.CommStats | None,
-) -> None:
-    """Raise the same ``ValueError`` on every rank of the groups of ``described`` (name,
-    group, this rank's description for it) unless each group's ranks hold equal
-    descriptions: one 32-byte digest per rank and group, the descriptions themselves only
-    where digests differ, then the verdict spread over every group; the message is what
-    ``difference`` (descriptions, ranks, group name) says."""
-    # gloo communicates CPU tensors; NCCL those on the params' device.
-    gloo_only = all(dist.get_backend(group) == "gloo" for _, group, _ in described)
-    device = torch.device("cpu") if gloo_only else device
-    message = None
-    for name, group, mine in described:
-        if _digests_differ(digest_of(mine), group, device, stats):
-            # Only now the details: every rank of the group sees the same digests, so all of
-            # them take this branch together.
-            found = difference(comm.all_gather_object(mine, group),
-                               dist.get_process_group_ranks(group), name)
-            message = message or found
-    if len(described) > 1:
-        message = _spread(message, [group for _, group, _ in described], device, stats)
-    if message is not None:
-        raise ValueError(message)
-
-
-def _digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.device,
-                    stats: comm.CommStats | None) -> bool:
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)  # [4]
-    every = [torch.empty_like(mine) for _ in range(comm.group_size(group))]
-    if stats is not None:
-        stats.record("model_check", mine)
-    dist.all_gather(every, mine, group=group)
-    return any(not torch.equal(d, mine) for d in every)
-
-
-def _spread(message: str | None, groups: list[dist.ProcessGroup], device: torch.device,
-            stats: comm.CommStats | None) -> str | None:
-    # The groups are the dimensions of one mesh: reducing over each in turn reaches every rank.
-    flag = torch.tensor([message is not None], dtype=torch.int32, device=device)
-    comm.all_reduce_small(flag, dist.ReduceOp.MAX, groups, stats)
-    if not flag.item():
-        return None
-    for group in groups:
-        gathered = comm.all_gather_object(message, group)  # by every rank, found or not
-        message = message or next((m for m in gathered if m is not None), None)
-    return message

@@ -18,7 +18,7 @@ from ..parallel.dtensor import is_dtensor, local_tensor
 from .kinds import check_optimizer_cls, needs_matrices, whole_tensor_cost
 
 if TYPE_CHECKING:
-    from ..ddp import DistributedDataParallel
+    from ..ddp.wrapper import DistributedDataParallel
 
 OptimizerClass = type[torch.optim.Optimizer]
 
@@ -111,7 +111,7 @@ def normalize_param_groups(
 # group of another class gives its options in the group, its class's defaults filling the
 # rest. The groups of whole-tensor classes ([Note: optimizer kinds] in optim/kinds.py)
 # have their params owned whole (the DDP lays its buffers out for them; see [Note: layout
-# planned once] in layout/planner.py) and their main params take each param's shape.
+# planned once] in layout/model_layout.py) and their main params take each param's shape.
 
 
 def build_inner_optimizers(

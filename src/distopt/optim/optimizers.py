@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import state_dict as state_dict_format
-from .ddp import DistributedDataParallel
-from .optim.base import BufferOptimizer, as_model_list
-from .optim.step import StepResult
-from .options import StateDtype, StepOptions
-from .scaler import LossScaler
+from ..checkpoint import state_dict as state_dict_format
+from ..ddp.wrapper import DistributedDataParallel
+from ..options import StateDtype, StepOptions
+from .base import BufferOptimizer, as_model_list
+from .loss_scalers import LossScaler
+from .step import StepResult
 
 __all__ = ["BasicOptimizer", "DistributedOptimizer", "StepResult"]
 
@@ -102,7 +102,7 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
 
     The DDP's buffers are laid out when the optimizer is built, for the owners of its
-    whole-tensor groups ([Note: layout planned once] in layout/planner.py): build it before
+    whole-tensor groups ([Note: layout planned once] in layout/model_layout.py): build it before
     the first backward.
     """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .parallel.dtensor import local_tensor
+from ..parallel.dtensor import local_tensor
 
 
 def trainable_named_params(

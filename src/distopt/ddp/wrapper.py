@@ -30,11 +30,11 @@ all-reduced buckets and a finished sync, every rank holds the same average, and 
 backward adds to it and reduces again, as torch DDP does. On one process nothing is reduced
 and grads simply accumulate. With sharded grads every backward reduces and adds to the kept
 shard, so only a grad for a bucket launched in the same backward raises, on one process too
-([Note: sharded grads] in grad_pool.py). The error names the case it sees: a backward after
+([Note: sharded grads] in ddp/grad_pool.py). The error names the case it sees: a backward after
 the step's sync without ``zero_grad``; a parameter that already had a grad this step (a second
 micro-batch outside ``no_sync``, or a grad accumulated twice in one backward); anything else. A
 second wrapper over the same params, which used to end here too (the first wrapper's hooks took
-the grads), now releases the first ([Note: one wrapper per param] in param_owners.py).
+the grads), now releases the first ([Note: one wrapper per param] in ddp/param_owners.py).
 """
 
 from __future__ import annotations
@@ -48,21 +48,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as comm
+from ..comm import collectives as comm
+from ..cross_rank.model import check_same_model
+from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
+from ..layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
+from ..options import GradSyncOptions
+from ..parallel.dtensor import alias_local, is_dtensor, local_grad, local_tensor
+from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
+from ..parallel.tensor_parallel import TensorParallelMesh, check_params
 from . import param_owners
 from .buckets import Bucket, ParamAndGradBuffer, ShardedGradBucket
 from .grad_marker import GradInBuffer
 from .grad_pool import GradPool, grad_pools_for
-from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
-from .layout.planner import ParamSpec, plan_model_layout, resolve_bucket_size
-from .model_check import check_same_model
 from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
 from .module_params import trainable_named_params
 from .nan_check import raise_on_nonfinite_grad
-from .options import GradSyncOptions
-from .parallel.dtensor import alias_local, is_dtensor, local_grad, local_tensor
-from .parallel.groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
-from .parallel.tensor_parallel import TensorParallelMesh, check_params
 from .param_gather import register_param_wait_hooks
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class DistributedDataParallel(nn.Module):
             average once, so its error does not grow with d (same bytes; a transient receive
             buffer and fp32 accumulator per bucket in flight). Needs the distributed optimizer
             and low-precision grads; buffers whose grads are fp32 reduce as before. See
-            [Note: fp32-accumulated reduce-scatter] in collectives.py.
+            [Note: fp32-accumulated reduce-scatter] in comm/collectives.py.
         device_mesh: the data-parallel group as a mesh instead of ``process_group`` (give at
             most one): a 1-D mesh, or a mesh with a dimension named "dp". Params may be DTensors
             on the tensor-parallel submesh (``parallelize_module(module, mesh["tp"], plan)``);
@@ -103,7 +103,7 @@ class DistributedDataParallel(nn.Module):
             bucket's full grads only from its first grad until its reduction is waited for,
             in a small pool of bucket-sized buffers (``grad_pools``). Every backward then
             reduces, inside ``no_sync()`` too. Needs the distributed optimizer. See
-            [Note: sharded grads] in grad_pool.py.
+            [Note: sharded grads] in ddp/grad_pool.py.
         broadcast_buffers: as torch DDP's: before a forward, broadcast the module's buffers
             (BatchNorm's running statistics) from the first data-parallel rank to the others
             (over the replicas of a hierarchical mesh too, never across tensor-parallel
@@ -112,7 +112,7 @@ class DistributedDataParallel(nn.Module):
             False: no broadcast, not even at construction; each rank keeps its own buffers.
             ``nn.SyncBatchNorm`` layers without a ``process_group`` are given the
             data-parallel group either way. See [Note: buffer broadcasting] in
-            module_buffers.py.
+            ddp/module_buffers.py.
     """
 
     def __init__(
@@ -172,12 +172,12 @@ class DistributedDataParallel(nn.Module):
         )
 
         # Every rank must hold the same model and plan the same buckets before the first
-        # collective; see [Note: one model on every rank] in model_check.py.
+        # collective; see [Note: one model on every rank] in cross_rank/model.py.
         check_same_model(module, named, self.options, bucket_size=self.bucket_size,
                          parallel=self.parallel, stats=self.comm_stats)
         # A module wrapped before is taken over, its old wrapper released first (its gathers
         # may still write into the params); see [Note: one wrapper per param] in
-        # param_owners.py.
+        # ddp/param_owners.py.
         self._released: str | None = None  # why this wrapper let go of its module
         for older, param in param_owners.other_owners(self.params, self):
             older._release(
@@ -193,7 +193,8 @@ class DistributedDataParallel(nn.Module):
         self._buffer_broadcast = BufferBroadcast(module, self.parallel, self.comm_stats,
                                                  enabled=broadcast_buffers)
 
-        # Laid out once, when first needed; see [Note: layout planned once] in layout/planner.py.
+        # Laid out once, when first needed; see [Note: layout planned once] in
+        # layout/model_layout.py.
         self._whole_tensor_costs: dict[nn.Parameter, float] = {}
         self._flat_buffers: list[ParamAndGradBuffer] | None = None
         self._buckets: list[Bucket] = []  # in launch order; empty until laid out
@@ -211,7 +212,7 @@ class DistributedDataParallel(nn.Module):
         self.grad_pools: dict[torch.dtype, GradPool] = {}
         self._in_backward = False
         # What p.grad holds once its grad is in the buffers, and the params holding it now;
-        # see [Note: p.grad under distopt] in grad_marker.py.
+        # see [Note: p.grad under distopt] in ddp/grad_marker.py.
         self._markers = {p: GradInBuffer(p, self.param_names[p]) for p in self.params}
         self._marked: set[nn.Parameter] = set()
         self._grad_hooks = [
@@ -231,7 +232,7 @@ class DistributedDataParallel(nn.Module):
         data-parallel rank (the owners balancing the summed costs), every other param in
         element-wise shards. The optimizer calls this with its whole-tensor params; it is
         deterministic, so every rank lays out the same buffers without communicating. Done
-        once: see [Note: layout planned once] in layout/planner.py."""
+        once: see [Note: layout planned once] in layout/model_layout.py."""
         self._check_live()
         unknown = [p for p in whole_tensor_costs if p not in self._param_index]
         if unknown:
@@ -335,7 +336,7 @@ class DistributedDataParallel(nn.Module):
     @property
     def broadcast_buffers(self) -> bool:
         """Whether the first ranks' module buffers are broadcast before forwards, as torch DDP's
-        attribute of that name says; see [Note: buffer broadcasting] in module_buffers.py."""
+        attribute of that name says; see [Note: buffer broadcasting] in ddp/module_buffers.py."""
         return self.options.broadcast_buffers
 
     @property
@@ -346,7 +347,7 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward / backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # See [Note: buffer broadcasting] in module_buffers.py.
+        # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
         output = self.module(*args, **kwargs)
         self._buffer_broadcast.after_forward(grad_sync=self._sync_enabled)
@@ -601,7 +602,7 @@ class DistributedDataParallel(nn.Module):
 
         With ``overlap`` the gathers run in the background, first layers first, and each module
         waits for its own buckets in a forward pre-hook; see [Note: param gather] in
-        param_gather.py.
+        ddp/param_gather.py.
         """
         self._check_live()
         self.finish_param_sync()
@@ -641,7 +642,7 @@ class DistributedDataParallel(nn.Module):
 
         Wrapping the module in a new ``DistributedDataParallel`` releases this one first; ``with
         DistributedDataParallel(module) as ddp:`` releases it when the block ends. See
-        [Note: one wrapper per param] in param_owners.py.
+        [Note: one wrapper per param] in ddp/param_owners.py.
         """
         self._release("ddp.release() was called")
         return self.module

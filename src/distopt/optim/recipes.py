@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import OPTIMIZERS
+from ..train.config import OPTIMIZERS
 
 
 def hidden_matrices(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -300,9 +300,9 @@ def _whole_tensor(args: argparse.Namespace) -> int:
         print("distopt memory: --optimizer shows one data-parallel group; drop --nodes (or "
               "--optimizer), or give the shard group's size as --dp", file=sys.stderr)
         return 2
+    from ..optim.recipes import hidden_matrices, muon_param_groups
     from ..plan.ownership import predict_plan
     from ..train.model import GPT, gpt_config
-    from ..train.recipes import hidden_matrices, muon_param_groups
 
     try:
         config = gpt_config(args.model, seq_len=256)

@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as comm
-from .parallel.dtensor import local_tensor
-from .parallel.groups import ParallelGroups
+from ..comm import collectives as comm
+from ..parallel.dtensor import local_tensor
+from ..parallel.process_groups import ParallelGroups
 
 
 class BufferBroadcast:

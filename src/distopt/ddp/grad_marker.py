@@ -1,17 +1,17 @@
 """What ``p.grad`` holds for a param of a distopt model: a marker that refuses to be read.
 
 [Note: p.grad under distopt]
-The DDP moves each grad out of ``p.grad`` into its bucket as soon as autograd has accumulated
-it (ddp.py), and after the reduce-scatter a rank holds the reduced grad of its own shard only
-(with sharded grads, nothing else): no rank ever holds the full reduced grad that torch's DDP
-leaves in ``p.grad``. A ``p.grad`` of None would let torch's utilities work on nothing, in
-silence: ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` would return 0 and clip
-nothing. So once its grad is moved, a param's ``.grad`` is a ``GradInBuffer``: a tensor of the
-param's shape, dtype and device without storage, whose every operation raises one error that
-names the param and the fix (``clip_grad=`` on the optimizer; its global norm is
-``StepResult.grad_norm``). Every rank runs the same user code, so every rank raises at the same
-call, and none is left waiting in a collective. A tensor hook that runs before autograd's
-accumulation removes the marker, so autograd writes the next grad as into an empty ``.grad``.
+The DDP moves each grad out of ``p.grad`` into its bucket as soon as autograd has accumulated it
+(ddp/wrapper.py), and after the reduce-scatter a rank holds the reduced grad of its own shard only
+(with sharded grads, nothing else): no rank ever holds the full reduced grad that torch's DDP leaves
+in ``p.grad``. A ``p.grad`` of None would let torch's utilities work on nothing, in silence:
+``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` would return 0 and clip nothing. So once
+its grad is moved, a param's ``.grad`` is a ``GradInBuffer``: a tensor of the param's shape, dtype
+and device without storage, whose every operation raises one error that names the param and the fix
+(``clip_grad=`` on the optimizer; its global norm is ``StepResult.grad_norm``). Every rank runs the
+same user code, so every rank raises at the same call, and none is left waiting in a collective. A
+tensor hook that runs before autograd's accumulation removes the marker, so autograd writes the next
+grad as into an empty ``.grad``.
 
 The marker keeps torch's meaning of ``p.grad``: present means "this param has a grad since the
 last zero". ``opt.zero_grad()`` and ``ddp.zero_grad()`` remove the markers with the step's

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as comm
+from ..comm import collectives as comm
 
 if TYPE_CHECKING:
     from .buckets import Bucket

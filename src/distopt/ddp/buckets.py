@@ -9,7 +9,7 @@ run on one contiguous tensor without any copy.
 
 A ``Bucket`` owns its step: which of its grads have been written and which are still to come,
 its reduction and its gather in flight, and the region of grads this rank holds reduced. The
-DDP wrapper only decides when each bucket acts (see [Note: bucket launch order] in ddp.py).
+DDP wrapper only decides when each bucket acts (see [Note: bucket launch order] in ddp/wrapper.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives as comm
+from ..comm import collectives as comm
+from ..layout.elementwise import BucketLayout, BufferLayout, Range
+from ..parallel.dtensor import alias_local, local_tensor
 from .grad_pool import GradPool
-from .layout.elementwise import BucketLayout, BufferLayout, Range
-from .parallel.dtensor import alias_local, local_tensor
 
 
 class Bucket:
@@ -55,7 +55,7 @@ class Bucket:
         self.params = params
         self.param_ranges = param_ranges  # of each param, in bucket coordinates
         self.param_data = param_data  # [bucket numel], padding included
-        # [bucket numel]; None between steps with sharded grads (grad_pool.py)
+        # [bucket numel]; None between steps with sharded grads (ddp/grad_pool.py)
         self.grad_data = grad_data
         shard = layout.shard_range(dp_rank)
         self.param_shard = param_data[shard.start : shard.end]  # [bucket numel / d]
@@ -225,7 +225,7 @@ class Bucket:
             with comm.failures_named("all_gather", self._describe(self.param_data)):
                 handle.wait()
 
-    # What a failed collective names; see [Note: a stuck rank] in collectives.py.
+    # What a failed collective names; see [Note: a stuck rank] in comm/collectives.py.
     @property
     def _reduction_op(self) -> str:
         return "reduce_scatter" if self.reduce_scatter else "all_reduce"
@@ -266,7 +266,7 @@ class ShardedGradBucket(Bucket):
     """A bucket whose full grads live in a buffer of the ``GradPool`` only from its first grad
     of a backward until its reduction is waited for; between steps it keeps ``grad_shard``, this
     rank's reduced shard, alone. Every backward reduces and adds into it. See
-    [Note: sharded grads] in grad_pool.py."""
+    [Note: sharded grads] in ddp/grad_pool.py."""
 
     def __init__(
         self,
@@ -405,10 +405,10 @@ class ParamAndGradBuffer:
         check_local_grads: bool = False,
         grad_pool: GradPool | None = None,
     ) -> None:
-        """``params`` in layout order, laid out by ``layout`` (from layout/planner.py). With a
+        """``params`` in layout order, laid out by ``layout`` (from layout/model_layout.py). With a
         ``grad_pool`` the grads are sharded: no ``grad_data``, only ``grad_shards`` (this
         rank's reduced shard of every bucket) between steps; see [Note: sharded grads] in
-        grad_pool.py."""
+        ddp/grad_pool.py."""
         if not params:
             raise ValueError("a buffer needs at least one parameter")
         self.params = params  # layout order

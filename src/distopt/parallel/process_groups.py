@@ -16,7 +16,7 @@ own the same chunk in the other replicas), still during backward, in launch orde
 shard group. Replicas then hold identical chunks, so grad statistics (norm, zero count, inf
 flag, nan check) reduce over the shard group only and count every element once; only
 ``find_unused_parameters``, the start-up broadcast and the broadcast of module buffers
-([Note: buffer broadcasting] in module_buffers.py) span both groups. Memory per rank is the
+([Note: buffer broadcasting] in ddp/module_buffers.py) span both groups. Memory per rank is the
 table at d = the shard size; the replicate group carries 2 (N/s)(r - 1)/r elements per rank
 and step, 1/s of a flat all-reduce. With ``reduce_scatter_with_fp32_accumulation`` the second
 stage sums in fp32 as well (see [Note: fp32-accumulated reduce-scatter]).
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .. import collectives as comm
+from ..comm import collectives as comm
 from .tensor_parallel import TensorParallelMesh, common_mesh, stat_groups
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class ParallelGroups:
     def first_dp_rank(self) -> bool:
         """Whether this rank is at coordinate 0 of every data-parallel group: the rank whose
         module buffers the others receive (see [Note: buffer broadcasting] in
-        module_buffers.py)."""
+        ddp/module_buffers.py)."""
         return self.dp_rank == 0 and comm.group_rank(self.replicate_group) == 0
 
     def verdict_groups(

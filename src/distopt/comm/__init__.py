@@ -1,0 +1,1 @@
+"""Collectives: stateless wrappers over torch.distributed, and their implementations on gloo."""
