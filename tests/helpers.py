@@ -262,11 +262,13 @@ def free_port() -> int:
 # ---------------------------------------------------------------- which files a call runs
 
 STEP_FILES = {
-    "ddp/wrapper.py", "ddp/buckets.py", "ddp/grad_pool.py", "ddp/param_gather.py",
-    "ddp/nan_check.py", "ddp/module_buffers.py", "comm/collectives.py", "optim/optimizers.py",
-    "optim/base.py", "optim/step.py", "optim/main_params.py", "optim/remainders.py",
-    "optim/grad_stats.py", "optim/state_precision.py", "optim/block_scaling.py",
-    "optim/loss_scalers.py", "optim/amp.py",
+    "ddp/wrapper.py", "ddp/grad_sync.py", "ddp/bucket.py", "ddp/grad_storage.py",
+    "ddp/state.py", "ddp/grad_marker.py", "ddp/grad_pool.py", "ddp/param_gather.py",
+    "ddp/nan_check.py", "ddp/module_buffers.py", "comm/collectives.py", "comm/gloo.py",
+    "comm/handles.py", "comm/errors.py", "comm/stats.py", "options.py",
+    "optim/optimizers.py", "optim/base.py", "optim/step.py", "optim/main_params.py",
+    "optim/remainders.py", "optim/grad_stats.py", "optim/state_precision.py",
+    "optim/block_scaling.py", "optim/loss_scalers.py", "optim/amp.py",
 }
 PACKAGE = Path(distopt.__file__).parent
 

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import distopt
-from distopt.ddp.wrapper.module_buffers import sync_batchnorm_group
+from distopt.ddp.module_buffers import sync_batchnorm_group
 from distopt.parallel.process_groups import ParallelGroups
 
 from dist_harness import case_result, run_cases

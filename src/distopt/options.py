@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .sharding import POLICIES, GradPolicy, Sharding, resolve_sharding
+
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 StateDtype = torch.dtype | Mapping[str, torch.dtype] | None
@@ -111,12 +113,22 @@ class GradSyncOptions:
     shard_grads: bool = False
     """Keep only this rank's reduced shard of the grads between steps, each bucket's full grads
     only while it is reduced; see [Note: sharded grads] in ddp/grad_pool.py."""
+    sharding: Sharding | str | None = None
+    """How much each rank holds a shard of: "none", "optim" or "optim_grads"; None: what
+    ``use_distributed_optimizer`` and ``shard_grads`` say. Resolved into a ``Sharding``, with
+    the two older spellings set to agree; see [Note: sharding strategy] in sharding.py."""
     broadcast_buffers: bool = True
     """Broadcast the first ranks' module buffers (BatchNorm statistics) over the DP group
     before a forward, as torch DDP does; see [Note: buffer broadcasting] in
     ddp/module_buffers.py."""
 
     def __post_init__(self) -> None:
+        sharding = resolve_sharding(self.sharding,
+                                    use_distributed_optimizer=self.use_distributed_optimizer,
+                                    shard_grads=self.shard_grads)
+        object.__setattr__(self, "sharding", sharding)
+        object.__setattr__(self, "use_distributed_optimizer", sharding is not Sharding.NONE)
+        object.__setattr__(self, "shard_grads", sharding is Sharding.OPTIM_GRADS)
         if not isinstance(self.broadcast_buffers, bool):
             raise ValueError(
                 f"broadcast_buffers must be True (the first ranks' module buffers are "
@@ -134,13 +146,11 @@ class GradSyncOptions:
             )
         if self.reduce_scatter_with_fp32_accumulation:
             self._check_fp32_accumulation()
-        if self.shard_grads and not self.use_distributed_optimizer:
-            raise ValueError(
-                "shard_grads=True keeps only this rank's shard of the reduced grads, but "
-                "use_distributed_optimizer=False all-reduces them for an optimizer that needs "
-                "every grad (BasicOptimizer); pass use_distributed_optimizer=True "
-                "(DistributedOptimizer) or drop shard_grads"
-            )
+
+    @property
+    def grad_policy(self) -> GradPolicy:
+        """What the sharding means for the grad sync (sharding.py)."""
+        return POLICIES[self.sharding]
 
     def _check_fp32_accumulation(self) -> None:
         if not self.use_distributed_optimizer:

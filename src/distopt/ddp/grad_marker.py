@@ -76,3 +76,47 @@ class GradInBuffer(torch.Tensor):
 
     def __deepcopy__(self, memo: Any) -> None:
         return None  # a copy of the model has no grads in distopt's buffers
+
+
+class GradMarkers:
+    """Each param's marker, and which params hold theirs now (those with a grad in the buffers
+    since the last zero)."""
+
+    def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
+        self._markers = {p: GradInBuffer(p, names[p]) for p in params}
+        self._names = names
+        self._marked: set[nn.Parameter] = set()
+
+    def mark(self, param: nn.Parameter) -> None:
+        """``param``'s grad is in the buffers now."""
+        marker = self._markers[param]
+        marker.zeroed = False
+        param.grad = marker
+        self._marked.add(param)
+
+    def drop(self, param: nn.Parameter) -> None:
+        param.grad = None
+        self._marked.discard(param)
+
+    def clear(self) -> None:
+        """A new step, or the wrapper lets go: no param keeps a marker."""
+        for param in self._marked:
+            param.grad = None
+        self._marked.clear()
+
+    def all_cleared(self) -> bool:
+        """Whether something outside distopt cleared every marker (``model.zero_grad()``); an
+        error if it cleared some and not others."""
+        cleared = [p for p in self._marked
+                   if p.grad is not self._markers[p] or self._markers[p].zeroed]
+        if not cleared:
+            return False
+        if len(cleared) == len(self._marked):
+            return True
+        raise RuntimeError(
+            f"the gradient of parameter '{self._names[cleared[0]]}' was cleared (p.grad "
+            f"set to None or zeroed) but those of {len(self._marked) - len(cleared)} other "
+            "parameters were not: distopt zeroes a step's gradients as a whole; call "
+            "optimizer.zero_grad() (or zero_grad() of the whole model) before the step's first "
+            "backward"
+        )

@@ -47,7 +47,7 @@ was added after it: averaging is linear (and leaves an average unchanged), so on
 enough in the usual pattern, the last micro-batch synced. A second backward without
 ``no_sync`` or ``zero_grad`` is not an error here: it reduces and adds, as a further
 micro-batch would. A grad for a bucket already launched in the same backward still raises
-([Note: grads after the reduction] in ddp/wrapper.py).
+([Note: grads after the reduction] in ddp/grad_sync.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch import nn
 from ..comm import collectives as comm
 
 if TYPE_CHECKING:
-    from .buckets import Bucket
+    from .bucket import Bucket
 
 FIX = ("lower the learning rate, check the inputs, or use fp16 with a loss scaler (which skips "
        "such steps) instead of check_for_nan_in_grad")

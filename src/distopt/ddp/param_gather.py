@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from .buckets import Bucket
+    from .bucket import Bucket
 
 
 def register_param_wait_hooks(

@@ -5,14 +5,18 @@ prediction (``distopt memory``, ``plan.ownership.predict_plan``) calls it on the
 A model's layout depends on its trainable params (their local shapes, which for a DTensor are
 its shard's, and dtypes, in registration order), the grad dtype, the bucket size, the
 data-parallel size, and which params an optimizer needs whole with the cost their owners
-balance ([Note: whole-tensor layout] in layout/whole.py). The last input belongs to the
-optimizer, which is built after the DDP, so the DDP lays its buffers out once, when the first
-of these needs them: the optimizer's construction (with its owners), a backward's first grad,
-or a read of ``ddp.flat_buffers`` (element-wise). Until then the params are the module's own
-tensors and a forward runs as usual. A layout is never redone: an optimizer that needs other
-owners than the buffers have raises, naming the fix. Params are grouped into one buffer per
-dtype in reverse registration order (about the order backward produces grads), and the buckets
-of all buffers are launched in one order, that of the param that completes each bucket.
+balance ([Note: whole-tensor layout] in layout/whole.py). Construction runs one way: the DDP
+lays its buffers out when it is built, with the owners it is told
+(``whole_tensor_params={param: torch.optim.Muon, ...}``) or element-wise; the optimizer, built
+after it, derives the owners its param groups need and checks them against that layout. Where
+they differ and the DDP was told nothing and has run no backward, the optimizer has it lay its
+buffers out once more, for those owners (the params' values move into the new buffers; the old
+ones are freed once nothing views them, so for a moment a rank holds two param buffers: pass
+``whole_tensor_params`` to the DDP to skip it). Anything later is refused, naming the fix: a
+layout is never changed once a backward ran, nor a second time. Nothing is laid out on a first
+read or a first grad. Params are grouped into one buffer per dtype in reverse registration order
+(about the order backward produces grads), and the buckets of all buffers are launched in one
+order, that of the param that completes each bucket.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ class ModelLayout:
     bucket_size: int
     buffers: tuple[PlannedBuffer, ...]
     launch_order: tuple[tuple[int, int], ...]
-    """(buffer, bucket) pairs in launch order; see [Note: bucket launch order] in ddp/wrapper.py."""
+    """(buffer, bucket) pairs in launch order; see [Note: bucket launch order] in
+    ddp/grad_sync.py."""
 
 
 def resolve_bucket_size(

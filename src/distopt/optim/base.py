@@ -114,13 +114,13 @@ class BufferOptimizer(torch.optim.Optimizer):
         check_rounding(options.state_rounding, state_dtypes)
         names = {p: m.param_names[p] for m in self.models for p in m.params}
         whole_costs = whole_tensor_costs(param_groups, group_classes, names)
-        # The buffers are laid out once, now that the owners of whole tensors are known; see
+        # The DDP laid its buffers out when built; this checks them against the owners of
+        # whole tensors, or lays them out for them before the first backward. See
         # [Note: layout planned once] in layout/model_layout.py.
         for model in self.models:
-            model.build_buffers(
+            model.lay_out_for(
                 {p: c for p, c in whole_costs.items() if p in model.param_names}
-                if self._sharded else {}
-            )
+                if self._sharded else {}, by="the optimizer")
         whole_params = frozenset(whole_costs)
         self._owned = [
             ShardMainParams(buf, sharded=self._sharded,

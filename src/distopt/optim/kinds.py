@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from ..layout.whole import newton_schulz_cost
+from ..parallel.dtensor import local_tensor
 from .block_scaling import DEFAULT_BLOCK_SIZE, needs_scales, num_blocks
 
 WholeTensorCost = Callable[[Sequence[int]], float]
@@ -259,3 +261,24 @@ def check_optimizer_cls(optimizer_cls: Any, where: str = "optimizer_cls") -> Non
             "declare it with distopt.register_whole_tensor_optimizer(cls) (each param is then "
             "owned whole by one rank)"
         )
+
+
+def costs_of_classes(classes: Mapping[nn.Parameter, type[torch.optim.Optimizer]],
+                     names: Mapping[nn.Parameter, str]) -> dict[nn.Parameter, float]:
+    """The cost each param's owner balances, for params stepped whole by the classes given
+    (``DistributedDataParallel(whole_tensor_params=...)``); an error for a tensor that is not
+    a trainable param, or a class that shards element by element."""
+    costs = {}
+    for param, cls in classes.items():
+        if param not in names:
+            raise ValueError("whole_tensor_params holds a tensor that is not a trainable "
+                             "parameter of this model")
+        cost = whole_tensor_cost(cls)
+        if cost is None:
+            raise ValueError(
+                f"whole_tensor_params gives parameter '{names[param]}' {cls.__name__}, which "
+                "shards element by element: name only the params of whole-tensor optimizers "
+                "(Muon, Adafactor)"
+            )
+        costs[param] = cost(tuple(local_tensor(param).shape))
+    return costs

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..ddp.buckets import ParamAndGradBuffer
+from ..ddp.buffer import ParamAndGradBuffer
 from ..layout.elementwise import ShardPiece
 from ..parallel.dtensor import local_tensor
 from .remainders import join_fp32, split_fp32

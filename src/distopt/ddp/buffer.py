@@ -1,0 +1,114 @@
+"""Contiguous parameter and gradient buffers, one per param dtype, cut into buckets.
+
+One ``ParamAndGradBuffer`` holds every trainable parameter of one dtype. After construction each
+such parameter's ``.data`` (a DTensor's local shard) is a view into ``param_data`` and its
+``main_grad`` (the one attribute distopt hangs on a parameter) is a view, of the same local
+shape, into ``grad_data``. Both buffers share one layout (see [Note: layout rule] in
+layout/elementwise.py), so a bucket (ddp/bucket.py) is the same range of both, and the
+collectives of a bucket run on one contiguous tensor without any copy. With sharded grads there
+is no ``grad_data``: ``grad_shards`` keeps this rank's reduced shard of every bucket
+([Note: sharded grads] in ddp/grad_pool.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import collectives as comm
+from ..layout.elementwise import BufferLayout
+from ..parallel.dtensor import alias_local, local_tensor
+from .bucket import Bucket
+from .grad_pool import GradPool
+from .grad_storage import FullGrads, ShardedGrads
+
+
+class ParamAndGradBuffer:
+    """Flat param and grad storage for parameters of one dtype, cut into buckets."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        layout: BufferLayout,
+        *,
+        grad_dtype: torch.dtype,
+        dp_rank: int,
+        group: dist.ProcessGroup | None,
+        reduce_scatter: bool,
+        stats: comm.CommStats | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
+        fp32_accumulation: bool = False,
+        check_local_grads: bool = False,
+        grad_pool: GradPool | None = None,
+    ) -> None:
+        """``params`` in layout order, laid out by ``layout`` (from layout/model_layout.py). With a
+        ``grad_pool`` the grads are sharded: no ``grad_data``, only ``grad_shards`` (this
+        rank's reduced shard of every bucket) between steps; see [Note: sharded grads] in
+        ddp/grad_pool.py."""
+        if not params:
+            raise ValueError("a buffer needs at least one parameter")
+        self.params = params  # layout order
+        self.param_dtype = params[0].dtype
+        self.grad_dtype = grad_dtype
+        self.dp_size = layout.dp_size
+        self.dp_rank = dp_rank
+        self.layout = layout
+        device = params[0].device
+        # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
+        self.param_data = torch.zeros(self.layout.numel, dtype=self.param_dtype, device=device)
+        sharded = grad_pool is not None
+        self.grad_data = (
+            None if sharded else torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
+        )
+        # [sum of the buckets' shard sizes]: bucket by bucket, this rank's reduced grads.
+        self.grad_shards = (
+            torch.zeros(sum(b.shard_size for b in self.layout.buckets), dtype=grad_dtype,
+                        device=device)
+            if sharded else None
+        )
+
+        with torch.no_grad():
+            for param, slot in zip(params, self.layout.params, strict=True):
+                rng = slot.buffer_range
+                # A DTensor param keeps its local shard here; see [Note: DTensor params].
+                local = local_tensor(param)
+                view = self.param_data[rng.start : rng.end].view_as(local)
+                view.copy_(local.detach())
+                alias_local(param, view)
+                # With sharded grads a view of the transient grads, only during a reduction.
+                param.main_grad = (
+                    None if sharded else self.grad_data[rng.start : rng.end].view_as(local)
+                )
+
+        self.buckets: list[Bucket] = []
+        kept_offset = 0
+        for bucket_layout in self.layout.buckets:
+            rng = bucket_layout.buffer_range
+            indices = bucket_layout.param_indices
+            args = (
+                bucket_layout,
+                [params[i] for i in indices],
+                [self.layout.params[i].bucket_range for i in indices],
+                self.param_data[rng.start : rng.end],
+            )
+            options = dict(
+                dp_rank=dp_rank, group=group, reduce_scatter=reduce_scatter, stats=stats,
+                replicate_group=replicate_group, fp32_accumulation=fp32_accumulation,
+                check_local_grads=check_local_grads,
+            )
+            # Where the bucket's grads live: the one place the sharding of grads matters.
+            shard = bucket_layout.shard_range(dp_rank)
+            if grad_pool is None:
+                grad_data = self.grad_data[rng.start : rng.end]
+                storage = FullGrads(grad_data, grad_data[shard.start : shard.end])
+            else:
+                kept = self.grad_shards[kept_offset : kept_offset + shard.size]
+                kept_offset += shard.size
+                storage = ShardedGrads(kept, grad_pool, rng.size, *args[1:3])
+            self.buckets.append(Bucket(*args, storage, **options))
+
+    def grad_storage(self) -> list[torch.Tensor]:
+        """The grad tensors this buffer holds between steps: ``grad_data`` (every grad), or
+        with sharded grads ``grad_shards`` (this rank's reduced shard of every bucket)."""
+        return [self.grad_data if self.grad_shards is None else self.grad_shards]

@@ -1,0 +1,289 @@
+"""The grad sync of one step: grad hooks, the launch order, the end of backward, the sync.
+
+[Note: bucket launch order]
+Collectives on one process group must be issued in the same order on every rank. Buckets are
+therefore launched strictly in one fixed order (the layout order, which follows backward): when
+a bucket's last grad arrives, it is launched only if every bucket before it has been, and then
+every following bucket that is ready goes with it. A bucket holding a parameter that got no
+grad in this backward (unused on this rank, or used only on others) simply waits for
+``finish_grad_sync``, which launches whatever is left. Nothing depends on which parameters each
+rank happened to use, so nothing can hang or mismatch.
+
+[Note: grads written, not zeroed]
+``zero_grad_buffer`` does not clear the grad buffer: it only forgets which parameters have a
+grad. The first grad a parameter gets after it is copied into the buffer, later ones (more
+micro-batches) are added; a parameter that got none by the time its bucket is reduced has its
+slot zeroed then. This spares a write of the whole buffer every step (for a model that fits in
+cache it is as costly as the reduction's own pass over the buffer), and the reduced result is
+the same as with a cleared buffer. Padding between parameters is never written by anything but
+the reduction of zeros, so it stays zero.
+
+[Note: grads after the reduction]
+Once a bucket's reduction has started, a grad that arrives for one of its parameters cannot
+join it: with overlap the bucket is already on the wire, and after a reduce-scatter each rank's
+buffer holds the average only in its own chunk and its local grads elsewhere, so reducing the
+buffer again would mix the two. Such a grad comes from a second backward without ``no_sync``
+or ``zero_grad`` in between, or from a parameter whose grad is accumulated twice in one
+backward (reentrant activation checkpointing); on several ranks it raises in the grad hook,
+rather than give a silently wrong step. What the sharding allows after a reduction is its
+``GradPolicy``'s to say (sharding.py): with all-reduced buckets every rank holds the same
+average once the sync has finished, and a further backward adds to it and reduces again, as
+torch DDP does; with sharded grads every backward reduces and adds to the kept shard, so only a
+grad for a bucket launched in the same backward raises, on one process too ([Note: sharded
+grads] in ddp/grad_pool.py). On one process nothing else is reduced and grads simply
+accumulate. The grad sync counts rounds (a backward with sharded grads, a finished sync with
+all-reduced ones): a bucket launched in the current round takes no more grads. The error names
+the case it sees: a backward after the step's sync without ``zero_grad``; a parameter that
+already had a grad this step (a second micro-batch outside ``no_sync``, or a grad accumulated
+twice in one backward); anything else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import collectives as comm
+from ..options import GradSyncOptions
+from ..parallel.dtensor import local_grad
+from ..parallel.process_groups import ParallelGroups
+from .bucket import Bucket
+from .grad_marker import GradMarkers
+from .grad_pool import GradPool
+from .nan_check import raise_on_nonfinite_grad
+from .state import SYNC_TRANSITIONS, SyncState, advance
+
+
+class GradSync:
+    """The grads of one step over a DDP's buckets: from the hooks to the synced shards."""
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        params: list[nn.Parameter],
+        param_names: dict[nn.Parameter, str],
+        options: GradSyncOptions,
+        parallel: ParallelGroups,
+        grad_pools: dict[torch.dtype, GradPool],
+        stats: comm.CommStats,
+        dtensor_params: frozenset[nn.Parameter],
+    ) -> None:
+        self.buckets = buckets  # in launch order
+        self.bucket_of = {p: b for b in buckets for p in b.params}
+        self.params = params  # registration order
+        self.param_names = param_names
+        self.options = options
+        self.policy = options.grad_policy
+        self.parallel = parallel
+        self.grad_pools = grad_pools
+        self.stats = stats
+        self.dtensor_params = dtensor_params
+        self.markers = GradMarkers(params, param_names)
+        self.state = SyncState.IDLE
+        self.sync_enabled = True  # False inside no_sync()
+        self.round = 0  # see [Note: grads after the reduction]
+        self._synced_in_step = False  # for the late grad's message: which case it is
+        self._launches = True  # whether this backward launches buckets as they fill
+        self._next_launch = 0  # the first bucket of the launch order not launched yet
+        self._next_replica = 0  # the first bucket whose second stage is not started yet
+        self._param_index = {p: i for i, p in enumerate(params)}
+        self._used = bytearray(len(params))  # with find_unused_parameters
+        self.unused_params: frozenset[nn.Parameter] = frozenset()
+        # Over the replicas and TP groups too, so that every rank of the mesh raises, or none
+        # does, and each learns which rank produced the nan.
+        self._nan_check_groups = parallel.verdict_groups(replicas=True)
+
+    def _advance(self, new: SyncState) -> None:
+        self.state = advance(self.state, new, SYNC_TRANSITIONS, "the grad sync")
+
+    # ------------------------------------------------------------------ backward
+
+    def before_accumulate(self, param: nn.Parameter) -> None:
+        """Before autograd accumulates ``param``'s grad: the first of a backward starts it,
+        and the marker goes, so the grad is written as into an empty ``.grad``."""
+        if self.state is not SyncState.BACKWARD:
+            self._start_backward()
+        param.grad = None
+
+    def _start_backward(self) -> None:
+        # Grads cleared outside distopt (a zero_grad of the wrapped module) start a new step;
+        # an earlier backward's reductions finish first (their second stages keep the launch
+        # order on every rank). The end of this backward is queued on the autograd engine.
+        if self.markers.all_cleared():
+            self.zero_grad_buffer()
+        for bucket in self.buckets:
+            bucket.wait_reduction()
+        if self.policy.reduces_every_backward:
+            self.round += 1
+        self._launches = self.sync_enabled or self.policy.reduces_every_backward
+        self._advance(SyncState.BACKWARD)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def accumulate(self, param: nn.Parameter) -> None:
+        """After autograd accumulated ``param``'s grad: move it into its bucket."""
+        grad = param.grad
+        if grad is None:
+            return
+        bucket = self.bucket_of[param]
+        if self._is_late(bucket):
+            self.markers.drop(param)  # so that the next backward, after zero_grad(), is clean
+            self._raise_late_grad(param, bucket)
+        if param in self.dtensor_params:
+            grad = local_grad(param, grad)
+        bucket.add_grad(param, grad)
+        self.markers.mark(param)
+        if self.options.find_unused_parameters:
+            self._used[self._param_index[param]] = 1
+        if self._launches and self.options.overlap_grad_reduce and bucket.mark_ready(param):
+            self._launch_ready_buckets()
+
+    def _is_late(self, bucket: Bucket) -> bool:
+        # See [Note: grads after the reduction].
+        if not bucket.launched:
+            return False
+        if self.parallel.dp_size == 1 and not self.policy.reduces_every_backward:
+            return False
+        readds = self.policy.reduces_every_backward or self.policy.reduces_again_after_sync
+        return bucket.launched_round == self.round or not readds
+
+    def _raise_late_grad(self, param: nn.Parameter, bucket: Bucket) -> None:
+        if self._synced_in_step and not self.policy.reduces_every_backward:
+            why = (
+                "this step's grads were already reduced (optimizer.step() or "
+                "ddp.finish_grad_sync() ran) and optimizer.zero_grad() was not called since: "
+                "call optimizer.zero_grad() before the next step's first backward"
+            )
+        elif bucket.wrote(param) and self.policy.reduces_every_backward:
+            why = (
+                "its grad was accumulated twice in one backward, the second time after its "
+                "bucket was reduced: run each parameter's backward once per backward (no "
+                "reentrant activation checkpointing across a bucket: use_reentrant=False)"
+            )
+        elif bucket.wrote(param):
+            why = (
+                "it already had a grad this step, and its bucket was reduced since: accumulate "
+                "micro-batches inside ddp.no_sync() (all but the last), and run each "
+                "parameter's backward once per backward (no reentrant activation "
+                "checkpointing across a bucket: use_reentrant=False)"
+            )
+        else:
+            why = (
+                "accumulate micro-batches inside ddp.no_sync() (all but the last), call "
+                "optimizer.zero_grad() before the next step's first backward, and run each "
+                "parameter's backward once per step (no reentrant activation checkpointing "
+                "across a bucket)"
+            )
+        span = "backward" if self.policy.reduces_every_backward else "step"
+        raise RuntimeError(
+            f"parameter '{self.param_names[param]}' got a gradient after its bucket's "
+            f"data-parallel reduction had started (bucket {bucket.order} was already "
+            f"{bucket.state.value} in this {span}), so it would be left out of the reduced "
+            f"gradient: {why}"
+        )
+
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in launch order; see [Note: bucket launch order].
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            self._launch_next()
+        # Second stages too, in the same order, as far as first stages have finished.
+        while self._next_replica < self._next_launch and self.buckets[
+            self._next_replica
+        ].advance_reduction(block=False):
+            self._next_replica += 1
+
+    def _launch_next(self) -> None:
+        # Sharded grads under no_sync skip the second stage; see [Note: sharded grads].
+        self.buckets[self._next_launch].launch_reduction(self.round,
+                                                         replicate=self.sync_enabled)
+        self._next_launch += 1
+
+    def _end_backward(self) -> None:
+        self._advance(SyncState.ACCUMULATED)
+        if self.policy.reduces_every_backward:
+            # See [Note: sharded grads]: every bucket reduces, the next backward starts fresh.
+            self._launch_ready_buckets()
+            self._launch_rest()
+            for bucket in self.buckets:
+                bucket.expect_every_grad()
+            self._next_launch = self._next_replica = 0
+
+    def _launch_rest(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.launched and bucket.launched_round == self.round:
+                self._next_launch += 1  # launched already in this round
+            else:
+                self._launch_next()
+
+    # ------------------------------------------------------------------ the sync
+
+    def finish(self) -> None:
+        """Launch every bucket not launched in this round, in order, and wait for all."""
+        if self.state is SyncState.SYNCED:
+            return
+        if self.state is SyncState.BACKWARD:
+            raise RuntimeError(
+                "finish_grad_sync() was called while a backward pass is running: call it (or "
+                "optimizer.step()) after backward() returns"
+            )
+        # With sharded grads each backward launched every bucket at its end: only those that
+        # got no backward this step are left.
+        if not (self.policy.reduces_every_backward and self.state is SyncState.ACCUMULATED):
+            self._launch_rest()
+        for bucket in self.buckets:
+            bucket.wait_reduction()
+        # Micro-batches reduced under no_sync only: their second stage, once, now.
+        for bucket in self.buckets:
+            bucket.replicate_if_needed()
+            bucket.wait_reduction()
+        self._release_grad_pools()
+        unused: frozenset[nn.Parameter] = frozenset()
+        if self.options.find_unused_parameters:
+            used = torch.tensor(list(self._used), dtype=torch.int32,
+                                device=self.params[0].device)
+            # Over every data-parallel rank: replicas train on other data than their peers.
+            comm.all_reduce_small(used, dist.ReduceOp.MAX,
+                                  self.parallel.data_parallel_groups, self.stats)
+            unused = frozenset(p for p, u in zip(self.params, used.tolist(), strict=True) if not u)
+            self._used = bytearray(len(self.params))
+        self.unused_params = unused
+        self._next_launch = self._next_replica = 0
+        for bucket in self.buckets:
+            bucket.expect_every_grad()
+        if self.policy.reduces_again_after_sync:
+            self.round += 1
+        self._advance(SyncState.SYNCED)
+        self._synced_in_step = True
+        if self.options.check_for_nan_in_grad:
+            raise_on_nonfinite_grad(self.buckets, self.params, self.param_names,
+                                    self._nan_check_groups, self.stats)
+
+    def zero_grad_buffer(self) -> None:
+        """Start a new step's grads ([Note: grads written, not zeroed])."""
+        # Reductions launched but never waited for (a backward that raised before the step)
+        # still write into the buffer and own their receive buffers: finish them first.
+        for bucket in self.buckets:
+            bucket.forget_grads()
+        self.markers.clear()
+        self._next_launch = self._next_replica = 0
+        self._used = bytearray(len(self.params))
+        self.unused_params = frozenset()
+        self._release_grad_pools()
+        self.round += 1
+        self._synced_in_step = False
+        self._advance(SyncState.IDLE)
+
+    def _release_grad_pools(self) -> None:
+        # Nothing transient between steps; see [Note: sharded grads].
+        for pool in self.grad_pools.values():
+            pool.release()
+
+    def release(self) -> None:
+        """The wrapper lets go: nothing in flight, no marker left."""
+        for bucket in self.buckets:
+            bucket.forget_grads()
+            bucket.wait_gather()
+        self.markers.clear()
+        self._release_grad_pools()
+        self._advance(SyncState.RELEASED)
