@@ -704,12 +704,12 @@ def test_a_distopt_checkpoint_resumes_under_the_plain_trainer(runs):
 
 
 def test_optimizer_pt_keeps_the_trainers_empty_param_groups():
-    from distopt.integrations.transformers import _trainer_optimizer_state
+    from distopt.integrations._transformers_optimizer import trainer_optimizer_state
 
     exported = {"optimizer": {"state": {0: {"step": 1}},
                               "param_groups": [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]}]}}
     # The Trainer's no-decay group is empty here; distopt has no group for it.
-    state = _trainer_optimizer_state(exported, [None, 0.0])
+    state = trainer_optimizer_state(exported, [None, 0.0])
     assert state["param_groups"] == [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]},
                                      {"lr": 1e-3, "weight_decay": 0.0, "params": []}]
     assert state["state"] == {0: {"step": 1}}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -111,12 +110,6 @@ def test_a_failed_save_is_reported_and_training_goes_on(tmp_path):
     assert stopped.returncode != 0
     assert "cannot save a checkpoint" in stopped.stderr
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "ckpt-000001"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

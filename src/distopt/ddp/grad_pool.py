@@ -91,10 +91,6 @@ class GradPool:
     def buffer_bytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak_buffers * self.buffer_bytes
-
     def acquire(self) -> torch.Tensor:
         """A buffer [numel] of stale values: a free one, else a new one up to ``in_flight``,
         else the one the oldest reduction in flight frees when waited for, else a new one."""

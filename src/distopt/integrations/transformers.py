@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,10 +64,20 @@ except ImportError as exc:  # one line that says what to install, not a deep tra
     raise ImportError(
         f"distopt.integrations.transformers needs transformers and accelerate: {pip_install('hf')}"
     ) from exc
-from transformers.trainer_optimizer import is_optimizer_factory
 
 import distopt
-from distopt.optim.kinds import ELEMENTWISE_OPTIMIZERS, check_optimizer_cls
+
+from ._transformers_checks import (
+    bound_trainer_arguments,
+    check_unsupported,
+    is_hf_adafactor,
+)
+from ._transformers_optimizer import (
+    ScaledBackward,
+    TrainerOptimizer,
+    carry_state,
+    trainer_optimizer_state,
+)
 
 __all__ = ["DISTOPT_CHECKPOINT_DIR", "DistoptArguments", "DistoptTrainer", "TrainerOptimizer"]
 
@@ -78,7 +87,6 @@ SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name for it, so its tools find 
 OPTIMIZER_FILE = "optimizer.pt"  # the Trainer's name for the torch.optim state it resumes
 
 # ``optim`` names whose class and options distopt can shard (the rest are refused, see below).
-SUPPORTED_OPTIM = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,7 +138,7 @@ class DistoptTrainer(transformers.Trainer):
 
     def __init__(self, *args: Any, distopt_args: DistoptArguments | None = None,
                  **kwargs: Any) -> None:
-        _check_unsupported(_bound_trainer_arguments(args, kwargs))
+        check_unsupported(bound_trainer_arguments(args, kwargs))
         self.distopt_args = distopt_args or DistoptArguments()
         self.distopt_model: distopt.DistributedDataParallel | None = None
         # Filled in place after each step with distopt's norm; see _clip_grad_norm.
@@ -225,7 +233,7 @@ class DistoptTrainer(transformers.Trainer):
                 loss_scaler=scaler, **kwargs,
             )
             if isinstance(previous, TrainerOptimizer):
-                _carry_state(previous.distributed, opt)
+                carry_state(previous.distributed, opt)
             self.optimizer = TrainerOptimizer(opt, self._grad_norm)
         return self.optimizer
 
@@ -236,7 +244,7 @@ class DistoptTrainer(transformers.Trainer):
         else:
             optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
         kwargs = dict(kwargs)
-        if _is_hf_adafactor(optimizer_cls):
+        if is_hf_adafactor(optimizer_cls):
             # It reads whole params (row and column statistics): each is owned by one rank.
             distopt.register_whole_tensor_optimizer(optimizer_cls)
         decay = set(self.get_decay_parameter_names(self.model))
@@ -296,8 +304,8 @@ class DistoptTrainer(transformers.Trainer):
         # fp16: backward sees the loss times the scale, the Trainer logs the loss itself.
         if return_outputs:
             loss, outputs = result
-            return _ScaledBackward.apply(loss, scaler.scale), outputs
-        return _ScaledBackward.apply(result, scaler.scale)
+            return ScaledBackward.apply(loss, scaler.scale), outputs
+        return ScaledBackward.apply(result, scaler.scale)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         # distopt clips inside its step, with one global norm across the shards; the Trainer
@@ -320,7 +328,7 @@ class DistoptTrainer(transformers.Trainer):
                 # checkpoint-N with its optimizer only where optimizer.pt exists.
                 distopt.export_checkpoint(
                     saved, Path(output_dir) / OPTIMIZER_FILE, verify=False,
-                    transform=functools.partial(_trainer_optimizer_state,
+                    transform=functools.partial(trainer_optimizer_state,
                                                 slots=self._trainer_group_slots),
                 )
 
@@ -360,212 +368,3 @@ def _see_through_distopt(accelerator: Any) -> None:
         return model
 
     accelerator.unwrap_model = unwrap_model
-
-
-def _carry_state(old: distopt.DistributedOptimizer, new: distopt.DistributedOptimizer) -> None:
-    """``old``'s optimizer state (moments, step counts, the groups' options, the loss scale)
-    into ``new``, built over the same model wrapped anew. The main params stay ``new``'s, the
-    model's values now: the Trainer may have loaded other weights since (its best model)."""
-    state = old.state_dict()
-    state["main_params"] = new.state_dict()["main_params"]
-    new.load_state_dict(state)  # collective, as every rank builds its optimizer
-
-
-def _trainer_optimizer_state(tree: dict[str, Any], slots: list[float | None]) -> dict[str, Any]:
-    """The torch.optim state dict the plain Trainer's optimizer loads, from distopt's export:
-    an empty param group wherever the Trainer keeps one (``slots``: None for a group distopt
-    has, else the empty group's weight decay)."""
-    state = tree["optimizer"]
-    saved = list(state["param_groups"])
-    template = saved[0]
-    groups = []
-    for weight_decay in slots:
-        groups.append(saved.pop(0) if weight_decay is None
-                      else {**template, "weight_decay": weight_decay, "params": []})
-    return {"state": state["state"], "param_groups": groups + saved}
-
-
-class TrainerOptimizer(torch.optim.Optimizer):
-    """What the Trainer steps: distopt's optimizer, seen as one the Trainer can drive.
-
-    ``step()`` runs distopt's step (grad sync, loss-scale check, global clip, sharded update,
-    param gather), then zeroes the grad buffers, since the Trainer's ``model.zero_grad()``
-    only drops ``.grad`` attributes, which distopt does not use. ``last_result`` is the
-    ``distopt.StepResult``; ``step_was_skipped`` tells the Trainer (through accelerate) not to
-    advance the LR schedule after an fp16 overflow.
-    """
-
-    # Accelerate takes it as prepared: no wrapper that would move or reload its state.
-    _is_accelerate_prepared = True
-
-    def __init__(self, distributed: distopt.DistributedOptimizer, grad_norm: torch.Tensor) -> None:
-        # Not Optimizer.__init__: the groups and the state are distopt's.
-        self.distributed = distributed
-        self.last_result: distopt.StepResult | None = None
-        self._grad_norm = grad_norm
-
-    param_groups = property(lambda self: self.distributed.param_groups)
-    state = property(lambda self: self.distributed.state)
-    defaults = property(lambda self: self.distributed.defaults)
-    loss_scaler = property(lambda self: self.distributed.loss_scaler)
-
-    def step(self, closure: Any = None) -> distopt.StepResult:  # type: ignore[override]
-        result = self.distributed.step(closure)
-        self.distributed.zero_grad()
-        self.last_result = result
-        norm = result.grad_norm
-        self._grad_norm.fill_(float("nan") if norm is None else norm)
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.distributed.zero_grad()
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return self.last_result is not None and not self.last_result.updated
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.distributed.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.distributed.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.distributed.add_param_group(param_group)
-
-    def __repr__(self) -> str:
-        return f"TrainerOptimizer({self.distributed!r})"
-
-
-class _ScaledBackward(torch.autograd.Function):
-    """The identity forward; backward multiplies the incoming grad by ``scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
-# ---------------------------------------------------------------------- arguments refused
-
-
-@dataclass(frozen=True, slots=True)
-class _Given:
-    """The Trainer arguments the checks read, however they were passed."""
-
-    args: Any
-    model: Any
-    optimizers: tuple
-    optimizer_cls_and_kwargs: Any
-
-
-def _bound_trainer_arguments(args: tuple, kwargs: dict) -> _Given:
-    bound = inspect.signature(transformers.Trainer.__init__).bind(None, *args, **kwargs)
-    given = bound.arguments
-    return _Given(
-        args=given.get("args"),
-        model=given.get("model"),
-        optimizers=tuple(given.get("optimizers") or (None, None)),
-        optimizer_cls_and_kwargs=given.get("optimizer_cls_and_kwargs"),
-    )
-
-
-def _is_hf_adafactor(optimizer_cls: type) -> bool:
-    return issubclass(optimizer_cls, transformers.optimization.Adafactor)
-
-
-def _check_unsupported(given: _Given) -> None:
-    """Raise one ValueError naming the first argument distopt cannot honour, and the fix.
-
-    Pure checks of the arguments (no collective), so every rank raises alike, before training.
-    """
-    args = given.args
-    problems: list[str] = []
-    if args is not None:
-        problems += _training_argument_problems(args)
-    if any(x is not None for x in given.optimizers):
-        problems.append(
-            "optimizers: DistoptTrainer builds distopt's DistributedOptimizer over the model "
-            "it wraps, so it cannot take a ready optimizer or scheduler; pass "
-            "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) and lr_scheduler_type instead"
-        )
-    if given.optimizer_cls_and_kwargs is not None:
-        cls = given.optimizer_cls_and_kwargs[0]
-        if isinstance(cls, type) and issubclass(cls, torch.optim.LBFGS):
-            problems.append(
-                "optimizer_cls_and_kwargs: LBFGS needs a closure that re-runs the whole model "
-                "in its step, which the Trainer's loop cannot give and distopt's shards cannot "
-                "take; pick an optimizer without one, such as torch.optim.AdamW"
-            )
-        elif is_optimizer_factory(cls):
-            problems.append(
-                f"optimizer_cls_and_kwargs: {cls!r} is not a torch.optim.Optimizer class; "
-                "pass a class distopt can shard, such as torch.optim.AdamW or torch.optim.Muon"
-            )
-        else:
-            try:
-                check_optimizer_cls(cls, "optimizer_cls_and_kwargs")
-            except TypeError as exc:
-                problems.append(str(exc))
-    if isinstance(given.model, distopt.DistributedDataParallel):
-        problems.append(
-            "model: it is a distopt.DistributedDataParallel already; pass the model it wraps "
-            "(ddp.module): DistoptTrainer wraps it itself, taking it over from the old wrapper"
-        )
-    tp_size = getattr(given.model, "tp_size", None) or 1
-    if tp_size > 1:
-        problems.append(
-            "model: it is sharded for tensor parallelism at load time (tp_plan); load it "
-            "without tp_plan for DistoptTrainer, or use distopt's tensor parallelism by hand "
-            "(docs/tensor-parallel.md)"
-        )
-    if problems:
-        raise ValueError("DistoptTrainer cannot honour " + problems[0])
-
-
-def _training_argument_problems(args: Any) -> list[str]:
-    problems = []
-    if args.deepspeed:
-        problems.append(
-            "deepspeed: distopt replaces DeepSpeed's ZeRO-1/2 (sharded optimizer state and "
-            "grads); drop the DeepSpeed config"
-        )
-    if args.fsdp:
-        problems.append(
-            "fsdp: distopt shards optimizer state and grads, not params (ZeRO-1/2, not "
-            "FSDP's ZeRO-3); drop fsdp, or use the plain Trainer for FSDP"
-        )
-    if getattr(args, "parallelism_config", None) is not None:
-        problems.append(
-            "parallelism_config: DistoptTrainer is data parallel only; drop parallelism_config"
-        )
-    if args.torch_compile:
-        problems.append(
-            "torch_compile: DistoptTrainer does not compile the wrapped model; compile its "
-            "blocks before building the trainer (for layer in model.model.layers: "
-            "layer.compile()), which distopt supports, and drop torch_compile"
-        )
-    if args.auto_find_batch_size:
-        problems.append(
-            "auto_find_batch_size: its retries rebuild the model's wrapper; set "
-            "per_device_train_batch_size yourself"
-        )
-    if args.fp16_full_eval or args.bf16_full_eval:
-        problems.append(
-            "fp16_full_eval/bf16_full_eval: they cast the model in place, and its params live "
-            "in distopt's buffers; evaluate with fp16=True or bf16=True (autocast) instead"
-        )
-    optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in SUPPORTED_OPTIM:
-        elementwise = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        problems.append(
-            f"optim={optim!r}: distopt shards {', '.join(SUPPORTED_OPTIM)} (and, through "
-            f"optimizer_cls_and_kwargs, any of {elementwise}, torch.optim.Muon or "
-            "torch.optim.Adafactor); optimizers that need a closure, quantized state, "
-            "low-rank projections or the whole model are not shardable: pick one of those"
-        )
-    return problems

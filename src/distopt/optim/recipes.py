@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..train.config import OPTIMIZERS
+# AdamW's options in the recipe (and in ``distopt train --optimizer adamw``): betas and weight
+# decay of GPT-style pretraining.
+ADAMW_OPTIONS: dict[str, Any] = {"betas": (0.9, 0.95), "weight_decay": 0.1}
 
 
 def hidden_matrices(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -47,7 +49,7 @@ def muon_param_groups(
 ) -> list[dict[str, Any]]:
     """Param groups of the Muon recipe, for ``DistributedOptimizer(ddp, torch.optim.Muon,
     params=groups, **muon_options)``: the hidden matrices with Muon, the rest with AdamW (with
-    ``adamw_options``, default ``distopt train``'s), both at ``lr``. See [Note: the Muon
+    ``adamw_options``, default ``ADAMW_OPTIONS``), both at ``lr``. See [Note: the Muon
     recipe]."""
     matrices, rest = hidden_matrices(module)
     if not matrices:
@@ -55,17 +57,10 @@ def muon_param_groups(
     groups: list[dict[str, Any]] = [{"params": matrices, "lr": lr}]
     if rest:
         if adamw_options is None:
-            adamw_options = OPTIMIZERS["adamw"][1]
+            adamw_options = ADAMW_OPTIONS
         groups.append({"params": rest, "optimizer": torch.optim.AdamW, "lr": lr,
                        **adamw_options})
     return groups
 
 
-def param_groups(optimizer: str, module: nn.Module, lr: float) -> list[dict[str, Any]] | None:
-    """The param groups ``distopt train --optimizer NAME`` builds its optimizer with: the Muon
-    recipe for ``muon``, else None (one group of every param, so Adafactor, a whole-tensor
-    optimizer too, steps embeddings, norms and biases as well, as it was made to)."""
-    return muon_param_groups(module, lr) if optimizer == "muon" else None
-
-
-__all__ = ["hidden_matrices", "muon_param_groups", "param_groups"]
+__all__ = ["ADAMW_OPTIONS", "hidden_matrices", "muon_param_groups"]

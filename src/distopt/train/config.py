@@ -14,12 +14,23 @@ from typing import Any
 import torch
 
 from ..dtypes import DTYPES, parse_state_dtype
+from ..optim.recipes import ADAMW_OPTIONS, muon_param_groups
 from ..optim.state_precision import resolve_block_size, resolve_state_dtypes
 from ..options import check_state_block_size, fp32_accumulation_problem, remainders_problem
 from .model import MODEL_PRESETS
 
+
+def param_groups(optimizer: str, module: torch.nn.Module, lr: float
+                 ) -> list[dict[str, Any]] | None:
+    """The param groups ``distopt train --optimizer NAME`` builds its optimizer with: the Muon
+    recipe for ``muon`` (optim/recipes.py), else None (one group of every param, so Adafactor,
+    a whole-tensor optimizer too, steps embeddings, norms and biases as well, as it was made
+    to)."""
+    return muon_param_groups(module, lr) if optimizer == "muon" else None
+
+
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {"betas": (0.9, 0.95), "weight_decay": 0.1}),
+    "adamw": (torch.optim.AdamW, dict(ADAMW_OPTIONS)),
     "adam": (torch.optim.Adam, {"betas": (0.9, 0.95)}),
     "sgd": (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
     "adagrad": (torch.optim.Adagrad, {}),

@@ -25,9 +25,8 @@ import distopt
 
 from ..dtypes import DTYPES, parse_state_dtype
 from ..optim.kinds import whole_tensor_cost
-from ..optim.recipes import param_groups
 from ..plan import ownership
-from .config import OPTIMIZERS, TrainConfig, default_shard_size
+from .config import OPTIMIZERS, TrainConfig, default_shard_size, param_groups
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
 from .report import write_loss_plot, write_summary

@@ -1,0 +1,102 @@
+"""The optimizer the Trainer drives under ``DistoptTrainer``: distopt's step behind torch's
+``Optimizer`` interface, and the optimizer state in torch's format for the plain Trainer
+([Note: distopt inside the Trainer] in integrations/transformers.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import distopt
+
+
+def carry_state(old: distopt.DistributedOptimizer, new: distopt.DistributedOptimizer) -> None:
+    """``old``'s optimizer state (moments, step counts, the groups' options, the loss scale)
+    into ``new``, built over the same model wrapped anew. The main params stay ``new``'s, the
+    model's values now: the Trainer may have loaded other weights since (its best model)."""
+    state = old.state_dict()
+    state["main_params"] = new.state_dict()["main_params"]
+    new.load_state_dict(state)  # collective, as every rank builds its optimizer
+
+
+def trainer_optimizer_state(tree: dict[str, Any], slots: list[float | None]) -> dict[str, Any]:
+    """The torch.optim state dict the plain Trainer's optimizer loads, from distopt's export:
+    an empty param group wherever the Trainer keeps one (``slots``: None for a group distopt
+    has, else the empty group's weight decay)."""
+    state = tree["optimizer"]
+    saved = list(state["param_groups"])
+    template = saved[0]
+    groups = []
+    for weight_decay in slots:
+        groups.append(saved.pop(0) if weight_decay is None
+                      else {**template, "weight_decay": weight_decay, "params": []})
+    return {"state": state["state"], "param_groups": groups + saved}
+
+
+class TrainerOptimizer(torch.optim.Optimizer):
+    """What the Trainer steps: distopt's optimizer, seen as one the Trainer can drive.
+
+    ``step()`` runs distopt's step (grad sync, loss-scale check, global clip, sharded update,
+    param gather), then zeroes the grad buffers, since the Trainer's ``model.zero_grad()``
+    only drops ``.grad`` attributes, which distopt does not use. ``last_result`` is the
+    ``distopt.StepResult``; ``step_was_skipped`` tells the Trainer (through accelerate) not to
+    advance the LR schedule after an fp16 overflow.
+    """
+
+    # Accelerate takes it as prepared: no wrapper that would move or reload its state.
+    _is_accelerate_prepared = True
+
+    def __init__(self, distributed: distopt.DistributedOptimizer, grad_norm: torch.Tensor) -> None:
+        # Not Optimizer.__init__: the groups and the state are distopt's.
+        self.distributed = distributed
+        self.last_result: distopt.StepResult | None = None
+        self._grad_norm = grad_norm
+
+    param_groups = property(lambda self: self.distributed.param_groups)
+    state = property(lambda self: self.distributed.state)
+    defaults = property(lambda self: self.distributed.defaults)
+    loss_scaler = property(lambda self: self.distributed.loss_scaler)
+
+    def step(self, closure: Any = None) -> distopt.StepResult:  # type: ignore[override]
+        result = self.distributed.step(closure)
+        self.distributed.zero_grad()
+        self.last_result = result
+        norm = result.grad_norm
+        self._grad_norm.fill_(float("nan") if norm is None else norm)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.distributed.zero_grad()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.last_result is not None and not self.last_result.updated
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.distributed.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.distributed.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.distributed.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"TrainerOptimizer({self.distributed!r})"
+
+
+class ScaledBackward(torch.autograd.Function):
+    """The identity forward; backward multiplies the incoming grad by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+# ---------------------------------------------------------------------- arguments refused
