@@ -110,7 +110,7 @@ def test_state_dict_format_and_round_trip():
     model, ddp, opt = build()
     train(ddp, opt, range(3))
     sd = opt.state_dict()
-    assert sd["format"] == "distopt.optim.optimizers/1"
+    assert sd["format"] == "distopt.optimizer/1"
     assert sd["optimizer"] == "torch.optim.adamw.AdamW"
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert sorted(sd["param_groups"][0]["params"]) == sorted(names)

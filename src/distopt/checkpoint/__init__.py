@@ -35,8 +35,10 @@ The modules, each importing only modules listed before it:
     plain.py       ``load_plain_checkpoint``: a distopt run from a plain file
 
 [Note: one-way imports]
-This package builds on the optimizer's shared class (``distopt.optim.base.BufferOptimizer``: its
-pieces, param groups and parallel groups), and the public classes in ``distopt.optim.optimizers``
+This package builds on the optimizer's shared class (``distopt.optim.base.BufferOptimizer``),
+reading it only through the interface the ``Optimizer`` protocol of format.py names (its pieces,
+param groups, inner optimizers and parallel groups), and the public classes in
+``distopt.optim.optimizers``
 build on this package: their ``state_dict()`` and ``load_state_dict()`` are methods, as
 torch.optim's are, whose work is done in ``state_dict.py`` with the same checks and install path
 as the other loaders. So the graph runs optim.base -> checkpoint -> optimizer, one way, and

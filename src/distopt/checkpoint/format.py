@@ -11,7 +11,7 @@ same for every piece of a parameter and are kept once per parameter.
 
 ``opt.state_dict()`` returns::
 
-    {"format": "distopt.optim.optimizers/1",
+    {"format": "distopt.optimizer/1",
      "optimizer": "torch.optim.adamw.AdamW",           # class of the inner torch optimizer
      "param_groups": [{"lr": 0.01, ..., "params": ["emb.weight", ...]}, ...],
      "main_params": {name: FlatShard},                  # fp32 master values this rank owns
@@ -57,24 +57,55 @@ TP rank holds the same values.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from numbers import Number
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..layout.elementwise import ShardPiece
-from ..optim.base import BufferOptimizer
 from ..optim.kinds import whole_tensor_cost
 from ..optim.param_groups import CLASS_KEY
 from ..parallel.dtensor import is_dtensor
 from .files import CheckpointError
 
-STATE_DICT_FORMAT = "distopt.optim.optimizers/1"
+STATE_DICT_FORMAT = "distopt.optimizer/1"
 
-Optimizer = BufferOptimizer
-"""Either distopt optimizer: what every checkpoint function takes."""
+class Optimizer(Protocol):
+    """What every checkpoint function reads of a distopt optimizer (either of them,
+    optim/base.py): the whole interface between the two, so that neither reaches into the
+    other's internals."""
+
+    models: list[Any]  # the DDP wrappers: their params, names, buffers and groups
+    parallel: Any  # ParallelGroups: the DP, replicate and TP groups
+    options: Any  # StepOptions
+    loss_scaler: Any
+    model_parallel_group: Any
+    model_param_groups: list[list[nn.Parameter]]  # each group's model params, as given
+    default_param_groups: bool
+    param_groups: list[dict[str, Any]]  # the inner groups, over main params
+    optimizer: torch.optim.Optimizer  # the first inner optimizer (its state is everyone's)
+    optimizers: list[torch.optim.Optimizer]  # one per class
+    state: dict[Any, Any]
+    state_precision: Any  # StatePrecision: the dtypes the state is held in
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def pieces(self) -> list[tuple[nn.Parameter, ShardPiece, nn.Parameter]]: ...
+
+    def param_group_of(self, main: nn.Parameter) -> dict[str, Any]: ...
+
+    def main_params_materialized(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def sync_model_params(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
 
 
 @dataclass(slots=True)

@@ -64,6 +64,36 @@ class BufferOptimizer(torch.optim.Optimizer):
         model_parallel_group: dist.ProcessGroup | None,
         optimizer_kwargs: dict[str, Any],
     ) -> None:
+        # Construction runs in stages, each checking its inputs on every rank before the
+        # next (and before any collective): see docs/design.md, "Construction, one way".
+        self._check_arguments(models, optimizer_cls, loss_scaler, model_parallel_group)
+        self.models = list(models)
+        self.options = options
+        self.loss_scaler = loss_scaler
+        self.model_parallel_group = model_parallel_group
+        self._device = self.models[0].params[0].device
+        param_groups, group_classes = self._resolve_groups(params, optimizer_cls)
+        state_dtypes = resolve_state_dtypes(options.state_dtype, group_classes)
+        block_size = resolve_block_size(options.state_block_size, state_dtypes)
+        check_rounding(options.state_rounding, state_dtypes)
+        names = {p: m.param_names[p] for m in self.models for p in m.params}
+        whole_costs = whole_tensor_costs(param_groups, group_classes, names)
+        self._use_layout(whole_costs)
+        self._build_main_params(frozenset(whole_costs))
+        inner_groups = self._build_inner_optimizers(param_groups, group_classes, optimizer_cls,
+                                                    optimizer_kwargs)
+        self._build_pipeline(inner_groups, state_dtypes, block_size)
+        # Before any collective of the optimizer's; see [Note: one optimizer on every rank].
+        check_same_optimizer(
+            describe_optimizer(inner_groups, group_classes, self.model_param_groups, names,
+                               options),
+            self.parallel, self._device)
+        self._alias_torch_optimizer(inner_groups)
+
+    def _check_arguments(self, models: Sequence[DistributedDataParallel],
+                         optimizer_cls: type[torch.optim.Optimizer],
+                         loss_scaler: LossScaler | None,
+                         model_parallel_group: dist.ProcessGroup | None) -> None:
         check_optimizer_cls(optimizer_cls)
         if loss_scaler is not None and not isinstance(
             loss_scaler, (ConstantLossScaler, DynamicLossScaler)
@@ -88,10 +118,6 @@ class BufferOptimizer(torch.optim.Optimizer):
                     "built with check_for_nan_in_grad=True, which raises on them instead: drop "
                     "one of the two (check_for_nan_in_grad is meant for bf16/fp32 training)"
                 )
-        self.models = list(models)
-        self.options = options
-        self.loss_scaler = loss_scaler
-        self.model_parallel_group = model_parallel_group
         # Groups over which the inf flag, the grad norm and the zero count are reduced: the
         # DDP's verdict groups (the DP group when each rank owns a shard, the TP groups), then
         # the model-parallel group, whose ranks hold other parts of the model. Each grad
@@ -99,21 +125,20 @@ class BufferOptimizer(torch.optim.Optimizer):
         self._reduce_groups = self.parallel.verdict_groups(sharded=self._sharded)
         if model_parallel_group is not None:
             self._reduce_groups.append(model_parallel_group)
-        self._device = self.models[0].params[0].device
 
+    def _resolve_groups(self, params: Iterable[Any] | None,
+                        optimizer_cls: type[torch.optim.Optimizer]
+                        ) -> tuple[list[dict[str, Any]], list[type[torch.optim.Optimizer]]]:
+        """The torch-style param groups over the model's params, and each group's class."""
         param_groups = normalize_param_groups(params, self.models)
         # The model params of each group as given: checkpoints name the groups by them, since
         # the inner groups hold only this rank's pieces.
         self.model_param_groups: list[list[nn.Parameter]] = [g["params"] for g in param_groups]
         self.default_param_groups = params is None
-        options.check_param_dtypes({p.dtype for m in models for p in m.params})
-        group_classes = [group_class(g, optimizer_cls) for g in param_groups]
-        # Checked here, on every rank, before the buffers are laid out.
-        state_dtypes = resolve_state_dtypes(options.state_dtype, group_classes)
-        block_size = resolve_block_size(options.state_block_size, state_dtypes)
-        check_rounding(options.state_rounding, state_dtypes)
-        names = {p: m.param_names[p] for m in self.models for p in m.params}
-        whole_costs = whole_tensor_costs(param_groups, group_classes, names)
+        self.options.check_param_dtypes({p.dtype for m in self.models for p in m.params})
+        return param_groups, [group_class(g, optimizer_cls) for g in param_groups]
+
+    def _use_layout(self, whole_costs: dict[nn.Parameter, float]) -> None:
         # The DDP laid its buffers out when built; this checks them against the owners of
         # whole tensors, or lays them out for them before the first backward. See
         # [Note: layout planned once] in layout/model_layout.py.
@@ -121,32 +146,43 @@ class BufferOptimizer(torch.optim.Optimizer):
             model.lay_out_for(
                 {p: c for p, c in whole_costs.items() if p in model.param_names}
                 if self._sharded else {}, by="the optimizer")
-        whole_params = frozenset(whole_costs)
+
+    def _build_main_params(self, whole_params: frozenset[nn.Parameter]) -> None:
+        """The fp32 main params of this rank's part of every buffer, one per piece."""
         self._owned = [
             ShardMainParams(buf, sharded=self._sharded,
-                            store_remainders=options.store_param_remainders,
+                            store_remainders=self.options.store_param_remainders,
                             whole_params=whole_params)
             for model in self.models
             for buf in model.flat_buffers
         ]
-        mains_of: dict[nn.Parameter, list[nn.Parameter]] = {}
+        self._mains_of: dict[nn.Parameter, list[nn.Parameter]] = {}
         self._piece_owner: dict[nn.Parameter, tuple[ShardMainParams, ShardPiece]] = {}
         for owned in self._owned:
             for piece, main in zip(owned.pieces, owned.main_params, strict=True):
-                mains_of.setdefault(owned.model_param(piece), []).append(main)
+                self._mains_of.setdefault(owned.model_param(piece), []).append(main)
                 self._piece_owner[main] = (owned, piece)
-        self._mains_of = mains_of
 
-        # One inner torch optimizer per class; see [Note: one optimizer, several classes].
-        user_order = []
+    def _build_inner_optimizers(self, param_groups: list[dict[str, Any]],
+                                group_classes: list[type[torch.optim.Optimizer]],
+                                optimizer_cls: type[torch.optim.Optimizer],
+                                optimizer_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        """One inner torch optimizer per class over the main params, the groups in the user's
+        order; see [Note: one optimizer, several classes] in optim/param_groups.py."""
+        inner_groups = []
         for group in param_groups:
             inner = {k: v for k, v in group.items() if k != "params"}
-            inner["params"] = [m for p in group["params"] for m in mains_of.get(p, [])]
-            user_order.append(inner)
+            inner["params"] = [m for p in group["params"] for m in self._mains_of.get(p, [])]
+            inner_groups.append(inner)
         self.optimizers, self.optimizer = build_inner_optimizers(
-            user_order, group_classes, optimizer_cls, optimizer_kwargs, self._device
+            inner_groups, group_classes, optimizer_cls, optimizer_kwargs, self._device
         )
-        mains = [m for g in user_order for m in g["params"]]
+        return inner_groups
+
+    def _build_pipeline(self, inner_groups: list[dict[str, Any]], state_dtypes: Any,
+                        block_size: int | None) -> None:
+        options = self.options
+        mains = [m for g in inner_groups for m in g["params"]]
         # Tensor parallelism leaves TP-replicated grads out of the sums on all but one TP rank;
         # see [Note: TP grad statistics].
         counted = counted_grads(self.parallel.tp, [self.piece_info(m)[0] for m in mains], mains)
@@ -156,22 +192,18 @@ class BufferOptimizer(torch.optim.Optimizer):
         source = (BucketByBucket(self._owned) if options.store_param_remainders
                   else WholeShard(self._owned, mains, by_bucket=bool(state_dtypes)))
         self._pipeline = StepPipeline(
-            source=source, optimizers=self.optimizers, param_groups=user_order,
+            source=source, optimizers=self.optimizers, param_groups=inner_groups,
             counted=dict.fromkeys(counted), reduce_groups=self._reduce_groups,
             device=self._device, stats=self.models[0].comm_stats,
             clip_grad=options.clip_grad, log_num_zeros=options.log_num_zeros,
             state_precision=self.state_precision if state_dtypes else None,
         )
 
+    def _alias_torch_optimizer(self, inner_groups: list[dict[str, Any]]) -> None:
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these
         # aliases make torch's LR schedulers and step hooks act on it directly.
         self.defaults = self.optimizer.defaults
-        self.param_groups = user_order
-        # Before any collective of the optimizer's; see [Note: one optimizer on every rank].
-        check_same_optimizer(
-            describe_optimizer(user_order, group_classes, self.model_param_groups, names,
-                               options),
-            self.parallel, self._device)
+        self.param_groups = inner_groups
         # One state for all inner optimizers: their params are disjoint, and checkpoints and
         # users read it in one place, as torch.optim's.
         self.state = self.optimizer.state
@@ -274,10 +306,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         owned, piece = self._piece_owner[main]
         return owned.model_param(piece), piece
 
-    # ------------------------------------------------------------------ what checkpoints read
-    # Besides main_params and piece_info above: models, model_param_groups,
-    # default_param_groups, optimizer, loss_scaler, parallel, options, sync_model_params() and
-    # main_params_materialized().
+    # ------------------------------------------------------------------ for checkpoints
+    # The interface checkpoint/format.py's ``Optimizer`` protocol names, and nothing else.
 
     @property
     def sharded(self) -> bool:
