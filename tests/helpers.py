@@ -144,9 +144,10 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]
     """Every number the model (params and buffers) and the optimizer (main params, state,
     learning rates) hold on this rank, copied. A DDP's pending param gathers finish first."""
     if isinstance(model, distopt.DistributedDataParallel):
-        model.finish_param_sync()
-        model = model.module
-    values = [v.detach().clone() for v in model.state_dict().values()]
+        state = model.full_state_dict()  # sharded params gathered, gathers in flight waited
+    else:
+        state = model.state_dict()
+    values = [v.detach().clone() for v in state.values()]
     values += [m.detach().clone() for m in opt.main_params]
     for main in opt.main_params:
         values += [v.clone() for v in opt.state.get(main, {}).values()
@@ -429,6 +430,8 @@ class ParityRun:
     groups: bool = True  # AwkwardLM's two param groups and a cosine schedule, else one group
     steps: int = PARITY_STEPS
     shard_grads: bool = False  # keep only the reduced grad shards between steps
+    shard_params: bool = False  # keep only the param shards between uses
+    reshard_after_forward: bool = True
 
 
 def parity_trajectory(run: ParityRun) -> dict:
@@ -446,7 +449,8 @@ def parity_trajectory(run: ParityRun) -> dict:
         model, grad_dtype=run.grad_dtype, bucket_size=40, device_mesh=mesh,
         overlap_grad_reduce=run.overlap_grad, find_unused_parameters=run.find_unused,
         reduce_scatter_with_fp32_accumulation=run.fp32_accumulation,
-        shard_grads=run.shard_grads,
+        shard_grads=run.shard_grads, shard_params=run.shard_params,
+        reshard_after_forward=run.reshard_after_forward,
     )
     params = parity_groups(model, run.optimizer) if run.groups else None
     opt = distopt.DistributedOptimizer(ddp, opt_cls, params=params, clip_grad=CLIP,
@@ -483,11 +487,13 @@ def parity_trajectory(run: ParityRun) -> dict:
             ref_norm = fp32_master_step(trainable, masters, ref_opt, ref_loss)
         for sched in scheds:
             sched.step()
-        ddp.finish_param_sync()
-        worst = max(worst, max_diff(model, ref))
+        with ddp.gathered_params():  # sharded params: their full values, for the comparison
+            worst = max(worst, max_diff(model, ref))
         worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
+    with ddp.gathered_params():
+        moved = max_diff(model, initial)
     return {
-        "max_diff": worst, "norm_diff": worst_norm, "moved": max_diff(model, initial),
+        "max_diff": worst, "norm_diff": worst_norm, "moved": moved,
         "dtypes": {p.dtype for p in model.parameters()},
         "calls": calls, "bytes": nbytes, "buckets": len(ddp.buckets),
         "fp32_buckets": sum(b.fp32_accumulation for b in ddp.buckets),

@@ -56,6 +56,8 @@ class Run:
     """How ``train`` trains AwkwardLM on this rank's slice of each global batch."""
 
     shard_grads: bool = True
+    shard_params: bool = False
+    reshard_after_forward: bool = True
     dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.float32
     micro: int = 1  # micro-batches per step, all but the last under no_sync
@@ -76,7 +78,8 @@ def _ddp(model: nn.Module, run: Run, **kwargs) -> distopt.DistributedDataParalle
         model, grad_dtype=run.grad_dtype, bucket_size=40, device_mesh=mesh,
         overlap_grad_reduce=run.overlap, find_unused_parameters=True,
         reduce_scatter_with_fp32_accumulation=run.fp32_accumulation,
-        shard_grads=run.shard_grads, **kwargs)
+        shard_grads=run.shard_grads, shard_params=run.shard_params,
+        reshard_after_forward=run.reshard_after_forward, **kwargs)
 
 
 def _optimizer(ddp, model: AwkwardLM, run: Run) -> distopt.DistributedOptimizer:
@@ -128,8 +131,8 @@ def train(run: Run) -> dict:
             norm = torch.nn.utils.clip_grad_norm_([p for p in trainable if p.grad is not None],
                                                   CLIP)
             ref_opt.step()
-            ddp.finish_param_sync()
-            worst = max(worst, max_diff(model, ref), abs(result.grad_norm / norm.item() - 1))
+            with ddp.gathered_params():
+                worst = max(worst, max_diff(model, ref), abs(result.grad_norm / norm.item() - 1))
     ddp.finish_param_sync()
     return {
         "snapshot": snapshot(ddp, opt), "norms": norms, "updated": updated, "calls": calls,

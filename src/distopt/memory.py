@@ -234,7 +234,7 @@ def measure_state_bytes(optimizer) -> MemoryReport:
         return storage_bytes(tensors, seen)
 
     buffers = [buf for model in optimizer.models for buf in model.flat_buffers]
-    params = counted(buf.param_data for buf in buffers)
+    params = counted(t for buf in buffers for t in buf.param_storage())
     # The full grad buffer, or with sharded grads the kept shards alone.
     grads = counted(t for buf in buffers for t in buf.grad_storage())
     main_params = counted(optimizer.main_param_storage())

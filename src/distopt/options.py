@@ -113,6 +113,12 @@ class GradSyncOptions:
     shard_grads: bool = False
     """Keep only this rank's reduced shard of the grads between steps, each bucket's full grads
     only while it is reduced; see [Note: sharded grads] in ddp/grad_pool.py."""
+    shard_params: bool = False
+    """Keep only this rank's shard of the params between uses (implies ``shard_grads``); see
+    [Note: sharded params] in ddp/param_storage.py."""
+    reshard_after_forward: bool = True
+    """With sharded params: free a bucket's gathered params after the forward of the modules
+    that use it (gathered again for their backward), or keep them until backward used them."""
     sharding: Sharding | str | None = None
     """How much each rank holds a shard of: "none", "optim" or "optim_grads"; None: what
     ``use_distributed_optimizer`` and ``shard_grads`` say. Resolved into a ``Sharding``, with
@@ -125,10 +131,15 @@ class GradSyncOptions:
     def __post_init__(self) -> None:
         sharding = resolve_sharding(self.sharding,
                                     use_distributed_optimizer=self.use_distributed_optimizer,
-                                    shard_grads=self.shard_grads)
+                                    shard_grads=self.shard_grads, shard_params=self.shard_params)
         object.__setattr__(self, "sharding", sharding)
         object.__setattr__(self, "use_distributed_optimizer", sharding is not Sharding.NONE)
-        object.__setattr__(self, "shard_grads", sharding is Sharding.OPTIM_GRADS)
+        object.__setattr__(self, "shard_grads", sharding in (Sharding.OPTIM_GRADS,
+                                                             Sharding.OPTIM_GRADS_PARAMS))
+        object.__setattr__(self, "shard_params", sharding is Sharding.OPTIM_GRADS_PARAMS)
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True or False, got "
+                             f"{self.reshard_after_forward!r}")
         if not isinstance(self.broadcast_buffers, bool):
             raise ValueError(
                 f"broadcast_buffers must be True (the first ranks' module buffers are "

@@ -10,7 +10,11 @@
   is reduce-scattered out of the full grad buffer, which lives all step long;
 * ``"optim_grads"``: grads sharded too (ZeRO-2; also spelled ``shard_grads=True``): between
   steps a rank keeps only its reduced shard of each bucket, and every backward reduces
-  ([Note: sharded grads] in ddp/grad_pool.py).
+  ([Note: sharded grads] in ddp/grad_pool.py);
+* ``"optim_grads_params"``: params sharded too (ZeRO-3; also spelled ``shard_params=True``):
+  between uses a rank holds only its shard of each bucket's params, gathered into a pool buffer
+  around the forward and the backward of the modules that use them ([Note: sharded params] in
+  ddp/param_storage.py).
 
 The runtime reads it in one place per behaviour: each bucket's grad storage (ddp/grad_storage.py:
 where its grads live, around its reduction) and the ``GradPolicy`` below (when the grad sync
@@ -29,6 +33,7 @@ class Sharding(enum.Enum):
     NONE = "none"
     OPTIM = "optim"
     OPTIM_GRADS = "optim_grads"
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,8 @@ class GradPolicy:
     reduces_again_after_sync: bool
     """Every rank holds the whole average after the sync, so a further backward may add to it
     and reduce again, as torch's DDP does."""
+    full_params: bool = True
+    """Every rank holds every param all step long (False: its shard, gathered around use)."""
 
 
 POLICIES: dict[Sharding, GradPolicy] = {
@@ -55,13 +62,24 @@ POLICIES: dict[Sharding, GradPolicy] = {
                                reduces_every_backward=False, reduces_again_after_sync=False),
     Sharding.OPTIM_GRADS: GradPolicy(reduce_scatter=True, full_grads=False,
                                      reduces_every_backward=True, reduces_again_after_sync=False),
+    Sharding.OPTIM_GRADS_PARAMS: GradPolicy(reduce_scatter=True, full_grads=False,
+                                            reduces_every_backward=True,
+                                            reduces_again_after_sync=False, full_params=False),
 }
 
 
 def resolve_sharding(sharding: str | Sharding | None, *, use_distributed_optimizer: bool,
-                     shard_grads: bool) -> Sharding:
+                     shard_grads: bool, shard_params: bool = False) -> Sharding:
     """The one value from ``sharding`` and its older spellings, which must agree with it."""
+    if shard_params and not use_distributed_optimizer:
+        raise ValueError(
+            "shard_params=True keeps only this rank's shard of the params, but "
+            "use_distributed_optimizer=False all-reduces the grads for an optimizer that steps "
+            "every param (BasicOptimizer); pass use_distributed_optimizer=True "
+            "(DistributedOptimizer) or drop shard_params"
+        )
     implied = (Sharding.NONE if not use_distributed_optimizer
+               else Sharding.OPTIM_GRADS_PARAMS if shard_params
                else Sharding.OPTIM_GRADS if shard_grads else Sharding.OPTIM)
     if sharding is None:
         if shard_grads and not use_distributed_optimizer:
@@ -78,11 +96,16 @@ def resolve_sharding(sharding: str | Sharding | None, *, use_distributed_optimiz
         raise ValueError(
             f"sharding={sharding!r} is not one of "
             f"{', '.join(repr(s.value) for s in Sharding)}: \"optim\" shards optimizer state "
-            "(the default), \"optim_grads\" grads too, \"none\" nothing (all-reduced grads)"
+            "(the default), \"optim_grads\" grads too, \"optim_grads_params\" params too, "
+            "\"none\" nothing (all-reduced grads)"
         ) from None
-    if (not use_distributed_optimizer or shard_grads) and implied is not chosen:
+    spelled_out = not use_distributed_optimizer or shard_grads or shard_params
+    sharded_grads = {Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS}
+    if shard_grads and not shard_params and chosen in sharded_grads:
+        return chosen  # shard_grads=True is implied by sharded params
+    if spelled_out and implied is not chosen:
         older = ("use_distributed_optimizer=False" if not use_distributed_optimizer
-                 else "shard_grads=True")
+                 else "shard_params=True" if shard_params else "shard_grads=True")
         raise ValueError(
             f"sharding={chosen.value!r} disagrees with {older} (which means "
             f"sharding={implied.value!r}): pass one of the two"

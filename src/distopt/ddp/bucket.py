@@ -18,6 +18,7 @@ from torch import nn
 from ..comm import collectives as comm
 from ..layout.elementwise import BucketLayout, Range
 from .grad_storage import FullGrads, ShardedGrads
+from .param_storage import FullParams, ShardedParams
 from .state import BUCKET_TRANSITIONS, BucketState, advance
 
 _LAUNCHED = (BucketState.REDUCING, BucketState.REDUCED)
@@ -36,7 +37,7 @@ class Bucket:
         layout: BucketLayout,
         params: list[nn.Parameter],
         param_ranges: list[Range],
-        param_data: torch.Tensor,
+        params_store: FullParams | ShardedParams,
         storage: FullGrads | ShardedGrads,
         *,
         dp_rank: int,
@@ -51,9 +52,10 @@ class Bucket:
         self.numel = layout.buffer_range.size  # padding included
         self.params = params
         self.param_ranges = param_ranges  # of each param, in bucket coordinates
-        self.param_data = param_data  # [bucket numel], padding included
         shard = layout.shard_range(dp_rank)
-        self.param_shard = param_data[shard.start : shard.end]  # [bucket numel / d]
+        # Where its params live ([Note: sharded params] in ddp/param_storage.py) and its grads
+        # (ddp/grad_storage.py): the two places a bucket depends on the sharding.
+        self.params_store = params_store
         self.storage = storage
         self.group = group
         self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
@@ -82,6 +84,17 @@ class Bucket:
         self.state = advance(self.state, new, BUCKET_TRANSITIONS, f"bucket {self.order}")
 
     # ------------------------------------------------------------------ views
+
+    @property
+    def param_data(self) -> torch.Tensor | None:
+        """[bucket numel]: every param of the bucket (None while sharded params are not
+        gathered)."""
+        return self.params_store.param_data
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """[bucket numel / d]: this rank's shard of the params, which the optimizer updates."""
+        return self.params_store.param_shard
 
     @property
     def grad_data(self) -> torch.Tensor | None:
@@ -256,7 +269,8 @@ class Bucket:
             self._advance(BucketState.REDUCED)
 
     def start_gather(self, *, async_op: bool) -> None:
-        """All-gather ``param_data`` from every rank's ``param_shard``."""
+        """All-gather ``param_data`` from every rank's ``param_shard`` (whole params: after the
+        optimizer's update; sharded params gather around each use instead)."""
         with comm.failures_named("all_gather", self._describe(self.param_data)):
             handle = comm.all_gather(
                 self.param_data, self.param_shard, self.group, async_op=async_op,
@@ -273,6 +287,25 @@ class Bucket:
         if handle is not None:
             with comm.failures_named("all_gather", self._describe(self.param_data)):
                 handle.wait()
+
+    # ------------------------------------------------------------------ sharded params
+
+    def gather_params(self) -> None:
+        """Sharded params: start gathering the bucket's params (if not gathered yet)."""
+        self.params_store.start_gather(self.group, self.stats, self._describe_params())
+
+    def use_params(self) -> None:
+        """Sharded params: the bucket's full params, now (gathered and waited for)."""
+        store = self.params_store
+        store.start_gather(self.group, self.stats, self._describe_params())
+        store.wait(self._describe_params())
+
+    def release_params(self) -> None:
+        """Sharded params: back to this rank's shard alone."""
+        self.params_store.release(self._describe_params())
+
+    def _describe_params(self) -> str:
+        return f"bucket {self.order}'s params ({self.numel} {self.param_shard.dtype} elements)"
 
     # What a failed collective names; see [Note: a stuck rank] in comm/errors.py.
     @property

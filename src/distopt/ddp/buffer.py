@@ -22,6 +22,7 @@ from ..parallel.dtensor import alias_local, local_tensor
 from .bucket import Bucket
 from .grad_pool import GradPool
 from .grad_storage import FullGrads, ShardedGrads
+from .param_storage import FullParams, ParamPool, ShardedParams, placeholders_for
 
 
 class ParamAndGradBuffer:
@@ -41,11 +42,14 @@ class ParamAndGradBuffer:
         fp32_accumulation: bool = False,
         check_local_grads: bool = False,
         grad_pool: GradPool | None = None,
+        param_pool: ParamPool | None = None,
     ) -> None:
         """``params`` in layout order, laid out by ``layout`` (from layout/model_layout.py). With a
         ``grad_pool`` the grads are sharded: no ``grad_data``, only ``grad_shards`` (this
         rank's reduced shard of every bucket) between steps; see [Note: sharded grads] in
-        ddp/grad_pool.py."""
+        ddp/grad_pool.py. With a ``param_pool`` the params are sharded too: no ``param_data``,
+        only ``param_shards``, and the params are placeholders between uses; see
+        [Note: sharded params] in ddp/param_storage.py."""
         if not params:
             raise ValueError("a buffer needs at least one parameter")
         self.params = params  # layout order
@@ -55,30 +59,43 @@ class ParamAndGradBuffer:
         self.dp_rank = dp_rank
         self.layout = layout
         device = params[0].device
-        # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
-        self.param_data = torch.zeros(self.layout.numel, dtype=self.param_dtype, device=device)
         sharded = grad_pool is not None
         self.grad_data = (
             None if sharded else torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
         )
+        shard_total = sum(b.shard_size for b in self.layout.buckets)
         # [sum of the buckets' shard sizes]: bucket by bucket, this rank's reduced grads.
         self.grad_shards = (
-            torch.zeros(sum(b.shard_size for b in self.layout.buckets), dtype=grad_dtype,
-                        device=device)
-            if sharded else None
+            torch.zeros(shard_total, dtype=grad_dtype, device=device) if sharded else None
         )
-
+        # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
+        self.param_data = (
+            None if param_pool is not None
+            else torch.zeros(self.layout.numel, dtype=self.param_dtype, device=device)
+        )
+        # With sharded params: bucket by bucket, this rank's shard of the params.
+        self.param_shards = (
+            torch.zeros(shard_total, dtype=self.param_dtype, device=device)
+            if param_pool is not None else None
+        )
+        if param_pool is None:
+            with torch.no_grad():
+                for param, slot in zip(params, self.layout.params, strict=True):
+                    rng = slot.buffer_range
+                    # A DTensor param keeps its local shard here; see [Note: DTensor params].
+                    local = local_tensor(param)
+                    view = self.param_data[rng.start : rng.end].view_as(local)
+                    view.copy_(local.detach())
+                    alias_local(param, view)
+        else:
+            self._shard_params()
         with torch.no_grad():
             for param, slot in zip(params, self.layout.params, strict=True):
                 rng = slot.buffer_range
-                # A DTensor param keeps its local shard here; see [Note: DTensor params].
-                local = local_tensor(param)
-                view = self.param_data[rng.start : rng.end].view_as(local)
-                view.copy_(local.detach())
-                alias_local(param, view)
                 # With sharded grads a view of the transient grads, only during a reduction.
                 param.main_grad = (
-                    None if sharded else self.grad_data[rng.start : rng.end].view_as(local)
+                    None if sharded
+                    else self.grad_data[rng.start : rng.end].view_as(local_tensor(param))
                 )
 
         self.buckets: list[Bucket] = []
@@ -86,27 +103,56 @@ class ParamAndGradBuffer:
         for bucket_layout in self.layout.buckets:
             rng = bucket_layout.buffer_range
             indices = bucket_layout.param_indices
-            args = (
-                bucket_layout,
-                [params[i] for i in indices],
-                [self.layout.params[i].bucket_range for i in indices],
-                self.param_data[rng.start : rng.end],
-            )
+            bucket_params = [params[i] for i in indices]
+            ranges = [self.layout.params[i].bucket_range for i in indices]
+            shard = bucket_layout.shard_range(dp_rank)
+            if param_pool is None:
+                param_data = self.param_data[rng.start : rng.end]
+                params_store = FullParams(param_data, param_data[shard.start : shard.end])
+            else:
+                kept_params = self.param_shards[kept_offset : kept_offset + shard.size]
+                params_store = ShardedParams(kept_params, param_pool, rng.size, bucket_params,
+                                             ranges, self._placeholder)
+                params_store.show_placeholders()
+            args = (bucket_layout, bucket_params, ranges, params_store)
             options = dict(
                 dp_rank=dp_rank, group=group, reduce_scatter=reduce_scatter, stats=stats,
                 replicate_group=replicate_group, fp32_accumulation=fp32_accumulation,
                 check_local_grads=check_local_grads,
             )
             # Where the bucket's grads live: the one place the sharding of grads matters.
-            shard = bucket_layout.shard_range(dp_rank)
             if grad_pool is None:
                 grad_data = self.grad_data[rng.start : rng.end]
                 storage = FullGrads(grad_data, grad_data[shard.start : shard.end])
             else:
                 kept = self.grad_shards[kept_offset : kept_offset + shard.size]
-                kept_offset += shard.size
-                storage = ShardedGrads(kept, grad_pool, rng.size, *args[1:3])
+                storage = ShardedGrads(kept, grad_pool, rng.size, bucket_params, ranges)
+            kept_offset += shard.size
             self.buckets.append(Bucket(*args, storage, **options))
+
+    def _shard_params(self) -> None:
+        """This rank's shard of every bucket's params, from the params' values, one bucket at
+        a time (no rank holds more than one bucket of the whole model for it)."""
+        device = self.params[0].device
+        self._placeholder = placeholders_for({self.param_dtype}, device)[self.param_dtype]
+        offset = 0
+        with torch.no_grad():
+            for bucket in self.layout.buckets:
+                full = torch.zeros(bucket.buffer_range.size, dtype=self.param_dtype,
+                                   device=device)
+                for index in bucket.param_indices:
+                    slot = self.layout.params[index].bucket_range
+                    full[slot.start : slot.end].copy_(
+                        local_tensor(self.params[index]).detach().reshape(-1))
+                shard = bucket.shard_range(self.dp_rank)
+                self.param_shards[offset : offset + shard.size].copy_(
+                    full[shard.start : shard.end])
+                offset += shard.size
+
+    def param_storage(self) -> list[torch.Tensor]:
+        """The param tensors this buffer holds between steps: ``param_data`` (every param), or
+        with sharded params ``param_shards`` (this rank's shard of every bucket)."""
+        return [self.param_data if self.param_shards is None else self.param_shards]
 
     def grad_storage(self) -> list[torch.Tensor]:
         """The grad tensors this buffer holds between steps: ``grad_data`` (every grad), or

@@ -135,8 +135,11 @@ class GradSync:
         self.markers.mark(param)
         if self.options.find_unused_parameters:
             self._used[self._param_index[param]] = 1
-        if self._launches and self.options.overlap_grad_reduce and bucket.mark_ready(param):
-            self._launch_ready_buckets()
+        if self._launches and bucket.mark_ready(param):
+            # Every param of the bucket has its grad: no backward node reads them any more.
+            bucket.release_params()
+            if self.options.overlap_grad_reduce:
+                self._launch_ready_buckets()
 
     def _is_late(self, bucket: Bucket) -> bool:
         # See [Note: grads after the reduction].
@@ -200,6 +203,8 @@ class GradSync:
 
     def _end_backward(self) -> None:
         self._advance(SyncState.ACCUMULATED)
+        for bucket in self.buckets:  # sharded params: nothing gathered after a backward
+            bucket.release_params()
         if self.policy.reduces_every_backward:
             # See [Note: sharded grads]: every bucket reduces, the next backward starts fresh.
             self._launch_ready_buckets()

@@ -18,8 +18,10 @@ support is an error that names the object and both states instead of a silent mi
             REDUCING
             any --forget_grads (a new step)--> EMPTY
 
-A bucket's param gather is not part of its step state: it runs between the optimizer's update
-and the next forward, whatever the grads do meanwhile, and is one handle (in flight or not).
+A bucket's params have a life of their own, apart from its grads: with sharded params a
+``ParamState`` (SHARDED -> GATHERING -> GATHERED -> SHARDED, around each use; [Note: sharded
+params] in ddp/param_storage.py); otherwise they are always whole, and the gather after the
+optimizer's update is one handle (in flight or not).
 Which sequences a sharding allows (a backward after the sync, a grad after the reduction) is
 the sharding's to say ([Note: sharding strategy] in sharding.py); the tables say which
 transitions exist at all.
@@ -51,7 +53,16 @@ class BucketState(enum.Enum):
     REDUCED = "reduced"  # waited for: this rank's part holds the average
 
 
-S = TypeVar("S", SyncState, BucketState)
+class ParamState(enum.Enum):
+    """Where a bucket's params are, with sharded params ([Note: sharded params] in
+    ddp/param_storage.py); always GATHERED otherwise."""
+
+    SHARDED = "sharded"  # this rank's shard only; the params are placeholders
+    GATHERING = "gathering"  # an all-gather into a pool buffer is in flight
+    GATHERED = "gathered"  # the params are views into the gathered buffer
+
+
+S = TypeVar("S", SyncState, BucketState, ParamState)
 
 SYNC_TRANSITIONS: dict[SyncState, frozenset[SyncState]] = {
     SyncState.IDLE: frozenset({SyncState.BACKWARD, SyncState.SYNCED}),
@@ -75,6 +86,13 @@ BUCKET_TRANSITIONS: dict[BucketState, frozenset[BucketState]] = {
 }
 for _state in BucketState:
     BUCKET_TRANSITIONS[_state] = BUCKET_TRANSITIONS[_state] | {BucketState.EMPTY}
+
+
+PARAM_TRANSITIONS: dict[ParamState, frozenset[ParamState]] = {
+    ParamState.SHARDED: frozenset({ParamState.GATHERING}),
+    ParamState.GATHERING: frozenset({ParamState.GATHERED}),
+    ParamState.GATHERED: frozenset({ParamState.SHARDED}),
+}
 
 
 def advance(current: S, new: S, table: dict[S, frozenset[S]], who: str) -> S:

@@ -37,6 +37,8 @@ from .grad_sync import GradSync
 from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
 from .module_params import trainable_named_params
 from .param_gather import register_param_wait_hooks
+from .param_storage import ParamPool, param_pools_for
+from .param_unshard import ParamUnsharder
 from .state import SyncState
 
 if TYPE_CHECKING:
@@ -112,6 +114,8 @@ class DistributedDataParallel(nn.Module):
         reduce_scatter_with_fp32_accumulation: bool = False,
         device_mesh: DeviceMesh | None = None,
         shard_grads: bool = False,
+        shard_params: bool = False,
+        reshard_after_forward: bool = True,
         broadcast_buffers: bool = True,
         sharding: str | Sharding | None = None,
         whole_tensor_params: Mapping[nn.Parameter, type[torch.optim.Optimizer]] | None = None,
@@ -128,6 +132,8 @@ class DistributedDataParallel(nn.Module):
             check_for_nan_in_grad=check_for_nan_in_grad,
             reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
             shard_grads=shard_grads,
+            shard_params=shard_params,
+            reshard_after_forward=reshard_after_forward,
             sharding=sharding,
             broadcast_buffers=broadcast_buffers,
         )
@@ -181,6 +187,7 @@ class DistributedDataParallel(nn.Module):
         self._dtensor_params = frozenset(p for p in self.params if is_dtensor(p))
         self._gathers_in_flight = False
         self._param_wait_hooks: list[Any] = []
+        self._unsharder: ParamUnsharder | None = None
         self._backward_seen = False  # a layout may change only before the first backward
         self._owners_set_by: str | None = "the DDP" if whole_costs else None
         self._lay_out(whole_costs)
@@ -210,6 +217,8 @@ class DistributedDataParallel(nn.Module):
         self.grad_pools: dict[torch.dtype, GradPool] = (
             {} if policy.full_grads
             else grad_pools_for(planned.buffers, self._device, overlaps=overlaps))
+        self.param_pools: dict[torch.dtype, ParamPool] = (
+            {} if policy.full_params else param_pools_for(planned.buffers))
         self._whole_tensor_costs = dict(whole_costs)
         self._flat_buffers = [
             ParamAndGradBuffer(
@@ -224,6 +233,7 @@ class DistributedDataParallel(nn.Module):
                 fp32_accumulation=self.options.reduces_with_fp32_accumulation(buf.grad_dtype),
                 check_local_grads=self.options.check_for_nan_in_grad,
                 grad_pool=self.grad_pools.get(buf.grad_dtype),
+                param_pool=self.param_pools.get(buf.param_dtype),
             )
             for buf in planned.buffers
         ]
@@ -236,8 +246,15 @@ class DistributedDataParallel(nn.Module):
                                    self._dtensor_params)
         for hook in self._param_wait_hooks:
             hook.remove()
-        self._param_wait_hooks = register_param_wait_hooks(
-            self.module, self._grad_sync.bucket_of, lambda: self._gathers_in_flight)
+        if self._unsharder is not None:
+            self._unsharder.remove_hooks()
+        if policy.full_params:
+            self._param_wait_hooks = register_param_wait_hooks(
+                self.module, self._grad_sync.bucket_of, lambda: self._gathers_in_flight)
+        else:  # see [Note: sharded params] in ddp/param_storage.py
+            self._unsharder = ParamUnsharder(
+                self.module, self._grad_sync.bucket_of, buckets,
+                reshard_after_forward=self.options.reshard_after_forward)
 
     def lay_out_for(self, whole_tensor_costs: dict[nn.Parameter, float], *, by: str) -> None:
         """Make sure the buffers are laid out for these owners of whole tensors: the layout
@@ -263,6 +280,8 @@ class DistributedDataParallel(nn.Module):
                 "right after distopt.DistributedDataParallel(...), before the first backward, "
                 "one optimizer per DDP, or pass whole_tensor_params= to the DDP"
             )
+        if self._unsharder is not None:  # the new buffers take the params' values
+            self._params_own_storage()
         self._lay_out(whole_tensor_costs)  # the old buffers go once nothing views them
         self._owners_set_by = by
 
@@ -332,6 +351,8 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward / backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._unsharder is not None:
+            self._unsharder.begin_forward()
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
         output = self.module(*args, **kwargs)
@@ -404,6 +425,11 @@ class DistributedDataParallel(nn.Module):
         ddp/param_gather.py.
         """
         self._check_live()
+        if self._unsharder is not None:
+            # Gathered params are stale once the optimizer updated the shards; the next
+            # forward gathers them again ([Note: sharded params]).
+            self._unsharder.release_all()
+            return
         self.finish_param_sync()
         # Always started together: without overlap one wait for all of them costs one round
         # trip instead of one per bucket (see [Note: collectives on gloo]).
@@ -423,6 +449,39 @@ class DistributedDataParallel(nn.Module):
     def param_gathers_in_flight(self) -> int:
         """How many buckets' param gathers are started and not yet waited for."""
         return sum(bucket.gather_in_flight for bucket in self.buckets)
+
+    # ------------------------------------------------------------------ full params
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Inside the block every param holds its full values (with sharded params they are
+        gathered for it, a transient of the whole model, and freed after it; without, it
+        waits for any gather in flight). Collective over the data-parallel group."""
+        self._check_live()
+        if self._unsharder is None:
+            self.finish_param_sync()
+            yield
+            return
+        try:
+            for bucket in self._unsharder.forward_order:
+                bucket.use_params()
+            yield
+        finally:
+            self._unsharder.release_all()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict()`` with every param whole, under the module's own names,
+        on every rank: copies, for saving or evaluating elsewhere. Collective with sharded
+        params ([Note: sharded params] in ddp/param_storage.py)."""
+        with self.gathered_params():
+            return {key: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    for key, value in self.module.state_dict().items()}
+
+    def _params_own_storage(self) -> None:
+        # Every param gets storage of its own holding its full values (out of the buffers).
+        with self.gathered_params(), torch.no_grad():
+            for param in self.params:
+                alias_local(param, local_tensor(param).detach().clone())
 
     # ------------------------------------------------------------------ release
 
@@ -466,6 +525,9 @@ class DistributedDataParallel(nn.Module):
             return
         # Nothing may still write into the buffers once the params stop being their views.
         self._grad_sync.release()
+        if self._unsharder is not None:
+            self._params_own_storage()
+            self._unsharder.remove_hooks()
         self._gathers_in_flight = False
         for handle in (*self._grad_hooks, *self._param_wait_hooks):
             handle.remove()

@@ -53,7 +53,7 @@ class ShardMainParams:
             total += region.numel()
 
         fp32 = torch.float32
-        device = buffer.param_data.device
+        device = buffer.params[0].device
         # Separate fp32 copies only where the model's dtype is not fp32 (docs/design.md, Memory).
         self.shard_fp32 = None
         self.remainders = None  # with store_remainders; see [Note: param remainders]
