@@ -1,12 +1,16 @@
-"""Sharded grads (``DistributedDataParallel(shard_grads=True)``) at d = 1..4.
+"""Sharded grads (``shard_grads=True``) and sharded params (``shard_params=True``) at d = 1..4.
 
 Against single-process torch.optim (the parity grid's trajectory, and micro-batches summed to
 the whole batch), and bit for bit against the full grad buffer wherever the arithmetic is the
 same (one backward per step): with bf16, remainders, fp32-accumulated reductions, fp16 loss
 scaling, Muon, no overlap, a hierarchical mesh and tensor parallelism. Also: what a rank holds
 between steps (the kept shards alone) and during backward (plus k pool buffers), the nan
-check, checkpoints across both paths, and the option's check. One spawned group per world
-size runs every case; see [Note: sharded grads] in src/distopt/ddp/grad_pool.py.
+check, checkpoints across both paths, and the option's check. Sharded params run the same
+grid (parity, micro-batches, bf16 with remainders, Muon, fp16 loss scaling, both
+``reshard_after_forward``), bit for bit equal to sharded grads (the same arithmetic; only where
+the params live changes), with what a rank holds (its param shard) and the most it gathered at
+once measured. One spawned group per world size runs every case; see [Note: sharded grads] in
+src/distopt/ddp/grad_pool.py and [Note: sharded params] in src/distopt/ddp/param_storage.py.
 """
 
 from __future__ import annotations
@@ -110,11 +114,14 @@ def train(run: Run) -> dict:
         lambda g: g.masked_fill(torch.ones_like(g, dtype=torch.bool), float("inf"))
         if poisoned[0] else g)
     worst, norms, updated, calls = 0.0, [], [], []
+    gathered_peak: dict[str, int] = {}  # the most gathered buckets at once, steps 2 on
     for step in range(run.steps):
         tokens, targets = batches(step, global_batch=GLOBAL_BATCH)
         mine = [rank_slice(t, rank, world).chunk(run.micro) for t in (tokens, targets)]
         opt.zero_grad()
         ddp.comm_stats.reset()
+        for pool in ddp.param_pools.values():
+            pool.reset_peak()
         poisoned[0] = run.scaler and step == 2 and rank == 0
         for i in range(run.micro):
             loss = lm_loss(ddp, mine[0][i], mine[1][i], step) / run.micro
@@ -122,6 +129,10 @@ def train(run: Run) -> dict:
             with (ddp.no_sync() if not synced else _nothing()):
                 opt.scale_loss(loss).backward()
         result = opt.step()
+        if step > 0:  # see [Note: where a param is used]: the first step gathers widely
+            for dtype, pool in ddp.param_pools.items():
+                gathered_peak[str(dtype)] = max(gathered_peak.get(str(dtype), 0),
+                                                pool.peak_buffers)
         calls.append(dict(ddp.comm_stats.calls))
         norms.append(result.grad_norm)
         updated.append(result.updated)
@@ -136,6 +147,7 @@ def train(run: Run) -> dict:
     ddp.finish_param_sync()
     return {
         "snapshot": snapshot(ddp, opt), "norms": norms, "updated": updated, "calls": calls,
+        "gathered_peak": gathered_peak,
         "max_diff": worst, "buckets": len(ddp.buckets),
         "peak_buffers": {str(k): p.peak_buffers for k, p in ddp.grad_pools.items()},
         "fp32_buckets": sum(b.fp32_accumulation for b in ddp.buckets),
@@ -158,6 +170,17 @@ def same_as_full_buffer(run: Run) -> dict:
             "updated": (sharded["updated"], full["updated"]),
             "calls": (sharded["calls"], full["calls"]), "buckets": sharded["buckets"],
             "peak_buffers": sharded["peak_buffers"], "fp32_buckets": sharded["fp32_buckets"]}
+
+
+def same_as_sharded_grads(run: Run) -> dict:
+    """``run`` with sharded params and with sharded grads only: whether every number is the
+    same, what each sent, and the most gathered buckets alive at once."""
+    params, grads = train(run), train(dataclasses.replace(run, shard_params=False))
+    # The most gathered at once in the steps after the first (which gathers on the safe side
+    # while it learns where params are read; see [Note: where a param is used]).
+    return {"same": same(params["snapshot"], grads["snapshot"]),
+            "norms": (params["norms"], grads["norms"]), "calls": (params["calls"], grads["calls"]),
+            "gathered_peak": params["gathered_peak"], "buckets": params["buckets"]}
 
 
 def overlap_changes_no_bit(run: Run) -> bool:
@@ -254,8 +277,7 @@ def bad_option() -> str:
 def _numbers(ddp, opt) -> list[torch.Tensor]:
     """``snapshot`` with each state's entries by name (a loaded state holds them in another
     order)."""
-    ddp.finish_param_sync()
-    values = [v.detach().clone() for v in ddp.module.state_dict().values()]
+    values = [v.detach().clone() for v in ddp.full_state_dict().values()]
     for main in opt.main_params:
         state = opt.state.get(main, {})
         values += [main.detach().clone()] + [state[k].clone() for k in sorted(state)]
@@ -302,16 +324,16 @@ def model_check_compares_the_option() -> str:
     return "no error"
 
 
-def checkpoint_across_paths() -> dict:
-    """Save with sharded grads, load into the full buffer and back: every run goes on to the
-    same numbers as the one that never stopped."""
+def checkpoint_across_paths(sharded_params: bool = False) -> dict:
+    """Save with sharded grads (and params), load into the full buffer and back: every run
+    goes on to the same numbers as the one that never stopped."""
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(shared_tmpdir("distopt-shard-grads-"))
 
     def build(shard: bool):
         torch.manual_seed(0)
         model = AwkwardLM()
-        run = Run(shard_grads=shard)
+        run = Run(shard_grads=shard, shard_params=shard and sharded_params)
         ddp = _ddp(model, run)
         return ddp, _optimizer(ddp, model, run)
 
@@ -373,6 +395,8 @@ FLAT_PARITY = {
                                         overlap_gather=False),
     "parity-bf16": ParityRun(shard_grads=True, dtype=BF16, grad_dtype=BF16, groups=False,
                              overlap_gather=False),
+    "parity-fp32-params": ParityRun(shard_params=True),
+    "parity-fp32-params-keep": ParityRun(shard_params=True, reshard_after_forward=False),
 }
 SAME = {
     "same-fp32": Run(),
@@ -381,6 +405,16 @@ SAME = {
     "same-bf16-fp32grads": Run(dtype=BF16),
     "same-fp16-scaler": Run(dtype=FP16, grad_dtype=FP16, scaler=True),
     "same-muon": Run(optimizer="muon"),
+}
+SAME_PARAMS = {
+    "params-fp32": Run(shard_params=True),
+    "params-fp32-keep": Run(shard_params=True, reshard_after_forward=False),
+    "params-fp32-no-overlap": Run(shard_params=True, overlap=False),
+    "params-bf16-remainders": Run(shard_params=True, dtype=BF16, grad_dtype=BF16,
+                                  remainders=True),
+    "params-fp16-scaler": Run(shard_params=True, dtype=FP16, grad_dtype=FP16, scaler=True),
+    "params-muon": Run(shard_params=True, optimizer="muon"),
+    "params-micro": Run(shard_params=True, micro=MICRO, steps=4),
 }
 SAME_MULTI = {  # d > 1
     "same-fp32acc": Run(dtype=BF16, grad_dtype=BF16, fp32_accumulation=True),
@@ -391,6 +425,7 @@ MEMORY_ROWS = [(BF16, BF16, True), (torch.float32, torch.float32, False)]
 def _cases(world: int) -> list:
     cases = [(name, parity_trajectory, (run,)) for name, run in FLAT_PARITY.items()]
     cases += [(name, same_as_full_buffer, (run,)) for name, run in SAME.items()]
+    cases += [(name, same_as_sharded_grads, (run,)) for name, run in SAME_PARAMS.items()]
     if world > 1:
         cases += [(name, same_as_full_buffer, (run,)) for name, run in SAME_MULTI.items()]
     cases.append(("accumulate", accumulation, (Run(micro=MICRO),)))
@@ -404,6 +439,7 @@ def _cases(world: int) -> list:
     cases.append(("nan", nan_check, ()))
     cases.append(("bad-option", bad_option, ()))
     cases.append(("checkpoint", checkpoint_across_paths, ()))
+    cases.append(("checkpoint-params", checkpoint_across_paths, (True,)))
     return cases
 
 
@@ -415,7 +451,8 @@ def world(request):
     return request.param, run_cases(request.param, _cases(request.param))
 
 
-@pytest.mark.parametrize("case", ["parity-fp32", "parity-fp32-no-overlap"])
+@pytest.mark.parametrize("case", ["parity-fp32", "parity-fp32-no-overlap", "parity-fp32-params",
+                                  "parity-fp32-params-keep"])
 def test_fp32_parity_with_torch(world, case):
     """AdamW, two groups and a schedule, clipping, a tied embedding, a branch used on even steps
     only (find_unused_parameters), within 1e-5 of single-process torch.optim."""
@@ -424,6 +461,8 @@ def test_fp32_parity_with_torch(world, case):
         assert value["norm_diff"] <= NORM_RTOL, value
         assert value["moved"] > 1e-2
         assert value["report"].grads == 4 * value["owned_padded"]  # the kept shards alone
+        if "params" in case:  # and the param shards alone
+            assert value["report"].params == 4 * value["owned_padded"]
 
 
 def test_bf16_parity_with_torch(world):
@@ -533,9 +572,31 @@ def test_all_reduce_path_is_refused_on_every_rank(world):
         assert "shard_grads=True" in message and "use_distributed_optimizer=True" in message
 
 
-def test_checkpoints_load_across_both_paths(world):
-    for value in case_result(world[1], "checkpoint"):
+@pytest.mark.parametrize("case", ["checkpoint", "checkpoint-params"])
+def test_checkpoints_load_across_both_paths(world, case):
+    for value in case_result(world[1], case):
         assert value == {"full": True, "back": True}
+
+
+@pytest.mark.parametrize("case", list(SAME_PARAMS))
+def test_sharded_params_bitwise_equal_to_sharded_grads(world, case):
+    """The same grads reduced by the same collectives, the same step on the same shards: only
+    where the params live between uses differs, so every number is the same bit for bit; the
+    gathers add one all-gather per bucket per use (none after the step)."""
+    d, results = world
+    for value in case_result(results, case):
+        assert value["same"], value["norms"]
+        assert value["norms"][0] == value["norms"][1]
+        for params, grads in zip(*value["calls"], strict=True):
+            assert params.get("reduce_scatter") == grads.get("reduce_scatter")
+            if d > 1:
+                assert params.get("all_gather", 0) >= value["buckets"]  # around forward
+        # The buckets of the module running and of those that read them, and the next one:
+        # with AwkwardLM's 7 buckets (3 with Muon's whole matrices) never all at once.
+        peak = max(value["gathered_peak"].values())
+        assert 1 <= peak <= value["buckets"]
+        if value["buckets"] > 3 and "keep" not in case:
+            assert peak < value["buckets"], peak
 
 
 def test_a_step_touches_only_the_step_modules():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
@@ -78,11 +79,17 @@ def save_checkpoint(
 
     from . import dcp  # see [Note: one-way imports]
 
-    state, whole = _dcp_state(opt, extra, rank)
+    # Sharded params are gathered for the write, as a user's state_dict() sees them whole:
+    # a transient of the whole model per rank while DCP writes ([Note: sharded params]).
+    gathered = contextlib.ExitStack()
+    for model in opt.models:
+        gathered.enter_context(model.gathered_params())
     # Each rank's outcome, agreed on before anything is published; see [Note: failed saves].
     outcome: Any
     try:
-        dcp.save(state, tmp, group)
+        with gathered:
+            state, whole = _dcp_state(opt, extra, rank)
+            dcp.save(state, tmp, group)
         # The manifest lists every rank's files and the whole-parameter state its owner wrote.
         outcome = (files.checksum_files(tmp, f"__{rank}_"), whole)
     except dcp.WriteFailed as exc:  # the same on every rank

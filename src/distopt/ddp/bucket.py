@@ -300,9 +300,10 @@ class Bucket:
         store.start_gather(self.group, self.stats, self._describe_params())
         store.wait(self._describe_params())
 
-    def release_params(self) -> None:
-        """Sharded params: back to this rank's shard alone."""
-        self.params_store.release(self._describe_params())
+    def release_params(self, *, placeholders: bool = True) -> None:
+        """Sharded params: back to this rank's shard alone (``placeholders=False``: the params
+        were given storage of their own and keep it)."""
+        self.params_store.release(self._describe_params(), placeholders=placeholders)
 
     def _describe_params(self) -> str:
         return f"bucket {self.order}'s params ({self.numel} {self.param_shard.dtype} elements)"

@@ -98,7 +98,7 @@ class FullParams:
     def wait(self, who: str) -> None:
         """Always whole."""
 
-    def release(self, who: str) -> None:
+    def release(self, who: str, *, placeholders: bool = True) -> None:
         """Always whole: nothing to free."""
 
 
@@ -164,12 +164,14 @@ class ShardedParams:
                 alias_local(param, self._full[slot.start : slot.end].view(shape))
         self._advance(ParamState.GATHERED, who)
 
-    def release(self, who: str) -> None:
-        """Back to the shard alone: placeholders, the buffer's memory freed."""
+    def release(self, who: str, *, placeholders: bool = True) -> None:
+        """Back to the shard alone: placeholders (unless the params were given storage of
+        their own), the buffer's memory freed."""
         if self.state is ParamState.SHARDED:
             return
         self.wait(who)  # a gather in flight still writes into the buffer
-        self.show_placeholders()
+        if placeholders:
+            self.show_placeholders()
         self._full.untyped_storage().resize_(0)
         self.pool.freed(self._nbytes)
         self._advance(ParamState.SHARDED, who)

@@ -351,11 +351,12 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward / backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._unsharder is not None:
-            self._unsharder.begin_forward()
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
-        output = self.module(*args, **kwargs)
+        if self._unsharder is not None:  # see [Note: where a param is used]
+            output = self._unsharder.forward(lambda: self.module(*args, **kwargs))
+        else:
+            output = self.module(*args, **kwargs)
         self._buffer_broadcast.after_forward(grad_sync=self._grad_sync.sync_enabled)
         if self._gathers_in_flight:
             self.finish_param_sync()
@@ -478,10 +479,14 @@ class DistributedDataParallel(nn.Module):
                     for key, value in self.module.state_dict().items()}
 
     def _params_own_storage(self) -> None:
-        # Every param gets storage of its own holding its full values (out of the buffers).
-        with self.gathered_params(), torch.no_grad():
-            for param in self.params:
-                alias_local(param, local_tensor(param).detach().clone())
+        # Every param gets storage of its own holding its full values (out of the buffers),
+        # gathered bucket by bucket.
+        for bucket in self.buckets:
+            bucket.use_params()
+            with torch.no_grad():
+                for param in bucket.params:
+                    alias_local(param, local_tensor(param).detach().clone())
+            bucket.release_params(placeholders=False)
 
     # ------------------------------------------------------------------ release
 
