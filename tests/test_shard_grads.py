@@ -236,6 +236,47 @@ def memory(param_dtype: torch.dtype, grad_dtype: torch.dtype, remainders: bool) 
     }
 
 
+def params_memory(param_dtype: torch.dtype, remainders: bool, state_dtype: torch.dtype | None
+                  ) -> dict:
+    """Sharded params: what a rank holds between steps, by component, and the param buffers it
+    holds gathered during forward and backward, read off their storages at every module's
+    forward and every grad (50 steps: nothing stays or grows)."""
+    torch.manual_seed(0)
+    model = mlp([64, 96, 80, 72, 33], dtype=param_dtype)
+    ddp = distopt.DistributedDataParallel(model, grad_dtype=param_dtype, bucket_size=3000,
+                                          shard_params=True)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-3, state_dtype=state_dtype,
+                                       store_param_remainders=remainders)
+    (pool,) = ddp.param_pools.values()
+    stores = [b.params_store for b in ddp.buckets]
+    held: list[int] = []  # bytes of gathered params at each forward and each grad
+
+    def record(*_args) -> None:
+        held.append(sum(s._full.untyped_storage().nbytes() for s in stores))
+
+    for module in model.modules():
+        module.register_forward_hook(record)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(record)
+    after_step, peaks = [], []
+    for step in range(50):
+        if step == 1:  # the first step gathers on the safe side; see [Note: where a param
+            held.clear()  # is used]
+        pool.reset_peak()
+        opt.zero_grad()
+        ddp(torch.randn(4, 64, dtype=param_dtype)).float().square().mean().backward()
+        opt.step()
+        after_step.append(sum(s._full.untyped_storage().nbytes() for s in stores))
+        peaks.append(pool.peak_bytes)
+    report = distopt.measure_state_bytes(opt)
+    return {"report": report, "padded": sum(buf.layout.numel for buf in ddp.flat_buffers),
+            "owned": sum(p.numel() for p in opt.main_params), "held": held,
+            "after_step": after_step, "peaks": peaks, "peak_buffers": pool.peak_buffers,
+            "bucket_bytes": [b.numel * param_dtype.itemsize for b in ddp.buckets],
+            "placeholders": all(p.untyped_storage().nbytes() <= param_dtype.itemsize
+                                for p in model.parameters())}
+
+
 # ---------------------------------------------------------------- checks and checkpoints
 
 
@@ -420,6 +461,9 @@ SAME_MULTI = {  # d > 1
     "same-fp32acc": Run(dtype=BF16, grad_dtype=BF16, fp32_accumulation=True),
 }
 MEMORY_ROWS = [(BF16, BF16, True), (torch.float32, torch.float32, False)]
+# Sharded params' rows: (param dtype, remainders, state dtype) -> bytes per param times d.
+PARAMS_MEMORY_ROWS = {(torch.float32, False, None): 16, (BF16, True, None): 14,
+                      (BF16, True, BF16): 10}
 
 
 def _cases(world: int) -> list:
@@ -432,6 +476,8 @@ def _cases(world: int) -> list:
     cases.append(("accumulate-all-no-sync",
                   accumulation, (Run(micro=MICRO, last_synced=False, steps=3),)))
     cases += [(f"memory-{p}-{g}", memory, (p, g, r)) for p, g, r in MEMORY_ROWS]
+    cases += [(f"params-memory-{p}-{r}-{sd}", params_memory, (p, r, sd))
+              for p, r, sd in PARAMS_MEMORY_ROWS]
     cases.append(("overlap-micro", overlap_changes_no_bit, (Run(micro=2, steps=4),)))
     cases.append(("reentrant", reentrant_checkpointing, ()))
     if world > 1:
@@ -537,6 +583,33 @@ def test_memory_by_component(world, param_dtype, grad_dtype, remainders):
         assert max(b for _, b in v["held"]) <= k * v["buffer_bytes"]
         assert k == (1 if d == 1 else 2)  # an MLP's grads arrive bucket by bucket
         assert k * v["buffer_bytes"] < padded * gsize  # below the full buffer
+
+
+@pytest.mark.parametrize("row", list(PARAMS_MEMORY_ROWS), ids=str)
+def test_sharded_params_memory(world, row):
+    """Between steps every component is 1/d (fp32: 16/d; bf16 with remainders: 14/d, with bf16
+    state 10/d) padding aside, the params placeholders of no memory; during forward and
+    backward, that plus the gathered buckets, read off their storages: never the whole model,
+    the pool's count exact, and nothing left or grown after any of 50 steps."""
+    d, results = world
+    param_dtype, remainders, state_dtype = row
+    v = case_result(results, f"params-memory-{param_dtype}-{remainders}-{state_dtype}")[0]
+    r, padded, owned = v["report"], v["padded"], v["owned"]
+    size = param_dtype.itemsize
+    state = 8 * (state_dtype or torch.float32).itemsize // 4
+    shard = padded // d  # params, grads and remainders cover the padding; state only params
+    assert (size + size + (2 if remainders else 0) + state) == PARAMS_MEMORY_ROWS[row]
+    assert distopt.theoretical_bytes_per_param(
+        param_dtype, param_dtype, d, shard_params=True, store_param_remainders=remainders,
+        state_dtype=state_dtype) * d == PARAMS_MEMORY_ROWS[row]
+    assert r.params == shard * size and r.grads == shard * size
+    assert r.main_params == (shard * 2 if remainders else 0)
+    assert r.optimizer_state == state * owned
+    assert v["placeholders"]
+    assert max(v["held"]) == max(v["peaks"][1:])  # the pool counts what the storages hold
+    assert 0 < max(v["held"]) < sum(v["bucket_bytes"])  # never every bucket at once
+    assert set(v["after_step"]) == {0}  # nothing gathered between steps, nothing grows
+    assert len(set(v["peaks"][1:])) == 1  # every step after the first holds the same
 
 
 def test_overlap_changes_no_bit_with_micro_batches(world):

@@ -238,3 +238,18 @@ def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path)
     for report, before in zip(summary["memory_per_rank"], full, strict=True):
         assert 10.0 <= report["bytes_per_param"] < 10.5
         assert 2 * report["grads"] == before["grads"]  # each rank's half of the buffer
+
+
+@pytest.mark.slow
+def test_shard_params_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path):
+    # The same grads and the same step: only where the params live changes, so the same bits.
+    proc = _train(tmp_path, "--shard-params")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # fp32 at d = 2: (params 4 + grads 4 + Adam 8) / 2.
+    assert summary["theory_bytes_per_param"]["distopt"] == pytest.approx(8.0)
+    full = json.loads((baseline / "summary.json").read_text())["memory_per_rank"]
+    for report, before in zip(summary["memory_per_rank"], full, strict=True):
+        assert 8.0 <= report["bytes_per_param"] < 8.5
+        assert 2 * report["params"] == before["params"]  # each rank's half of the params

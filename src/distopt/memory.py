@@ -58,10 +58,15 @@ class BytesPerParam:
     shard_grads: bool = False
     """Whether the grads are kept sharded between steps
     (``DistributedDataParallel(shard_grads=True)``); not a component."""
+    shard_params: bool = False
+    """Whether the params are kept sharded between uses (``shard_params=True``, which shards
+    the grads too); not a component."""
 
     @property
     def sharded(self) -> frozenset[str]:
         """The components each of the d ranks holds 1/d of."""
+        if self.shard_params:
+            return SHARDED | {"grads", "params"}
         return SHARDED | {"grads"} if self.shard_grads else SHARDED
 
     def per_rank(self, dp_size: int, *, distributed: bool = True) -> dict[str, float]:
@@ -99,6 +104,7 @@ def bytes_per_param_breakdown(
     state_dtype: torch.dtype | None = None,
     shard_grads: bool = False,
     state_block_size: int | None = None,
+    shard_params: bool = False,
 ) -> BytesPerParam:
     """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
 
@@ -113,7 +119,10 @@ def bytes_per_param_breakdown(
     ``state_block_size`` elements (None: 32). See [Note: state precision] in
     optim/state_precision.py. ``shard_grads`` keeps only each rank's reduced shard of the
     grads between steps (``DistributedDataParallel(shard_grads=True)``): the grads are sharded
-    too. See [Note: sharded grads] in ddp/grad_pool.py.
+    too. See [Note: sharded grads] in ddp/grad_pool.py. ``shard_params`` keeps only each
+    rank's shard of the params too, between uses (``shard_params=True``, which implies sharded
+    grads): every component is sharded; the gathered buckets a forward or backward holds are
+    transient and not counted here. See [Note: sharded params] in ddp/param_storage.py.
     """
     grad_dtype = grad_dtype or param_dtype
     if state_dtype is not None:
@@ -147,7 +156,8 @@ def bytes_per_param_breakdown(
         main_params=2 if store_param_remainders else main_params,
         main_grads=main_grads,
         optimizer_state=optimizer_state_bytes,
-        shard_grads=shard_grads,
+        shard_grads=shard_grads or shard_params,
+        shard_params=shard_params,
     )
 
 
@@ -162,6 +172,7 @@ def theoretical_bytes_per_param(
     state_dtype: torch.dtype | None = None,
     shard_grads: bool = False,
     state_block_size: int | None = None,
+    shard_params: bool = False,
 ) -> float:
     """Bytes per parameter of params, grads, fp32 main params/grads and optimizer state.
 
@@ -175,6 +186,8 @@ def theoretical_bytes_per_param(
     2 + 2/32 B/param).
     ``shard_grads``: only each rank's reduced shard of the grads is kept between steps (bf16
     params and grads with remainders: 2 + 12/d; fp32: 4 + 12/d).
+    ``shard_params``: the params too, between uses: everything is sharded (fp32: 16/d; bf16
+    params and grads with remainders: 14/d, with bf16 state 10/d).
     ``bytes_per_param_breakdown`` gives the same figure component by component.
     """
     _check_dp_size(dp_size)
@@ -182,7 +195,7 @@ def theoretical_bytes_per_param(
         param_dtype, grad_dtype, optimizer_state_bytes=optimizer_state_bytes,
         store_param_remainders=store_param_remainders, state_dtype=state_dtype,
         shard_grads=shard_grads,
-        state_block_size=state_block_size,
+        state_block_size=state_block_size, shard_params=shard_params,
     )
     return breakdown.total(dp_size, distributed=distributed)
 

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from ..dtypes import DTYPES, STATE_DTYPES, dtype_name
-from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
+from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
 from ..memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
 from ..options import fp32_accumulation_problem, remainders_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-grads", action="store_true",
                         help="keep only each rank's reduced shard of the grads between steps "
                         "(DistributedDataParallel(shard_grads=True))")
+    parser.add_argument("--shard-params", action="store_true",
+                        help="keep only each rank's shard of the params too, gathered around "
+                        "use (DistributedDataParallel(shard_params=True)); implies --shard-grads")
+    parser.add_argument("--gathered-buckets", type=int, default=2, metavar="K",
+                        help="with --shard-params: the gathered buckets a rank holds at once "
+                        "(the peak's transient; 2: the bucket in use and the next, prefetched)")
     cluster = parser.add_argument_group(
         "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
         "flat over every rank")
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             param_dtype, grad_dtype, optimizer_state_bytes=args.optimizer_state_bytes,
             store_param_remainders=args.store_param_remainders,
             state_dtype=STATE_DTYPES[args.state_dtype], shard_grads=args.shard_grads,
+            shard_params=args.shard_params,
         )
     except ValueError as error:
         print(f"distopt memory: --store-param-remainders: {error}", file=sys.stderr)
@@ -220,7 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.store_param_remainders:
         print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
               "bf16/fp16 grads) one bucket's shard at a time; that transient is not included")
-    if args.shard_grads:
+    if args.shard_params:
+        bucket = args.bucket_size or default_bucket_size(dp, num_params)
+        transient = args.gathered_buckets * bucket * theory.params
+        print(f"with --shard-params every component is sharded; forward and backward gather "
+              f"each bucket's params around the modules\nthat use them: at most "
+              f"{args.gathered_buckets} buckets of {bucket:,} elements gathered at once "
+              f"(--gathered-buckets), {transient / GIB:.2f} GiB\nper rank on top, and the "
+              f"grads of a few buckets in flight (not included); peak "
+              f"{(dist_total * num_params + transient) / GIB:.2f} GiB per rank")
+    if args.shard_grads or args.shard_params:
         print("with --shard-grads each bucket's grads live in a transient buffer from their first "
               "grad of a backward until\nthe bucket's reduce-scatter is done, a few buckets at a "
               "time (not included); no grad buffer is kept whole")
@@ -235,7 +251,7 @@ def _labels(args: argparse.Namespace) -> dict[str, str]:
     labels = dict(LABELS)
     if args.store_param_remainders:
         labels["main_params"] = "remainders"
-    if args.shard_grads:
+    if args.shard_grads or args.shard_params:
         labels["grads"] = "grads"
     if args.state_dtype != "fp32":
         short = len(args.state_dtype) <= 4  # the label fits the 18-character column
@@ -335,7 +351,7 @@ def _whole_tensor(args: argparse.Namespace) -> int:
                             bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
                             store_param_remainders=args.store_param_remainders,
                             state_dtype=STATE_DTYPES[args.state_dtype],
-                            shard_grads=args.shard_grads)
+                            shard_grads=args.shard_grads or args.shard_params)
     except ValueError as error:
         print(f"distopt memory: --state-dtype {args.state_dtype}: {error}", file=sys.stderr)
         return 2

@@ -12,8 +12,8 @@ its first broadcast, compares what every rank is about to communicate:
   the name it is tied to (the same tensor registered twice), DTensor placements and this rank's
   local shape;
 * the DDP options that change which collectives run (grad dtype, reduce-scatter or all-reduce,
-  unused-param tracking, the nan check, fp32 accumulation, sharded grads, the broadcast of
-  module buffers before each forward);
+  unused-param tracking, the nan check, fp32 accumulation, sharded grads and params, the
+  broadcast of module buffers before each forward);
 * the bucket layout it plans: every buffer's buckets, their element ranges and params.
 
 ``describe_model`` and ``first_difference`` are the pure part (they use no
@@ -172,7 +172,7 @@ def describe_model(
     )
     compared = ("grad_dtype", "use_distributed_optimizer", "find_unused_parameters",
                 "check_for_nan_in_grad", "reduce_scatter_with_fp32_accumulation", "shard_grads",
-                "broadcast_buffers")
+                "shard_params", "reshard_after_forward", "broadcast_buffers")
     return ModelDescription(
         tensors=tuple(tensors),
         options=tuple((name, str(getattr(options, name))) for name in compared),

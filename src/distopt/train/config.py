@@ -109,7 +109,11 @@ class TrainConfig:
     """How the state is narrowed to ``state_dtype``: nearest, or stochastic (unbiased)."""
     shard_grads: bool = False
     """Keep only each rank's reduced shard of the grads between steps (ZeRO-2); every
-    micro-batch reduce-scatters. See [Note: sharded grads] in distopt/grad_pool.py."""
+    micro-batch reduce-scatters. See [Note: sharded grads] in distopt/ddp/grad_pool.py."""
+    shard_params: bool = False
+    """Keep only each rank's shard of the params too, gathered around the forward and backward
+    that use them (ZeRO-3; implies --shard-grads). See [Note: sharded params] in
+    distopt/ddp/param_storage.py."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -193,6 +197,9 @@ class TrainConfig:
         if self.shard_grads and self.no_shard:
             problems.append("--shard-grads needs the sharded optimizer (the replicated one "
                             "steps whole grads); drop --no-shard")
+        if self.shard_params and self.no_shard:
+            problems.append("--shard-params needs the sharded optimizer (the replicated one "
+                            "steps whole params); drop --no-shard")
         if self.optimizer in OPTIMIZERS:
             problems += self._state_dtype_problems()
         if self.max_bytes is not None and self.max_bytes < 1:
@@ -318,6 +325,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-grads", action="store_true",
                    help="keep only this rank's reduced shard of the grads between steps "
                    "(ZeRO-2); every micro-batch reduce-scatters")
+    p.add_argument("--shard-params", action="store_true",
+                   help="keep only this rank's shard of the params too, gathered around the "
+                   "forward and backward that use them (ZeRO-3); implies --shard-grads")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")

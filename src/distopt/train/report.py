@@ -32,19 +32,20 @@ def write_summary(
     owned whole, printed beside what the ranks measured (see [Note: memory of whole-tensor
     ownership] in distopt/plan/ownership.py)."""
 
-    def breakdown(remainders: bool, state_bytes: float, shard_grads: bool = False):
+    def breakdown(remainders: bool, state_bytes: float, shard_grads: bool = False,
+                  shard_params: bool = False):
         return bytes_per_param_breakdown(
             DTYPES[config.dtype], DTYPES[config.grad_dtype],
             optimizer_state_bytes=state_bytes, store_param_remainders=remainders,
-            shard_grads=shard_grads,
+            shard_grads=shard_grads, shard_params=shard_params,
         )
 
     # Optimizer state is sharded over the shard group only (replicated across groups); the
     # replicated figure is plain DDP's, which keeps fp32 masters and fp32 state.
     held = optimizer_state_bytes if held_state_bytes is None else held_state_bytes
     theory = {
-        "distopt": breakdown(config.store_param_remainders, held,
-                             config.shard_grads).total(shard_size or world),
+        "distopt": breakdown(config.store_param_remainders, held, config.shard_grads,
+                             config.shard_params).total(shard_size or world),
         "replicated": breakdown(False, optimizer_state_bytes).total(world, distributed=False),
     }
     evals = [h for h in history if "heldout_loss" in h]

@@ -88,6 +88,7 @@ class Trainer:
             device_mesh=self._data_parallel_mesh(),
             reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
             shard_grads=config.shard_grads,
+            shard_params=config.shard_params,
         )
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
