@@ -404,7 +404,7 @@ def checkpoint_across_paths(sharded_params: bool = False) -> dict:
             "back": same(_numbers(back_ddp, back_opt), unbroken)}
 
 
-def tensor_parallel(shard: bool) -> list[torch.Tensor]:
+def tensor_parallel(shard: bool, params: bool = False) -> list[torch.Tensor]:
     """dp = 2, tp = 2: AdamW with clipping, 5 steps; every number held at the end."""
     mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, _ = mesh.get_coordinate()
@@ -412,7 +412,7 @@ def tensor_parallel(shard: bool) -> list[torch.Tensor]:
     model = Block()
     parallelize_module(model, mesh["tp"], tp_plan())
     ddp = distopt.DistributedDataParallel(model, device_mesh=mesh, bucket_size=100,
-                                          shard_grads=shard)
+                                          shard_grads=shard, shard_params=params)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=0.05, lr=1e-2)
     for step in range(5):
         x, y = batch(step)
@@ -425,7 +425,8 @@ def tensor_parallel(shard: bool) -> list[torch.Tensor]:
 
 
 def tp_same_as_full_buffer() -> bool:
-    return same(tensor_parallel(True), tensor_parallel(False))
+    full = tensor_parallel(False)
+    return same(tensor_parallel(True), full) and same(tensor_parallel(True, True), full)
 
 
 # ---------------------------------------------------------------- the grid
@@ -699,6 +700,7 @@ def test_a_step_touches_only_the_step_modules():
 
 MESH = {
     "mesh-parity": ParityRun(mesh=(2, 2), shard_grads=True),
+    "mesh-parity-params": ParityRun(mesh=(2, 2), shard_params=True),
     "mesh-same-bf16-fp32acc": Run(mesh=(2, 2), dtype=BF16, grad_dtype=BF16,
                                   fp32_accumulation=True),
     "mesh-accumulate": Run(mesh=(2, 2), micro=MICRO, steps=4),
@@ -709,6 +711,7 @@ MESH = {
 @pytest.fixture(scope="module")
 def four():
     cases = [("mesh-parity", parity_trajectory, (MESH["mesh-parity"],)),
+             ("mesh-parity-params", parity_trajectory, (MESH["mesh-parity-params"],)),
              ("mesh-same-bf16-fp32acc", same_as_full_buffer, (MESH["mesh-same-bf16-fp32acc"],)),
              ("mesh-accumulate", accumulation, (MESH["mesh-accumulate"],)),
              ("mesh-accumulate-all-no-sync", accumulation,
@@ -718,8 +721,10 @@ def four():
 
 
 @pytest.mark.slow
-def test_mesh_parity_and_second_stage_on_the_kept_shard(four):
-    for v in case_result(four, "mesh-parity"):
+@pytest.mark.parametrize("case", ["mesh-parity", "mesh-parity-params"])
+def test_mesh_parity_and_second_stage_on_the_kept_shard(four, case):
+    """HSDP with sharded params too: gathered within the shard group, replicated across."""
+    for v in case_result(four, case):
         assert v["max_diff"] < FP32_TOL and v["norm_diff"] < NORM_RTOL, v
         n = v["buckets"]
         assert v["calls"]["reduce_scatter"] == n

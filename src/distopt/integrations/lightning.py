@@ -83,7 +83,7 @@ class DistoptStrategy(DDPStrategy):
         basic: use ``distopt.BasicOptimizer`` (grads all-reduced, every rank keeps all of the
             optimizer state) instead of ``distopt.DistributedOptimizer``, to compare.
         bucket_size, overlap_grad_reduce, grad_dtype, find_unused_parameters,
-        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation, shard_grads,
+        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation, shard_grads, shard_params,
         broadcast_buffers: passed to ``distopt.DistributedDataParallel``
             (``broadcast_buffers`` as with ``DDPStrategy(broadcast_buffers=...)``: rank 0's
             BatchNorm statistics broadcast before each forward, True by default).
@@ -114,6 +114,7 @@ class DistoptStrategy(DDPStrategy):
         check_for_nan_in_grad: bool = False,
         reduce_scatter_with_fp32_accumulation: bool = False,
         shard_grads: bool = False,
+        shard_params: bool = False,
         broadcast_buffers: bool = True,
         overlap_param_gather: bool = False,
         store_param_remainders: bool = False,
@@ -136,9 +137,11 @@ class DistoptStrategy(DDPStrategy):
                 "wrapper that is never built: drop them (distopt's own options are "
                 "bucket_size, overlap_grad_reduce, find_unused_parameters, grad_dtype, ...)"
             )
-        if basic and (overlap_param_gather or store_param_remainders or shard_grads):
+        if basic and (overlap_param_gather or store_param_remainders or shard_grads
+                      or shard_params):
             raise ValueError(
-                "overlap_param_gather, store_param_remainders and shard_grads belong to the "
+                "overlap_param_gather, store_param_remainders, shard_grads and shard_params "
+                "belong to the "
                 "sharded optimizer; basic=True (BasicOptimizer) has none of them: drop them or "
                 "basic=True"
             )
@@ -162,6 +165,7 @@ class DistoptStrategy(DDPStrategy):
             check_for_nan_in_grad=check_for_nan_in_grad,
             reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
             shard_grads=shard_grads,
+            shard_params=shard_params,
             broadcast_buffers=broadcast_buffers,
         )
         self._optimizer_options = (

@@ -102,6 +102,10 @@ class DistoptArguments:
     shard_grads: bool = False
     """Keep only this rank's reduced shard of the grads between steps (ZeRO-2): every
     micro-batch of ``gradient_accumulation_steps`` reduce-scatters."""
+    shard_params: bool = False
+    """Keep only this rank's shard of the params too, gathered around the forward and
+    backward that use them (ZeRO-3; implies ``shard_grads``); saved models are gathered
+    whole."""
     fp16_loss_scaler: Callable[[], distopt.DynamicLossScaler | distopt.ConstantLossScaler] = (
         distopt.DynamicLossScaler
     )
@@ -188,9 +192,22 @@ class DistoptTrainer(transformers.Trainer):
                 overlap_grad_reduce=self.distopt_args.overlap_grad_reduce,
                 find_unused_parameters=self._find_unused_parameters(),
                 shard_grads=self.distopt_args.shard_grads,
+                shard_params=self.distopt_args.shard_params,
                 broadcast_buffers=self._broadcast_buffers(),
             )
         return self.distopt_model
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; with sharded params the weights are gathered whole on every
+        rank first (a collective) and written by the main process."""
+        ddp = self._live_ddp()
+        if ddp is None or not ddp.options.shard_params:
+            super().save_model(output_dir, _internal_call)
+            return
+        state_dict = ddp.full_state_dict()
+        self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _bucket_size(self) -> int | None:
         if self.distopt_args.bucket_size is not None:
