@@ -357,6 +357,32 @@ def reentrant_checkpointing() -> dict:
             "buckets": out[True]["buckets"], "blocks": 4}
 
 
+def checkpointed_params(reentrant: bool) -> bool:
+    """Every block under activation checkpointing, sharded params against sharded grads: the
+    recomputation inside backward gathers what it reads and keeps it for the backward after
+    it, so every number is the same."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for params in (True, False):
+        torch.manual_seed(0)
+        model = mlp([12, 40, 40, 40, 5])
+        blocks = [model[i : i + 2] for i in range(0, len(model), 2)]
+        ddp = distopt.DistributedDataParallel(model, bucket_size=900, shard_grads=True,
+                                              shard_params=params)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x = rank_slice(torch.randn(8, 12, generator=g), rank, world)
+            opt.zero_grad()
+            h = x.requires_grad_()
+            for block in blocks:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)
+            h.square().mean().backward()
+            opt.step()
+        out.append(_numbers(ddp, opt))
+    return same(*out)
+
+
 def model_check_compares_the_option() -> str:
     try:
         distopt.DistributedDataParallel(mlp([4, 3]), shard_grads=dist.get_rank() == 0)
@@ -481,6 +507,7 @@ def _cases(world: int) -> list:
               for p, r, sd in PARAMS_MEMORY_ROWS]
     cases.append(("overlap-micro", overlap_changes_no_bit, (Run(micro=2, steps=4),)))
     cases.append(("reentrant", reentrant_checkpointing, ()))
+    cases += [(f"checkpointed-params-{r}", checkpointed_params, (r,)) for r in (False, True)]
     if world > 1:
         cases.append(("model-check", model_check_compares_the_option, ()))
     cases.append(("nan", nan_check, ()))
@@ -615,6 +642,11 @@ def test_sharded_params_memory(world, row):
 
 def test_overlap_changes_no_bit_with_micro_batches(world):
     assert all(case_result(world[1], "overlap-micro"))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_sharded_params_under_activation_checkpointing(world, reentrant):
+    assert all(case_result(world[1], f"checkpointed-params-{reentrant}"))
 
 
 def test_reentrant_checkpointing_reduces_per_inner_backward(world):

@@ -103,6 +103,11 @@ class ParamUnsharder:
         self._prefetch(self._position[buckets[-1]] + 1)
 
     def _after_forward(self, module: nn.Module, _args: Any, output: Any) -> None:
+        if torch._C._current_autograd_node() is not None:
+            # A forward run inside backward (activation checkpointing's recomputation): the
+            # backward that follows reads these params, and the grad sync frees them once
+            # their grads are in.
+            return
         grad = torch.is_grad_enabled()
         buckets = self._buckets_of[module]
         if grad:
