@@ -30,7 +30,13 @@ from .models import MODELS, build_model
 from .muon import MUON_SYSTEMS
 from .peers import INSTALL_HINT
 from .runner import RunConfig, merge_rounds, run_config
-from .systems import PEER_SYSTEMS, SPLIT_OVERLAP, SYSTEMS, system_bytes_per_param
+from .systems import (
+    PEER_SYSTEMS,
+    SHARDED_PARAMS,
+    SPLIT_OVERLAP,
+    SYSTEMS,
+    system_bytes_per_param,
+)
 
 __all__ = ["RunConfig", "main", "run_config"]
 
@@ -45,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", nargs="+", choices=MODELS, default=["gpt", "mlp"],
                    help="models to run (default: gpt mlp)")
     p.add_argument("--systems", nargs="+",
-                   choices=SYSTEMS + SPLIT_OVERLAP + MUON_SYSTEMS + PEER_SYSTEMS,
+                   choices=SYSTEMS + SPLIT_OVERLAP + SHARDED_PARAMS + MUON_SYSTEMS
+                   + PEER_SYSTEMS,
                    default=list(SYSTEMS),
                    help="configurations to run (default: all but the split-overlap, the "
                         "Muon and the other projects' ones: Megatron-Core and DeepSpeed, "

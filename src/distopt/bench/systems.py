@@ -21,6 +21,10 @@ from distopt.memory import bytes_per_param_breakdown, storage_bytes
 
 SYSTEMS = ("ddp", "zero", "fsdp2", "distopt-no-overlap", "distopt", "distopt-shard-grads",
            "basic")
+SHARDED_PARAMS = ("fsdp2-reshard", "distopt-shard-params", "distopt-shard-params-keep")
+"""ZeRO-3 side by side, run only when asked for: FSDP2 freeing each block's params after its
+forward and distopt's sharded params, with and without freeing them after forward (``fsdp2``
+is FSDP2 keeping them)."""
 """Configurations run by default, in the order the report lists them."""
 SPLIT_OVERLAP = ("distopt-overlap-reduce", "distopt-overlap-gather")
 """Configurations run only when asked for: one of distopt's two overlaps at a time."""
@@ -28,12 +32,15 @@ PEER_SYSTEMS = ("megatron", "megatron-overlap", "deepspeed-z1", "deepspeed-z2",
                 "deepspeed-z2-overlap")
 """Other projects' distributed optimizers, run only when asked for (the ``peers`` extra;
 ``peers.py``)."""
-PEERS = ("ddp", "zero", "fsdp2") + PEER_SYSTEMS
+PEERS = ("ddp", "zero", "fsdp2", "fsdp2-reshard") + PEER_SYSTEMS
 
 LABELS = {
     "ddp": "torch DDP + AdamW",
     "zero": "DDP + ZeroRedundancyOptimizer",
     "fsdp2": "FSDP2 fully_shard (no reshard)",
+    "fsdp2-reshard": "FSDP2 fully_shard (reshard)",
+    "distopt-shard-params": "distopt, sharded params",
+    "distopt-shard-params-keep": "distopt, sharded params, no reshard",
     "distopt-no-overlap": "distopt, overlap off",
     "distopt": "distopt, overlap on",
     "distopt-shard-grads": "distopt, sharded grads",
@@ -214,17 +221,18 @@ class _Zero(_TorchDDP):
 
 
 class _FSDP2(System):
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, *,
+                 reshard_after_forward: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        self.name = "fsdp2"
+        self.name = "fsdp2-reshard" if reshard_after_forward else "fsdp2"
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         # One FSDP unit per block and one at the root: the layout FSDP2's docs recommend,
         # so each block's gather and reduction overlap with its neighbours' compute.
         for child in _block_modules(module):
-            fully_shard(child, mesh=mesh, reshard_after_forward=False)
-        self.model = fully_shard(module, mesh=mesh, reshard_after_forward=False)
+            fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.model = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **ADAMW)
 
 
@@ -238,12 +246,14 @@ def _block_modules(module: nn.Module) -> list[nn.Module]:
 class _Distopt(System):
     def __init__(
         self, module: nn.Module, *, name: str, reduce: bool, gather: bool,
-        bucket_size: int | None, shard_grads: bool = False,
+        bucket_size: int | None, shard_grads: bool = False, shard_params: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         self.name = name
         self.model = distopt.DistributedDataParallel(
             module, bucket_size=bucket_size, overlap_grad_reduce=reduce,
-            shard_grads=shard_grads,
+            shard_grads=shard_grads, shard_params=shard_params,
+            reshard_after_forward=reshard_after_forward,
         )
         self.optimizer = distopt.DistributedOptimizer(
             self.model, torch.optim.AdamW, overlap_param_gather=gather, **ADAMW
@@ -286,18 +296,20 @@ def build_system(
         return _TorchDDP(module, device)
     if name == "zero":
         return _Zero(module, device)
-    if name == "fsdp2":
-        return _FSDP2(module, device)
+    if name in ("fsdp2", "fsdp2-reshard"):
+        return _FSDP2(module, device, reshard_after_forward=name == "fsdp2-reshard")
     if name in _DISTOPT_OVERLAPS:
         reduce, gather = _DISTOPT_OVERLAPS[name]
         return _Distopt(module, name=name, reduce=reduce, gather=gather, bucket_size=bucket_size,
-                        shard_grads=name == "distopt-shard-grads")
+                        shard_grads=name == "distopt-shard-grads",
+                        shard_params=name.startswith("distopt-shard-params"),
+                        reshard_after_forward=name != "distopt-shard-params-keep")
     if name == "basic":
         return _Basic(module, bucket_size=bucket_size)
     raise ValueError(
         f"unknown system {name!r}; choose from "
-        f"{', '.join(SYSTEMS + SPLIT_OVERLAP)} (the Muon ones: bench.muon.build_muon_system; "
-        "Megatron-Core and DeepSpeed: bench.peers.build_peer_system)"
+        f"{', '.join(SYSTEMS + SPLIT_OVERLAP + SHARDED_PARAMS)} (the Muon ones: "
+        "bench.muon.build_muon_system; Megatron-Core and DeepSpeed: bench.peers.build_peer_system)"
     )
 
 
@@ -308,6 +320,8 @@ _DISTOPT_OVERLAPS = {
     "distopt-overlap-reduce": (True, False),
     "distopt-overlap-gather": (False, True),
     "distopt-shard-grads": (True, True),
+    "distopt-shard-params": (True, True),
+    "distopt-shard-params-keep": (True, True),
 }
 
 
@@ -317,13 +331,14 @@ def system_bytes_per_param(name: str, d: int, optimizer_state_bytes: float = 8) 
     own table, ``bytes_per_param_breakdown``, regrouped by what each peer shards."""
     fp32 = bytes_per_param_breakdown(torch.float32, torch.float32,
                                      optimizer_state_bytes=optimizer_state_bytes,
-                                     shard_grads=name == "distopt-shard-grads")
+                                     shard_grads=name == "distopt-shard-grads",
+                                     shard_params=name.startswith("distopt-shard-params"))
     if name in ("ddp", "basic", "ddp-muon"):
         return fp32.total(d, distributed=False)
     if name == "zero":
         # params and grads replicated, Adam's moments sharded
         return fp32.params + fp32.grads + fp32.optimizer_state / d
-    if name == "fsdp2":
+    if name in ("fsdp2", "fsdp2-reshard"):
         return fp32.total(d, distributed=False) / d  # between steps everything is sharded (ZeRO-3)
     if name.startswith("deepspeed"):
         # Between steps: params replicated, an fp32 master copy and Adam's moments sharded; the
