@@ -15,6 +15,7 @@ src/distopt/ddp/grad_pool.py and [Note: sharded params] in src/distopt/ddp/param
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from pathlib import Path
@@ -383,6 +384,35 @@ def checkpointed_params(reentrant: bool) -> bool:
     return same(*out)
 
 
+def meta_init() -> dict:
+    """AwkwardLM built on the meta device and materialized into sharded params (no rank holds
+    it whole) against the same model built for real: the same values, and the same training."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = []
+    for meta in (True, False):
+        torch.manual_seed(0)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = AwkwardLM()
+        ddp = _ddp(model, Run(shard_params=True))
+        opt = _optimizer(ddp, model, Run(shard_params=True))
+        initial = ddp.full_state_dict()
+        for step in range(3):
+            tokens, targets = batches(step, global_batch=GLOBAL_BATCH)
+            opt.zero_grad()
+            lm_loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
+                    step).backward()
+            opt.step()
+        runs.append((list(initial.values()), _numbers(ddp, opt)))
+    refused = ""
+    try:
+        with torch.device("meta"):
+            distopt.DistributedDataParallel(mlp([4, 3]))
+    except ValueError as error:
+        refused = str(error)
+    return {"initial": same(runs[0][0], runs[1][0]), "trained": same(runs[0][1], runs[1][1]),
+            "refused": refused}
+
+
 def model_check_compares_the_option() -> str:
     try:
         distopt.DistributedDataParallel(mlp([4, 3]), shard_grads=dist.get_rank() == 0)
@@ -513,6 +543,7 @@ def _cases(world: int) -> list:
     cases.append(("nan", nan_check, ()))
     cases.append(("bad-option", bad_option, ()))
     cases.append(("checkpoint", checkpoint_across_paths, ()))
+    cases.append(("meta-init", meta_init, ()))
     cases.append(("checkpoint-params", checkpoint_across_paths, (True,)))
     return cases
 
@@ -642,6 +673,14 @@ def test_sharded_params_memory(world, row):
 
 def test_overlap_changes_no_bit_with_micro_batches(world):
     assert all(case_result(world[1], "overlap-micro"))
+
+
+def test_meta_device_model_materialized_into_shards(world):
+    """See [Note: meta-device models]: the same values as the model built for real, and the
+    meta device without sharded params refused, naming the fix."""
+    for value in case_result(world[1], "meta-init"):
+        assert value["initial"] and value["trained"]
+        assert "shard_params=True" in value["refused"]
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -43,6 +43,7 @@ class ParamAndGradBuffer:
         check_local_grads: bool = False,
         grad_pool: GradPool | None = None,
         param_pool: ParamPool | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``params`` in layout order, laid out by ``layout`` (from layout/model_layout.py). With a
         ``grad_pool`` the grads are sharded: no ``grad_data``, only ``grad_shards`` (this
@@ -58,7 +59,9 @@ class ParamAndGradBuffer:
         self.dp_size = layout.dp_size
         self.dp_rank = dp_rank
         self.layout = layout
-        device = params[0].device
+        # A meta-device model's buffers go where its shards will be ([Note: meta-device
+        # models] in ddp/materialize.py).
+        device = device or params[0].device
         sharded = grad_pool is not None
         self.grad_data = (
             None if sharded else torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
@@ -113,7 +116,8 @@ class ParamAndGradBuffer:
                 kept_params = self.param_shards[kept_offset : kept_offset + shard.size]
                 params_store = ShardedParams(kept_params, param_pool, rng.size, bucket_params,
                                              ranges, self._placeholder)
-                params_store.show_placeholders()
+                if not self._meta:  # a meta-device model's params get them once materialized
+                    params_store.show_placeholders()
             args = (bucket_layout, bucket_params, ranges, params_store)
             options = dict(
                 dp_rank=dp_rank, group=group, reduce_scatter=reduce_scatter, stats=stats,
@@ -133,8 +137,11 @@ class ParamAndGradBuffer:
     def _shard_params(self) -> None:
         """This rank's shard of every bucket's params, from the params' values, one bucket at
         a time (no rank holds more than one bucket of the whole model for it)."""
-        device = self.params[0].device
+        device = self.param_shards.device
         self._placeholder = placeholders_for({self.param_dtype}, device)[self.param_dtype]
+        self._meta = any(p.is_meta for p in self.params)
+        if self._meta:
+            return  # written module by module by materialize_shards
         offset = 0
         with torch.no_grad():
             for bucket in self.layout.buckets:
@@ -148,6 +155,27 @@ class ParamAndGradBuffer:
                 self.param_shards[offset : offset + shard.size].copy_(
                     full[shard.start : shard.end])
                 offset += shard.size
+
+    def write_shard(self, param: nn.Parameter) -> None:
+        """Copy the slices of ``param``'s values that fall in this rank's shard of its bucket
+        into ``param_shards`` (a meta-device model, materialized module by module)."""
+        index = next(i for i, p in enumerate(self.params) if p is param)
+        slot = self.layout.params[index]
+        bucket = self.layout.buckets[slot.bucket]
+        shard = bucket.shard_range(self.dp_rank)
+        owned = slot.bucket_range.intersect(shard)
+        if owned is None:
+            return
+        offset = sum(b.shard_size for b in self.layout.buckets[: slot.bucket])
+        values = local_tensor(param).detach().reshape(-1)
+        start = owned.start - slot.bucket_range.start
+        self.param_shards[offset + owned.start - shard.start : offset + owned.end - shard.start
+                          ].copy_(values[start : start + owned.size])
+
+    def show_placeholders(self) -> None:
+        """Every param as its placeholder (sharded params, once materialized)."""
+        for bucket in self.buckets:
+            bucket.params_store.show_placeholders()
 
     def param_storage(self) -> list[torch.Tensor]:
         """The param tensors this buffer holds between steps: ``param_data`` (every param), or

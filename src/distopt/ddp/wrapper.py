@@ -25,27 +25,30 @@ from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
 from ..optim.kinds import costs_of_classes
 from ..options import GradSyncOptions
-from ..parallel.dtensor import alias_local, is_dtensor, local_tensor
+from ..parallel.dtensor import is_dtensor, local_tensor
 from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from ..parallel.tensor_parallel import TensorParallelMesh, check_params
 from ..sharding import Sharding
 from . import param_owners
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
+from .grad_marker import GradMarkers
 from .grad_pool import GradPool, grad_pools_for
 from .grad_sync import GradSync
+from .materialize import check_materializable, has_meta_tensors, materialize_shards, target_device
 from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
 from .module_params import trainable_named_params
 from .param_gather import register_param_wait_hooks
 from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
 from .state import SyncState
+from .whole_module import WholeModule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(WholeModule, nn.Module):
     """Data parallelism over contiguous, bucketed param and grad buffers.
 
     Args:
@@ -138,6 +141,10 @@ class DistributedDataParallel(nn.Module):
             broadcast_buffers=broadcast_buffers,
         )
         self.options.check_param_dtypes({p.dtype for _, p in named})
+        # Checked on every rank before any collective; see [Note: meta-device models].
+        meta = has_meta_tensors(module)
+        if meta:
+            check_materializable(module, self.options.shard_params)
 
         self.module = module
         dp_group, replicate_group = resolve_dp_groups(process_group, device_mesh)
@@ -149,6 +156,8 @@ class DistributedDataParallel(nn.Module):
             dp_group, check_params(named, dp_group), replicate_group
         )
         self.comm_stats = comm.CommStats()
+        self._target_device = (target_device(self.process_group) if meta
+                               else named[0][1].device)
         # Raises, on every rank alike, where no one group spans the DP ranks.
         adopt_sync_batchnorm_group(module, self.parallel)
 
@@ -174,11 +183,10 @@ class DistributedDataParallel(nn.Module):
                 f"a newer distopt.DistributedDataParallel wrapped its parameter "
                 f"'{older.param_names[param]}'"
             )
-        param_owners.claim(self.params, self)
         # Torch DDP semantics: every replica starts from rank 0's weights (and buffers, unless
         # broadcast_buffers=False).
         synced = (*module.parameters(), *(module.buffers() if broadcast_buffers else ()))
-        comm.broadcast_from_first_ranks([local_tensor(t.data) for t in synced],
+        comm.broadcast_from_first_ranks([local_tensor(t.data) for t in synced if not t.is_meta],
                                         self.parallel.data_parallel_groups)
         self._buffer_broadcast = BufferBroadcast(module, self.parallel, self.comm_stats,
                                                  enabled=broadcast_buffers)
@@ -191,6 +199,11 @@ class DistributedDataParallel(nn.Module):
         self._backward_seen = False  # a layout may change only before the first backward
         self._owners_set_by: str | None = "the DDP" if whole_costs else None
         self._lay_out(whole_costs)
+        if meta:  # one module at a time into this rank's shards
+            materialize_shards(module, self._flat_buffers, self.parallel, self._target_device)
+            self._grad_sync.markers = GradMarkers(self.params, self.param_names)  # on device
+        # After materializing: the registry's weak references would forbid swapping tensors.
+        param_owners.claim(self.params, self)
         # The grad sync of the current layout runs them; see ddp/grad_sync.py.
         self._grad_hooks = [
             hook for p in self.params for hook in (
@@ -234,6 +247,7 @@ class DistributedDataParallel(nn.Module):
                 check_local_grads=self.options.check_for_nan_in_grad,
                 grad_pool=self.grad_pools.get(buf.grad_dtype),
                 param_pool=self.param_pools.get(buf.param_dtype),
+                device=self._device,
             )
             for buf in planned.buffers
         ]
@@ -414,7 +428,7 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def _device(self) -> torch.device:
-        return self.params[0].device
+        return self._target_device
 
     # ------------------------------------------------------------------ param gather
 
@@ -450,106 +464,3 @@ class DistributedDataParallel(nn.Module):
     def param_gathers_in_flight(self) -> int:
         """How many buckets' param gathers are started and not yet waited for."""
         return sum(bucket.gather_in_flight for bucket in self.buckets)
-
-    # ------------------------------------------------------------------ full params
-
-    @contextlib.contextmanager
-    def gathered_params(self) -> Iterator[None]:
-        """Inside the block every param holds its full values (with sharded params they are
-        gathered for it, a transient of the whole model, and freed after it; without, it
-        waits for any gather in flight). Collective over the data-parallel group."""
-        self._check_live()
-        if self._unsharder is None:
-            self.finish_param_sync()
-            yield
-            return
-        try:
-            for bucket in self._unsharder.forward_order:
-                bucket.use_params()
-            yield
-        finally:
-            self._unsharder.release_all()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's ``state_dict()`` with every param whole, under the module's own names,
-        on every rank: copies, for saving or evaluating elsewhere. Collective with sharded
-        params ([Note: sharded params] in ddp/param_storage.py)."""
-        with self.gathered_params():
-            return {key: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                    for key, value in self.module.state_dict().items()}
-
-    def _params_own_storage(self) -> None:
-        # Every param gets storage of its own holding its full values (out of the buffers),
-        # gathered bucket by bucket.
-        for bucket in self.buckets:
-            bucket.use_params()
-            with torch.no_grad():
-                for param in bucket.params:
-                    alias_local(param, local_tensor(param).detach().clone())
-            bucket.release_params(placeholders=False)
-
-    # ------------------------------------------------------------------ release
-
-    def release(self) -> nn.Module:
-        """Give the module back as a plain module holding its current values; return it.
-
-        Waits for the collectives in flight, removes every hook this wrapper put on the module
-        (each param's grad hooks, the forward pre-hooks that wait for gathers), gives each param
-        storage of its own (a copy of its current values, out of the param buffer) and drops
-        its ``main_grad``; grads not yet reduced are dropped too. The module then trains like
-        any other (under torch's DDP, a plain optimizer or a new distopt wrapper). This wrapper
-        and its optimizer refuse to train afterwards, but still read: a checkpoint saved after
-        the release holds the run as it ended. It communicates only to finish what is in
-        flight, so ranks with reductions or gathers in flight release together; otherwise each
-        rank may release on its own. Calling it again does nothing.
-
-        Wrapping the module in a new ``DistributedDataParallel`` releases this one first; ``with
-        DistributedDataParallel(module) as ddp:`` releases it when the block ends. See
-        [Note: one wrapper per param] in ddp/param_owners.py.
-        """
-        self._release("ddp.release() was called")
-        return self.module
-
-    def __enter__(self) -> DistributedDataParallel:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        if exc_type is None:
-            self.release()
-            return
-        with contextlib.suppress(Exception):  # the error that ended the block is the one to see
-            self.release()
-
-    @property
-    def released(self) -> bool:
-        """Whether this wrapper let go of its module (``release``, or a newer wrapper)."""
-        return self._released is not None
-
-    def _release(self, reason: str) -> None:
-        if self._released is not None:
-            return
-        # Nothing may still write into the buffers once the params stop being their views.
-        self._grad_sync.release()
-        if self._unsharder is not None:
-            self._params_own_storage()
-            self._unsharder.remove_hooks()
-        self._gathers_in_flight = False
-        for handle in (*self._grad_hooks, *self._param_wait_hooks):
-            handle.remove()
-        self._grad_hooks, self._param_wait_hooks = [], []
-        with torch.no_grad():
-            for param in self.params:  # the params are views into param_data
-                alias_local(param, local_tensor(param).detach().clone())
-                if "main_grad" in param.__dict__:
-                    del param.main_grad
-        param_owners.disown(self.params, self)
-        self._released = reason
-
-    def _check_live(self) -> None:
-        if self._released is not None:
-            raise RuntimeError(
-                f"this distopt.DistributedDataParallel no longer holds its module ({self._released}"
-                "): it and its optimizer cannot train it any more; train with the wrapper that "
-                "holds the module now, or wrap the module in a new DistributedDataParallel and "
-                "build a new optimizer over it"
-            )

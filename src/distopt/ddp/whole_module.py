@@ -1,0 +1,123 @@
+"""The module whole again: its full params for a block, a full state dict, and ``release()``.
+
+What ``DistributedDataParallel`` gives back of the module it wraps: the params' full values
+where a user needs them with sharded params ([Note: sharded params] in ddp/param_storage.py),
+and the module itself, a plain module once more ([Note: one wrapper per param] in
+ddp/param_owners.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..parallel.dtensor import alias_local, local_tensor
+from . import param_owners
+
+
+class WholeModule:
+    """The part of ``DistributedDataParallel`` that gives its module back whole."""
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Inside the block every param holds its full values (with sharded params they are
+        gathered for it, a transient of the whole model, and freed after it; without, it
+        waits for any gather in flight). Collective over the data-parallel group."""
+        self._check_live()
+        if self._unsharder is None:
+            self.finish_param_sync()
+            yield
+            return
+        try:
+            for bucket in self._unsharder.forward_order:
+                bucket.use_params()
+            yield
+        finally:
+            self._unsharder.release_all()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict()`` with every param whole, under the module's own names,
+        on every rank: copies, for saving or evaluating elsewhere. Collective with sharded
+        params ([Note: sharded params] in ddp/param_storage.py)."""
+        with self.gathered_params():
+            return {key: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    for key, value in self.module.state_dict().items()}
+
+    def _params_own_storage(self) -> None:
+        # Every param gets storage of its own holding its full values (out of the buffers),
+        # gathered bucket by bucket.
+        for bucket in self.buckets:
+            bucket.use_params()
+            with torch.no_grad():
+                for param in bucket.params:
+                    alias_local(param, local_tensor(param).detach().clone())
+            bucket.release_params(placeholders=False)
+
+
+    def release(self) -> nn.Module:
+        """Give the module back as a plain module holding its current values; return it.
+
+        Waits for the collectives in flight, removes every hook this wrapper put on the module
+        (each param's grad hooks, the forward pre-hooks that wait for gathers), gives each param
+        storage of its own (a copy of its current values, out of the param buffer) and drops
+        its ``main_grad``; grads not yet reduced are dropped too. The module then trains like
+        any other (under torch's DDP, a plain optimizer or a new distopt wrapper). This wrapper
+        and its optimizer refuse to train afterwards, but still read: a checkpoint saved after
+        the release holds the run as it ended. It communicates only to finish what is in
+        flight, so ranks with reductions or gathers in flight release together; otherwise each
+        rank may release on its own. Calling it again does nothing.
+
+        Wrapping the module in a new ``DistributedDataParallel`` releases this one first; ``with
+        DistributedDataParallel(module) as ddp:`` releases it when the block ends. See
+        [Note: one wrapper per param] in ddp/param_owners.py.
+        """
+        self._release("ddp.release() was called")
+        return self.module
+
+    def __enter__(self) -> WholeModule:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if exc_type is None:
+            self.release()
+            return
+        with contextlib.suppress(Exception):  # the error that ended the block is the one to see
+            self.release()
+
+    @property
+    def released(self) -> bool:
+        """Whether this wrapper let go of its module (``release``, or a newer wrapper)."""
+        return self._released is not None
+
+    def _release(self, reason: str) -> None:
+        if self._released is not None:
+            return
+        # Nothing may still write into the buffers once the params stop being their views.
+        self._grad_sync.release()
+        if self._unsharder is not None:
+            self._params_own_storage()
+            self._unsharder.remove_hooks()
+        self._gathers_in_flight = False
+        for handle in (*self._grad_hooks, *self._param_wait_hooks):
+            handle.remove()
+        self._grad_hooks, self._param_wait_hooks = [], []
+        with torch.no_grad():
+            for param in self.params:  # the params are views into param_data
+                alias_local(param, local_tensor(param).detach().clone())
+                if "main_grad" in param.__dict__:
+                    del param.main_grad
+        param_owners.disown(self.params, self)
+        self._released = reason
+
+    def _check_live(self) -> None:
+        if self._released is not None:
+            raise RuntimeError(
+                f"this distopt.DistributedDataParallel no longer holds its module ({self._released}"
+                "): it and its optimizer cannot train it any more; train with the wrapper that "
+                "holds the module now, or wrap the module in a new DistributedDataParallel and "
+                "build a new optimizer over it"
+            )
