@@ -624,7 +624,7 @@ def test_options_that_would_double_wrap_are_refused():
         DistoptStrategy(static_graph=True)
     with pytest.raises(ValueError, match="belong to the sharded optimizer"):
         DistoptStrategy(basic=True, overlap_param_gather=True)
-    with pytest.raises(ValueError, match="shard_grads belong to the sharded optimizer"):
+    with pytest.raises(ValueError, match="shard_grads and shard_params belong"):
         DistoptStrategy(basic=True, shard_grads=True)
 
 

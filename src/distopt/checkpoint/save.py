@@ -83,7 +83,8 @@ def save_checkpoint(
     # a transient of the whole model per rank while DCP writes ([Note: sharded params]).
     gathered = contextlib.ExitStack()
     for model in opt.models:
-        gathered.enter_context(model.gathered_params())
+        if model.options.shard_params:  # the others hold their params whole
+            gathered.enter_context(model.gathered_params())
     # Each rank's outcome, agreed on before anything is published; see [Note: failed saves].
     outcome: Any
     try:
