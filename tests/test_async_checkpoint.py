@@ -117,6 +117,9 @@ def overlapped(root: str) -> dict:
         second_done_when_third_returned = second.done()
         names = [second.wait(60).name, third.wait(60).name]
     reused = staging.buffer.data_ptr() == buffer
+    # The latest after the two is loadable: the third save's state (no step between them).
+    latest_extra = distopt.load_checkpoint(run_dir, ddp, opt)
+    latest_loads = latest_extra["step"] == END and _same(at_end, _numbers(model, opt))
 
     extra = distopt.load_checkpoint(published, ddp, opt)
     restored = _same(at_save, _numbers(model, opt))
@@ -129,7 +132,7 @@ def overlapped(root: str) -> dict:
         "latest_while_in_flight": latest_while_in_flight, "published": published.name,
         "restored": restored, "resumed_to_end": _same(at_end, _numbers(model, opt)),
         "second_done": second_done_when_third_returned, "waited_s": third.waited_s,
-        "names": names, "latest": files_module.latest_name(run_dir),
+        "names": names, "latest": files_module.latest_name(run_dir), "latest_loads": latest_loads,
         "listing": sorted(p.name for p in run_dir.iterdir()),
         "allocations": staging.allocations, "reused": reused,
         "capacity": staging_bytes(opt), "staged": staging.staged_bytes,
@@ -167,6 +170,7 @@ def test_a_second_save_waits_for_the_one_in_flight(results):
     for v in results:
         assert v["second_done"] and v["waited_s"] >= 0.3, v
         assert v["names"] == ["ckpt-000002", "ckpt-000003"] and v["latest"] == "ckpt-000003"
+        assert v["latest_loads"]  # and it loads back the state it was asked for
         assert v["listing"] == ["ckpt-000001", "ckpt-000002", "ckpt-000003", "latest"]
 
 

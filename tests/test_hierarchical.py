@@ -79,6 +79,8 @@ def save_hierarchical(replicate: int, shard: int, path: str) -> dict:
     model, ddp, opt = _build_for_checkpoint(_mesh(replicate, shard))
     _train(ddp, opt, range(SAVE_AT))
     saved = distopt.save_checkpoint(path, ddp, opt)
+    # The same state saved in the background: its parts are the synchronous save's.
+    saved_async = distopt.save_checkpoint(f"{path}-async", ddp, opt, async_save=True).wait(120)
     torch.save(opt.state_dict(), f"{path}-sd-{dist.get_rank()}.pt")
     ref = {"saved": _params(model)}
     _train(ddp, opt, range(SAVE_AT, END))
@@ -87,7 +89,9 @@ def save_hierarchical(replicate: int, shard: int, path: str) -> dict:
         torch.save(ref, f"{path}-ref.pt")
     return {"moved": max_diff(model, AwkwardLM()), "rank": dist.get_rank(),
             "shard_rank": ddp.parallel.dp_rank, "owned": sum(m.numel() for m in opt.main_params),
-            "written": written_bytes(saved), "untiled": untiled_keys(saved)}
+            "written": written_bytes(saved), "untiled": untiled_keys(saved),
+            "written_async": written_bytes(saved_async), "untiled_async": untiled_keys(saved_async),
+            "trainable_tensors": sum(1 for p in model.parameters() if p.requires_grad)}
 
 
 def resume(path: str, layout: tuple[int, int] | None, saved_world: int) -> dict:
@@ -259,13 +263,19 @@ def test_checkpoint_saved_hierarchical_resumes_flat(results):
 
 def test_each_replica_writes_only_its_half_of_its_shard(results):
     """At (2, 2) the two replicas of a shard hold the same pieces: each writes half of them,
-    so each of the four ranks writes a quarter of the main params, and no byte twice."""
+    so each of the four ranks writes a quarter of the main params, and no byte twice; an async
+    save writes each rank the same bytes."""
     values = case_result(results, "save-2x2")
     written = values[0]["written"]
     assert set(written) == {0, 1, 2, 3}  # every rank wrote a file
     assert values[0]["untiled"] == []  # every key's chunks cover it exactly once
+    assert values[0]["written_async"] == written and values[0]["untiled_async"] == []
     trainable = sum(p.numel() for p in AwkwardLM().parameters() if p.requires_grad)
+    # Together the ranks write the state once: fp32 main params, AdamW's two fp32 moments and
+    # one fp32 step per trainable tensor.
     assert sum(w["main"] for w in written.values()) == 4 * trainable
+    steps = 4 * values[0]["trainable_tensors"]
+    assert sum(w["state"] for w in written.values()) == 8 * trainable + steps
     for v in values:
         elements = written[v["rank"]]["main"] // 4
         # Half of each piece the rank's shard owns, to an element per piece.
