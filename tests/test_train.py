@@ -198,6 +198,9 @@ def test_a_restart_is_told_from_a_first_start_by_the_run_id(tmp_path, monkeypatc
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert not elastic.is_restart(tmp_path, 0)  # no launcher: never a restart by itself
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id
+    assert not elastic.is_restart(tmp_path, 0)
+    assert not elastic.is_restart(tmp_path, 0)  # names no run: two starts are two runs
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     assert not elastic.is_restart(tmp_path, 0)  # job-a's first start
     assert elastic.is_restart(tmp_path, 0)  # job-a again: a node joined

@@ -13,7 +13,9 @@ in data.py), so a lost node costs the steps since the last save.
 
 A restart is told from a first start by the launcher's run id: the first start of a run writes
 it into the output folder, and a start that finds its own run id there is a restart (rank 0
-decides, the others follow, so that every rank loads or none). The gloo rendezvous of each
+decides, the others follow, so that every rank loads or none). torchrun's run id when
+``--rdzv-id`` is not given, ``none``, names no run, so it tells nothing: an elastic run that
+should resume when a node joins needs its own ``--rdzv-id``. The gloo rendezvous of each
 start goes under a prefix of its own in the launcher's store, which outlives the starts:
 ``(restart count, world size)`` differs from one start to the next, as a node that joins
 grows the world and one that is lost fails the ranks (a counted restart).
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 RUN_ID_FILE = "run_id"
+UNNAMED_RUN_ID = "none"  # torchrun's --rdzv-id when none is given
 
 # Test hook for the fault-tolerance tests: the rank named here sends itself a signal at this
 # step of the first attempt: SIGKILL (by default), exactly like a crashed or preempted process,
@@ -52,6 +55,8 @@ def is_restart(out: Path, rank: int) -> bool:
     decision = None
     if rank == 0:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id == UNNAMED_RUN_ID:
+            run_id = None
         marker = out / RUN_ID_FILE
         seen = None
         with suppress(OSError):
