@@ -207,19 +207,19 @@ def bad_arguments(root: Path) -> list[str]:
     return errors
 
 
-def recover(root: Path) -> dict:
+def recover(root: Path, run: str) -> dict:
     """Load the run whose second save was killed, resume, and save again."""
     model, ddp, opt, sched = build("adamw", bucket_size=None)
-    extra = distopt.load_checkpoint(root / "killed", ddp, opt)
+    extra = distopt.load_checkpoint(root / run, ddp, opt)
     sched.load_state_dict(extra["sched"])
-    ref = torch.load(root / "killed-ref.pt")
+    ref = torch.load(root / f"{run}-ref.pt")
     at_load = max_diff(model, ref["saved"])
     train(ddp, opt, sched, range(extra["step"], KILL_AT))
     after = max_diff(model, ref["after"])
-    saved = distopt.save_checkpoint(root / "killed", ddp, opt, extra={"step": KILL_AT})
-    listing = sorted(p.name for p in (root / "killed").iterdir())
+    saved = distopt.save_checkpoint(root / run, ddp, opt, extra={"step": KILL_AT})
+    listing = sorted(p.name for p in (root / run).iterdir())
     return {"step": extra["step"], "at_load": at_load, "after": after, "saved": saved.name,
-            "listing": listing, "latest": (root / "killed" / "latest").read_text().strip()}
+            "listing": listing, "latest": (root / run / "latest").read_text().strip()}
 
 
 # ---------------------------------------------------------------------- the killed save
@@ -227,19 +227,22 @@ def recover(root: Path) -> dict:
 FIRST_SAVE, KILL_AT = 3, 5
 
 
-def _kill_worker(rank: int, world: int, store: str, root: Path) -> None:
+def _kill_worker(rank: int, world: int, store: str, root: Path, run: str) -> None:
+    """Save, train on, and save again, rank 1 dying in the middle of writing its file; with
+    ``run == "killed-async"`` the second save is async and rank 1 dies in its background
+    write, after save_checkpoint has returned."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     model, ddp, opt, sched = build("adamw")
     train(ddp, opt, sched, range(FIRST_SAVE))
-    distopt.save_checkpoint(root / "killed", ddp, opt,
+    distopt.save_checkpoint(root / run, ddp, opt,
                             extra={"step": FIRST_SAVE, "sched": sched.state_dict()})
     ref = {"saved": params_of(model)}
     train(ddp, opt, sched, range(FIRST_SAVE, KILL_AT))
     ref["after"] = params_of(model)
     if rank == 0:
-        torch.save(ref, root / "killed-ref.pt")
+        torch.save(ref, root / f"{run}-ref.pt")
     if rank == 1:
         # Die (SIGKILL) in the middle of writing this rank's file: after 3 of its items.
         real_save, written = torch.save, []
@@ -253,9 +256,13 @@ def _kill_worker(rank: int, world: int, store: str, root: Path) -> None:
 
         torch.save = save_then_die
     try:
-        distopt.save_checkpoint(root / "killed", ddp, opt, extra={"step": KILL_AT})
+        saved = distopt.save_checkpoint(root / run, ddp, opt, extra={"step": KILL_AT},
+                                        async_save=run == "killed-async")
+        if run == "killed-async":
+            (root / f"{run}-returned-{rank}").touch()  # before the write has ended
+            saved.wait()
     except Exception as exc:  # the survivors see their peer vanish
-        (root / f"killed-error-{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        (root / f"{run}-error-{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
     os._exit(0)  # skip destroying a group whose peer is gone
 
 
@@ -264,22 +271,32 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
 
 
+KILLED_RUNS = ("killed", "killed-async")
+
+
 @pytest.fixture(scope="module")
 def killed(root) -> dict:
+    """Both runs at once, a spawned pair of ranks each."""
     ctx = multiprocessing.get_context("spawn")
-    store = str(root / "kill-store")
-    procs = [ctx.Process(target=_kill_worker, args=(r, 2, store, root)) for r in range(2)]
-    for p in procs:
+    procs = {run: [ctx.Process(target=_kill_worker,
+                               args=(r, 2, str(root / f"{run}-store"), root, run))
+                   for r in range(2)] for run in KILLED_RUNS}
+    for p in (p for pair in procs.values() for p in pair):
         p.start()
-    for p in procs:
+    for p in (p for pair in procs.values() for p in pair):
         p.join(timeout=120)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    survivor = root / "killed-error-0.txt"
-    return {"codes": codes, "listing": sorted(p.name for p in (root / "killed").iterdir()),
-            "survivor": survivor.read_text() if survivor.exists() else None}
+    out = {}
+    for run, pair in procs.items():
+        codes = [p.exitcode for p in pair]
+        for p in pair:
+            if p.is_alive():
+                p.kill()
+        survivor = root / f"{run}-error-0.txt"
+        out[run] = {"codes": codes,
+                    "listing": sorted(p.name for p in (root / run).iterdir()),
+                    "survivor": survivor.read_text() if survivor.exists() else None,
+                    "returned": [(root / f"{run}-returned-{r}").exists() for r in range(2)]}
+    return out
 
 
 # ---------------------------------------------------------------------- the groups
@@ -327,7 +344,7 @@ def resumed(request, root, saved, exported, damaged, killed):
     cases += [(f"bad-{c}", bad_load, (c, root)) for c in BAD]
     cases.append(("bad-arguments", bad_arguments, (root,)))
     if world == 3:
-        cases.append(("recover", recover, (root,)))
+        cases += [(f"recover-{run}", recover, (root, run)) for run in KILLED_RUNS]
     return world, run_cases(world, cases)
 
 
@@ -435,15 +452,24 @@ def test_bad_arguments_fail_on_every_rank(resumed):
         assert value == ["ValueError", "ValueError", "ValueError", "TypeError"]
 
 
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(killed, resumed):
-    assert killed["codes"] == [0, -signal.SIGKILL]
-    assert killed["survivor"] is not None  # rank 0's save failed (its peer vanished), no hang
-    assert "ckpt-000001" in killed["listing"] and "ckpt-000002" not in killed["listing"]
-    assert ".ckpt-000002.distopt-tmp" in killed["listing"]  # the interrupted save's debris
+@pytest.mark.parametrize("run", KILLED_RUNS)
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(killed, resumed, run):
+    v = killed[run]
+    assert v["codes"] == [0, -signal.SIGKILL]
+    assert v["survivor"] is not None  # rank 0's save failed (its peer vanished), no hang
+    assert "ckpt-000001" in v["listing"] and "ckpt-000002" not in v["listing"]
+    assert v["listing"].count("latest") == 1
+    assert ".ckpt-000002.distopt-tmp" in v["listing"]  # the interrupted save's debris
+    if run == "killed-async":
+        # Both ranks had returned from save_checkpoint: rank 1 died in the background write,
+        # and rank 0's handle raised, saying that nothing was published.
+        assert v["returned"] == [True, True]
+        assert "CheckpointError: cannot save checkpoint" in v["survivor"], v["survivor"]
+        assert "'latest' still names ckpt-000001" in v["survivor"], v["survivor"]
     world, results = resumed
     if world != 3:
         pytest.skip("the recovery runs once, at d = 3")
-    for value in case_result(results, "recover"):
+    for value in case_result(results, f"recover-{run}"):
         assert value["step"] == FIRST_SAVE and value["at_load"] == 0.0, value
         assert value["after"] <= FP32_TOL, value
         assert value["saved"] == "ckpt-000002" and value["latest"] == "ckpt-000002"

@@ -1,10 +1,12 @@
 """A save that cannot complete loses nothing: a disk that fills up mid-write on one rank, a
-manifest or ``latest`` pointer that cannot be written, a directory that is not writable.
+manifest or ``latest`` pointer that cannot be written, a directory that is not writable; with
+an async save, the same faults in its background write.
 
 Every case saves a first checkpoint, takes a step, and makes the second save fail. Then on every
 rank: the same clear ``CheckpointError``, ``latest`` still naming the first checkpoint, no debris
-left in the run directory, the first checkpoint loading back exactly what was saved, and a third
-save that succeeds. All cases run in one spawned group of two ranks.
+left in the run directory, the first checkpoint loading back exactly what was saved, the run
+going on from it to the bits of the uninterrupted run, and a third save that succeeds. All cases
+run in one spawned group of two ranks.
 """
 
 from __future__ import annotations
@@ -101,6 +103,14 @@ FAULTS = {
 }
 
 
+# Each fault with a synchronous save, and the faults of the write with an async save, where
+# they strike in the background, after save_checkpoint has returned.
+CASES = {fault: (fault, False) for fault in FAULTS} | {
+    f"{fault}, async": (fault, True)
+    for fault in ("disk full on rank 1", "latest not written", "directory not writable")
+}
+
+
 # ---------------------------------------------------------------------- the case (in the ranks)
 
 
@@ -128,8 +138,9 @@ def _step(ddp, opt, step: int) -> None:
     opt.step()
 
 
-def failed_save(fault: str, root: str) -> dict:
-    run_dir = Path(root) / fault.replace(" ", "-")
+def failed_save(case: str, root: str) -> dict:
+    fault, async_save = CASES[case]
+    run_dir = Path(root) / case.replace(" ", "-").replace(",", "")
     torch.manual_seed(0)
     model = AwkwardLM()
     ddp = distopt.DistributedDataParallel(model, bucket_size=100)
@@ -140,10 +151,15 @@ def failed_save(fault: str, root: str) -> dict:
     _step(ddp, opt, 1)
     moved = _numbers(model, opt)
 
-    error = None
+    error = raised_by = None
     with FAULTS[fault][0](run_dir):
         try:
-            distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 2})
+            raised_by = "save_checkpoint"
+            pending = distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 2},
+                                              async_save=async_save)
+            if async_save:  # the fault strikes in the background write
+                raised_by = "wait"
+                pending.wait(60)
         except distopt.CheckpointError as exc:
             error = str(exc)
     after_failure = sorted(os.listdir(run_dir))
@@ -152,11 +168,15 @@ def failed_save(fault: str, root: str) -> dict:
 
     extra = distopt.load_checkpoint(run_dir, ddp, opt)
     restored = _same(saved, _numbers(model, opt))
-    _step(ddp, opt, 1)  # the run goes on
-    again = distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 2})
-    return {"error": error, "after_failure": after_failure, "latest": latest,
-            "untouched": untouched, "step": extra["step"], "restored": restored,
-            "again": again.name, "latest_again": files_module.latest_name(run_dir),
+    _step(ddp, opt, 1)  # the run goes on, to where the uninterrupted run was
+    resumed = _same(moved, _numbers(model, opt))
+    again = distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 2},
+                                    async_save=async_save)
+    again = again.wait(60) if async_save else again
+    return {"error": error, "raised_by": raised_by, "after_failure": after_failure,
+            "latest": latest, "untouched": untouched, "step": extra["step"],
+            "restored": restored, "resumed": resumed, "again": again.name,
+            "latest_again": files_module.latest_name(run_dir),
             "after_again": sorted(os.listdir(run_dir))}
 
 
@@ -166,13 +186,14 @@ def failed_save(fault: str, root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("failed-saves")
-    return run_cases(WORLD, [(fault, failed_save, (fault, str(root))) for fault in FAULTS])
+    return run_cases(WORLD, [(case, failed_save, (case, str(root))) for case in CASES])
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_failed_save_raises_everywhere_and_loses_nothing(results, fault):
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failed_save_raises_everywhere_and_loses_nothing(results, case):
+    fault, async_save = CASES[case]
     _, culprit, code = FAULTS[fault]
-    per_rank = case_result(results, fault)
+    per_rank = case_result(results, case)
     errors = {r["error"] for r in per_rank}
     assert len(errors) == 1, errors  # the same error on every rank
     error = errors.pop()
@@ -184,6 +205,10 @@ def test_a_failed_save_raises_everywhere_and_loses_nothing(results, fault):
         assert r["after_failure"] == ["ckpt-000001", "latest"]
         assert r["untouched"]  # the failed save changed nothing in memory either
         assert r["step"] == 1 and r["restored"]  # latest loads back what it saved, bit for bit
+        assert r["resumed"]  # and the run goes on from it to the same bits
+        # Where the directory itself refuses, even an async save fails before it returns.
+        assert r["raised_by"] == ("wait" if async_save and code == "ENOSPC"
+                                  else "save_checkpoint")
         assert r["again"] == r["latest_again"] == "ckpt-000002"
         assert r["after_again"] == ["ckpt-000001", "ckpt-000002", "latest"]
 

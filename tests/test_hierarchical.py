@@ -22,6 +22,7 @@ from distopt.checkpoint import merge_state_dicts
 from distopt.comm import collectives as comm
 from distopt.comm import sums
 
+from checkpoint_index import untiled_keys, written_bytes
 from dist_harness import case_result, run_cases
 from helpers import (
     CLIP,
@@ -77,14 +78,20 @@ def save_hierarchical(replicate: int, shard: int, path: str) -> dict:
     in-memory state dict and (rank 0) the trajectory, for the resumes to compare with."""
     model, ddp, opt = _build_for_checkpoint(_mesh(replicate, shard))
     _train(ddp, opt, range(SAVE_AT))
-    distopt.save_checkpoint(path, ddp, opt)
+    saved = distopt.save_checkpoint(path, ddp, opt)
+    # The same state saved in the background: its parts are the synchronous save's.
+    saved_async = distopt.save_checkpoint(f"{path}-async", ddp, opt, async_save=True).wait(120)
     torch.save(opt.state_dict(), f"{path}-sd-{dist.get_rank()}.pt")
     ref = {"saved": _params(model)}
     _train(ddp, opt, range(SAVE_AT, END))
     ref["final"] = _params(model)
     if dist.get_rank() == 0:
         torch.save(ref, f"{path}-ref.pt")
-    return {"moved": max_diff(model, AwkwardLM())}
+    return {"moved": max_diff(model, AwkwardLM()), "rank": dist.get_rank(),
+            "shard_rank": ddp.parallel.dp_rank, "owned": sum(m.numel() for m in opt.main_params),
+            "written": written_bytes(saved), "untiled": untiled_keys(saved),
+            "written_async": written_bytes(saved_async), "untiled_async": untiled_keys(saved_async),
+            "trainable_tensors": sum(1 for p in model.parameters() if p.requires_grad)}
 
 
 def resume(path: str, layout: tuple[int, int] | None, saved_world: int) -> dict:
@@ -252,6 +259,34 @@ def test_checkpoint_saved_hierarchical_resumes_flat(results):
         assert v["at_load"] == 0.0 and v["state_diff"] == 0.0, v
         # Another summation order of the same average (two stages against one): round-off.
         assert v["final"] < 1e-6, v
+
+
+def test_each_replica_writes_only_its_half_of_its_shard(results):
+    """At (2, 2) the two replicas of a shard hold the same pieces: each writes half of them,
+    so each of the four ranks writes a quarter of the main params, and no byte twice; an async
+    save writes each rank the same bytes."""
+    values = case_result(results, "save-2x2")
+    written = values[0]["written"]
+    assert set(written) == {0, 1, 2, 3}  # every rank wrote a file
+    assert values[0]["untiled"] == []  # every key's chunks cover it exactly once
+    assert values[0]["written_async"] == written and values[0]["untiled_async"] == []
+    trainable = sum(p.numel() for p in AwkwardLM().parameters() if p.requires_grad)
+    # Together the ranks write the state once: fp32 main params, AdamW's two fp32 moments and
+    # one fp32 step per trainable tensor.
+    assert sum(w["main"] for w in written.values()) == 4 * trainable
+    steps = 4 * values[0]["trainable_tensors"]
+    assert sum(w["state"] for w in written.values()) == 8 * trainable + steps
+    for v in values:
+        elements = written[v["rank"]]["main"] // 4
+        # Half of each piece the rank's shard owns, to an element per piece.
+        assert abs(elements - v["owned"] / 2) <= len(AwkwardLM().state_dict()), (elements, v)
+        mates = [w for w in values if w["shard_rank"] == v["shard_rank"]]
+        assert sum(written[w["rank"]]["main"] // 4 for w in mates) == v["owned"]
+        # The optimizer state (AdamW: two per-element tensors, a step each) is split alike.
+        assert written[v["rank"]]["state"] >= 2 * written[v["rank"]]["main"]
+    model_bytes = sum(t.numel() * t.element_size() for t in AwkwardLM().state_dict().values())
+    assert sum(w.get("model", 0) for w in written.values()) == model_bytes
+    assert sum(1 for w in written.values() if w.get("model")) >= 3  # dealt out, not on one rank
 
 
 @pytest.mark.parametrize("name", ["resume-flat2", "resume-1x2"])

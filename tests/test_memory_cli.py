@@ -225,3 +225,21 @@ def test_shard_grads_in_the_cluster_plan_and_the_ownership_plan(capsys):
     # The grads: 4 B/param whole without, 4/4 with (the padding's share aside).
     assert figures[True][0] == pytest.approx(figures[False][0] - 3.0, abs=1e-4)
     assert figures[True][1] < figures[False][1] - 2.9
+
+
+@pytest.mark.parametrize(
+    "argv,per_param",
+    [(["--dtype", "fp32", "--dp", "2"], (4 + 4 + 8) / 2),
+     (["--dtype", "bf16", "--dp", "4", "--state-dtype", "bf16"], (2 + 4 + 4) / 4),
+     # fp8 state is written with an int8 exponent per element: 2 bytes per moment
+     (["--dtype", "bf16", "--dp", "8", "--state-dtype", "fp8-e4m3"], (2 + 4 + 4) / 8),
+     (["--dtype", "bf16", "--dp", "3", "--optimizer-state-bytes", "4"], (2 + 4 + 4) / 3),
+     (["--dtype", "bf16", "--nodes", "2", "--gpus-per-node", "4"], (2 + 4 + 8) / 8)],
+)
+def test_async_staging_is_each_ranks_part_of_a_checkpoint(capsys, argv, per_param):
+    assert main(["--params", "1e9", *argv]) == 0
+    out = capsys.readouterr().out
+    line = re.search(r"^async checkpoint staging: ([\d.]+) B/param, ([\d.]+) GiB", out, re.M)
+    assert line, out
+    assert float(line.group(1)) == pytest.approx(per_param, abs=1e-3)
+    assert float(line.group(2)) == pytest.approx(per_param * 1e9 / 2**30, abs=0.01)

@@ -1,22 +1,28 @@
 """`distopt train` end to end: a real launch, resume, a killed rank restarted by the launcher, a
 stopped rank that fails its peers within --timeout, failed saves, two launchers as two nodes,
-and one-line errors for bad options."""
+a lost node under an elastic launch resumed at fewer ranks, and one-line errors for bad
+options."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import distopt
 from distopt import cli
+from distopt.train import elastic
 from distopt.train.config import default_shard_size
 
+from dist_harness import case_result, run_cases
 from helpers import SMALL_TRAIN, free_port, run_distopt
 
 
@@ -110,6 +116,98 @@ def test_a_failed_save_is_reported_and_training_goes_on(tmp_path):
     assert stopped.returncode != 0
     assert "cannot save a checkpoint" in stopped.stderr
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "ckpt-000001"
+
+
+def uninterrupted(out: str) -> float | None:
+    """A four-rank distopt train run in the d = 4 pool, on the (2, 2) mesh two nodes make: the
+    held-out loss it ends with (rank 0)."""
+    from distopt.train.config import parse_args
+    from distopt.train.worker import Trainer
+
+    summary = Trainer(parse_args([*SMALL_TRAIN, "--out", out, "--shard-size", "2"])).run()
+    return summary.get("heldout_loss_end")
+
+
+@pytest.fixture
+def rendezvous_endpoint() -> Iterator[str]:
+    """host:port of a rendezvous store this test process holds while the test runs, on a port
+    the OS gave it; the launchers join it as clients (``is_host=false``), so none of them has
+    to pick a free port, and the rendezvous outlives any launcher that is killed."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield f"127.0.0.1:{store.port}"
+    del store
+
+
+def _elastic_launcher(out: Path, endpoint: str, env: dict[str, str]) -> subprocess.Popen:
+    """torchrun --nnodes 1:2 of two ranks, one node of an elastic run. The rendezvous waits 5 s
+    for the other node once one is there, and forgets a node silent for 2 s."""
+    conf = "is_host=false,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
+           "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id",
+           "distopt-elastic", "--rdzv-conf", conf, "--max-restarts", "1", "-m", "distopt.train",
+           *SMALL_TRAIN, "--save-every", "2", "--async-save", "--timeout", "120",
+           "--out", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+@pytest.mark.slow
+def test_a_lost_node_costs_only_the_steps_since_the_last_save(tmp_path, rendezvous_endpoint):
+    """Two launchers of two ranks as two nodes under --nnodes 1:2, saving asynchronously every
+    2 steps. At step 6, just after the save of step 6 has started, the second node is lost (its
+    launcher and both its ranks SIGKILLed) during that save's background write; the first
+    node's ranks fail, its launcher restarts them, they rendezvous alone and resume
+    at two ranks from the latest checkpoint, with the same global batch, and finish: the
+    held-out loss ends within 1e-4 of an uninterrupted four-rank run."""
+    out = tmp_path / "elastic"
+    survivor = _elastic_launcher(out, rendezvous_endpoint, {})
+    lost = _elastic_launcher(out, rendezvous_endpoint, {
+        "DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0",
+        "DISTOPT_TRAIN_FAIL_SCOPE": "launcher"})
+    try:
+        # The uninterrupted run meanwhile, in the pool's four ranks.
+        reference = case_result(run_cases(4, [("four", uninterrupted, (str(tmp_path / "four"),))]),
+                                "four")[0]
+        _, lost_err = lost.communicate(timeout=300)
+        _, err = survivor.communicate(timeout=300)
+    finally:
+        for proc in (survivor, lost):
+            if proc.poll() is None:
+                proc.kill()
+    assert lost.returncode == -signal.SIGKILL, lost_err[-3000:]
+    assert survivor.returncode == 0, err[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if r.get("resumed")]
+    assert len(resumed) == 1 and resumed[0]["world_size"] == 2, records
+    # A save waits for the one before it, so the save at step 4 was published before the one
+    # at step 6 began; that one was in flight when the node was lost, and was never published.
+    assert resumed[0]["step"] == 4
+    # The first attempt ran on four ranks, two nodes: steps up to the loss were logged by it.
+    assert max(r["step"] for r in records[: records.index(resumed[0])]) == 6
+    stalls = [r for r in records if "checkpoint_stall_s" in r]
+    assert stalls and all(r["checkpoint_stall_s"] < 30 for r in stalls)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert abs(summary["heldout_loss_end"] - reference) < 1e-4, (summary, reference)
+
+
+def test_a_restart_is_told_from_a_first_start_by_the_run_id(tmp_path, monkeypatch):
+    """torchrun restarts the ranks when a node joins without counting it a retry: the run id
+    written by the first start tells a restart. Rank 0 decides (the broadcast is stubbed)."""
+    monkeypatch.setattr(elastic.dist, "broadcast_object_list", lambda box, src: None)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not elastic.is_restart(tmp_path, 0)  # no launcher: never a restart by itself
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id
+    assert not elastic.is_restart(tmp_path, 0)
+    assert not elastic.is_restart(tmp_path, 0)  # names no run: two starts are two runs
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    assert not elastic.is_restart(tmp_path, 0)  # job-a's first start
+    assert elastic.is_restart(tmp_path, 0)  # job-a again: a node joined
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert not elastic.is_restart(tmp_path, 0)  # another job in the same folder
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert elastic.is_restart(tmp_path, 0)  # a counted restart
 
 
 @pytest.fixture(scope="module")

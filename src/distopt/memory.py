@@ -200,6 +200,29 @@ def theoretical_bytes_per_param(
     return breakdown.total(dp_size, distributed=distributed)
 
 
+def checkpoint_bytes_per_param(
+    param_dtype: torch.dtype,
+    *,
+    optimizer_state_bytes: float = 8,
+    state_dtype: torch.dtype | None = None,
+) -> float:
+    """Bytes per trainable parameter of a distopt checkpoint: the param in its dtype, its fp32
+    main param (kept with ``store_param_remainders`` too) and the optimizer state as written,
+    per element: in ``state_dtype`` (``optimizer_state_bytes`` counts fp32 state), fp16 and fp8
+    with an int8 exponent per element (see docs/checkpoints.md).
+
+    Each rank of N writes about 1/N of it, and an async save stages exactly what the rank
+    writes, so ``checkpoint_bytes_per_param(...) / N`` is the staging an async save keeps per
+    parameter on each rank ([Note: async staging] in checkpoint/staging.py); frozen params add
+    their model bytes only."""
+    state = optimizer_state_bytes
+    if state_dtype is not None:
+        check_state_dtype(state_dtype)
+        per_element = state_dtype.itemsize + (1 if needs_scales(state_dtype) else 0)
+        state = optimizer_state_bytes * per_element / 4
+    return _element_size(param_dtype) + 4 + state
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
     """Bytes one rank holds, by role; ``num_params`` counts the model's trainable elements."""

@@ -29,6 +29,9 @@ The modules, each importing only modules listed before it:
     checks.py      every check a load makes, and how the ranks agree on the verdict
     install.py     loaded values into the optimizer, the same way for every loader
     state_dict.py  ``opt.state_dict()`` and ``opt.load_state_dict()``
+    parts.py       what each rank writes: its part of the pieces, the model entries dealt to it
+    staging.py     the host buffer an async save copies this rank's part into
+    background.py  async saves: the writer thread, the one save in flight, the handle
     save.py        ``save_checkpoint``
     load.py        ``load_checkpoint``
     export.py      ``export_checkpoint``: one plain torch.save file
@@ -53,12 +56,14 @@ back, so the deferral hides no cycle.
 import sys
 
 from . import format
+from .background import AsyncCheckpoint
 from .export import export_checkpoint
 from .files import CheckpointError, has_checkpoint
 from .format import FlatShard, merge_state_dicts
 from .load import load_checkpoint
 from .plain import load_plain_checkpoint
 from .save import save_checkpoint
+from .staging import staging_bytes
 
 # Pickles name a class by its module. FlatShard is pickled under its public name, so that a
 # state dict saved with torch.save survives moves inside this package, and the module that held
@@ -67,6 +72,7 @@ FlatShard.__module__ = __name__
 sys.modules.setdefault(f"{__package__.rpartition('.')[0]}.checkpoint_state", format)
 
 __all__ = [
+    "AsyncCheckpoint",
     "CheckpointError",
     "FlatShard",
     "export_checkpoint",
@@ -75,4 +81,5 @@ __all__ = [
     "load_plain_checkpoint",
     "merge_state_dicts",
     "save_checkpoint",
+    "staging_bytes",
 ]

@@ -27,11 +27,9 @@ holds one item at a time.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,17 +107,20 @@ class _DcpFlat(torch.Tensor):
 
 
 def piece_as_dcp(tp: TensorParallelMesh | None, owned: OwnedPiece, values: torch.Tensor,
-                 writing: bool) -> torch.Tensor:
+                 writing: bool, part: tuple[int, int] | None = None) -> torch.Tensor:
     """``values`` (laid out like ``owned``'s piece: 1-D, or the param's shape for a param
     owned whole) as chunks of the flattened global parameter, for DCP to write or to read
-    into; see [Note: TP checkpoints]."""
+    into; see [Note: TP checkpoints]. ``part``: only elements ``[lo, hi)`` of the piece's
+    range, the part this rank writes ([Note: each byte written once] in parts.py)."""
     numel = owned.param.numel()
     values = values.view(-1)  # a view, so that a load reads into the live tensor
+    start, end = part or (owned.start, owned.end)
+    values = values[start - owned.start : end - owned.start]
     if tp is None:
-        return _DcpFlat([(owned.start, values)], numel, values)
+        return _DcpFlat([(start, values)], numel, values)
     if writing and not tp.counts_once(owned.param):
         return _DcpFlat([], numel, values)  # TP coordinate 0 writes it
-    runs = piece_runs(owned.param, owned.start, owned.end)
+    runs = piece_runs(owned.param, start, end)
     return _DcpFlat([(g, values[i : i + n]) for i, g, n in runs], numel, values)
 
 
@@ -196,12 +197,12 @@ def _no_dist(group: dist.ProcessGroup | None) -> bool:
     return group is None
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence DCP's notice that it runs in one process, which is what world size 1 means."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+# DCP's notice that it runs in one process is what a group of None means here. A filter, not
+# catch_warnings() around each call, which is not thread-safe: async saves write from a thread
+# (see [Note: async saves] in background.py) while the training loop may use warnings too.
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming "
+    r"the intent is to (save|load) in a single process")
 
 
 class WriteFailed(Exception):
@@ -216,9 +217,8 @@ def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None
     writer = _Writer(directory, sync_files=True)
     planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        with _quiet():
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
-                     no_dist=_no_dist(group))
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=_no_dist(group))
     except CheckpointException as exc:  # a BaseException; DCP raises it on every rank
         raise WriteFailed("; ".join(
             f"rank {rank}: {type(error).__name__}: {error}"
@@ -234,10 +234,21 @@ def load(
 ) -> None:
     """Fill ``state`` in place: tensors are written into, other values replaced."""
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    with _quiet():
-        dcp.load(state, storage_reader=_Reader(directory, metadata), planner=planner,
-                 process_group=group, no_dist=_no_dist(group))
+    dcp.load(state, storage_reader=_Reader(directory, metadata), planner=planner,
+             process_group=group, no_dist=_no_dist(group))
 
 
 def read_metadata(directory: Path) -> Metadata:
     return dcp.FileSystemReader(directory).read_metadata()
+
+
+def flat_chunks(value: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
+    """The (global offset, values) chunks of a tensor ``piece_as_dcp`` made, else None."""
+    return list(value._chunks.items()) if isinstance(value, _DcpFlat) else None
+
+
+def with_chunks(value: torch.Tensor, chunks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """``value`` (from ``piece_as_dcp``) with other tensors in place of its chunks: the same
+    global offsets, shape and dtype."""
+    assert isinstance(value, _DcpFlat)
+    return _DcpFlat(chunks, value.shape[0], chunks[0][1] if chunks else value)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as comm
-from . import files
+from . import background, files
 from .checks import (
     Models,
     agree,
@@ -43,6 +43,7 @@ def load_checkpoint(
 
     check_pair(ddp, opt)
     group = opt.parallel.checkpoint_group()
+    background.wait_for_in_flight()  # an async save may be publishing what this load reads
     rank, size = comm.group_rank(group), comm.group_size(group)
     error, checked = None, None
     try:

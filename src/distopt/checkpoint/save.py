@@ -1,4 +1,5 @@
-"""``save_checkpoint``: every rank writes what it owns, rank 0 commits the checkpoint."""
+"""``save_checkpoint``: every rank writes what it owns, rank 0 commits the checkpoint; with
+``async_save=True`` the writing and the commit go on in the background (background.py)."""
 
 from __future__ import annotations
 
@@ -6,28 +7,27 @@ import contextlib
 import io
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..comm import collectives as comm
-from . import files
+from . import background, files, parts
+from .background import AsyncCheckpoint
 from .checks import Models, check_pair
 from .files import CheckpointError
 from .format import (
-    FlatShard,
     Optimizer,
-    buffer_keys,
     class_path,
     describe,
     group_class_paths,
     hyper_params,
     model_prefixes,
-    owned_pieces,
     scaler_state,
 )
-from .state_dict import state_dict
+from .staging import staging_of
 
 
 def save_checkpoint(
@@ -39,7 +39,8 @@ def save_checkpoint(
     keep: int | None = None,
     name: str | None = None,
     latest: bool = True,
-) -> Path:
+    async_save: bool = False,
+) -> Path | AsyncCheckpoint:
     """Save a checkpoint into the run directory ``path``; collective; returns its directory.
 
     Each call adds a checkpoint (``ckpt-000001``, ``ckpt-000002``, ... or ``name``) and points
@@ -47,6 +48,12 @@ def save_checkpoint(
     is any object ``torch.save`` accepts, taken from rank 0 and returned by load_checkpoint.
     ``latest=False`` writes no ``latest`` file, for a folder another tool owns (Lightning's
     ModelCheckpoint): load the checkpoint by its own directory then.
+
+    ``async_save=True`` copies what this rank writes into a host buffer kept between saves and
+    returns an ``AsyncCheckpoint`` at once; the files are written, agreed on and published in
+    the background, with the same atomic commit (``handle.wait()`` gives the directory or
+    raises the save's CheckpointError). A save or load that finds one in flight waits for it.
+    See [Note: async saves] in background.py.
     """
     check_pair(ddp, opt)
     group = opt.parallel.checkpoint_group()
@@ -59,6 +66,15 @@ def save_checkpoint(
         raise ValueError(
             f"name must be a plain directory name (no '/', not hidden, not 'latest'), got {name!r}"
         )
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be True or False, got {async_save!r}")
+    if async_save and opt.parallel.tp is not None:
+        raise ValueError(
+            "async_save=True does not stage tensor-parallel models (their DTensor entries): "
+            "save them with async_save=False"
+        )
+    called = time.perf_counter()
+    waited = background.wait_for_in_flight()  # one save in flight; see [Note: async saves]
     rank = comm.group_rank(group)
     for model in opt.models:
         model.finish_param_sync()  # an overlapped gather may still be writing the model params
@@ -69,28 +85,52 @@ def save_checkpoint(
             torch.save(extra, io.BytesIO())  # fail here, on every rank, not inside DCP
             setup = files.begin_save(Path(path), name)
         except Exception as exc:  # anything torch.save or the file system raises
-            latest = files.latest_name(Path(path))
-            kept = f"; 'latest' still names {latest}" if latest else ""
+            latest_name = files.latest_name(Path(path))
+            kept = f"; 'latest' still names {latest_name}" if latest_name else ""
             setup = f"cannot save a checkpoint in {path}: {exc}. Nothing was written{kept}"
     setup = comm.broadcast_object(setup, group)
     if isinstance(setup, str):
         raise CheckpointError(setup)
     final, tmp, sequence = setup
 
-    from . import dcp  # see [Note: one-way imports]
+    publish = partial(_write_and_publish, manifest=_manifest(opt, sequence, final.name),
+                      tmp=tmp, final=final, keep=keep, latest=latest)
+    with _params_gathered(opt):
+        state, whole = parts.dcp_state(opt, extra, group)
+        if not async_save:
+            return publish(state, whole, group)
+        writers = background.writer_group(group)  # collective the first time
+        staged = staging_of(opt).stage(state)
+    handle = AsyncCheckpoint(final, waited)
+    handle.stall_s = time.perf_counter() - called
+    return background.start(handle, lambda: publish(staged, whole, writers),
+                            partial(_lost_message, final, rank))
 
-    # Sharded params are gathered for the write, as a user's state_dict() sees them whole:
-    # a transient of the whole model per rank while DCP writes ([Note: sharded params]).
+
+def _params_gathered(opt: Optimizer) -> contextlib.ExitStack:
+    """Sharded params gathered while their entries are read (and, saving synchronously,
+    written), as a user's ``state_dict()`` sees them whole: a transient of the whole model per
+    rank ([Note: sharded params] in ddp/param_storage.py). An async save has copied them into
+    its staging when the block ends."""
     gathered = contextlib.ExitStack()
     for model in opt.models:
         if model.options.shard_params:  # the others hold their params whole
             gathered.enter_context(model.gathered_params())
+    return gathered
+
+
+def _write_and_publish(state: dict[str, Any], whole: dict[str, dict[str, list[Any]]],
+                       group: Any, *, manifest: dict[str, Any], tmp: Path, final: Path,
+                       keep: int | None, latest: bool) -> Path:
+    """Write ``state`` into ``tmp``, agree on every rank's outcome, and (rank 0) commit; raises
+    the same CheckpointError on every rank if any rank failed. See [Note: failed saves]."""
+    from . import dcp  # see [Note: one-way imports]
+
+    rank = comm.group_rank(group)
     # Each rank's outcome, agreed on before anything is published; see [Note: failed saves].
     outcome: Any
     try:
-        with gathered:
-            state, whole = _dcp_state(opt, extra, rank)
-            dcp.save(state, tmp, group)
+        dcp.save(state, tmp, group)
         # The manifest lists every rank's files and the whole-parameter state its owner wrote.
         outcome = (files.checksum_files(tmp, f"__{rank}_"), whole)
     except dcp.WriteFailed as exc:  # the same on every rank
@@ -110,7 +150,7 @@ def save_checkpoint(
                 for _, per_rank in written:
                     for name, entries in per_rank.items():
                         whole_state.setdefault(name, {}).update(entries)
-                manifest = _manifest(opt, sequence, final.name, listed, whole_state)
+                manifest = {**manifest, "whole_state": whole_state, "files": listed}
                 files.commit(tmp, final, manifest, keep, latest)
             except Exception as exc:  # a full disk, a lost directory: nothing is published
                 problems.append(f"rank 0: {type(exc).__name__}: {exc}")
@@ -120,6 +160,16 @@ def save_checkpoint(
     if failure:
         raise CheckpointError(failure)
     return final
+
+
+def _lost_message(final: Path, rank: int, error: Exception) -> str:
+    """What an async save that ended without the ranks' agreement (a peer lost during the
+    write) tells this rank: the error, and that nothing of it is loaded."""
+    latest = files.latest_name(final.parent)
+    kept = f"'latest' still names {latest}" if latest else "no checkpoint was saved before"
+    return (f"cannot save checkpoint {final}: rank {rank}: {type(error).__name__}: {error}. It "
+            f"was not published: {kept}; what it wrote is hidden, never loaded, and the next "
+            "save removes it")
 
 
 def _failure_message(final: Path, tmp: Path, problems: list[str]) -> str:
@@ -139,42 +189,9 @@ def _failure_message(final: Path, tmp: Path, problems: list[str]) -> str:
             "directory, then save again")
 
 
-def _dcp_state(opt: Optimizer, extra: Any, rank: int
-               ) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
-    """What this rank gives DCP to write, under the keys of the package docstring, and the
-    whole-parameter state among it (``{name: {key: [shape, dtype]}}``)."""
-    from .dcp import piece_as_dcp
-
-    sd = state_dict(opt)
-    tp = opt.parallel.tp
-    owned = {o.name: o for o in owned_pieces(opt)}
-    state: dict[str, Any] = {}
-    whole: dict[str, dict[str, list[Any]]] = {}
-    for name, shard in sd["main_params"].items():
-        state[f"main/{name}"] = piece_as_dcp(tp, owned[name], shard.local, writing=True)
-    for name, entries in sd["state"].items():
-        for key, value in entries.items():
-            if isinstance(value, FlatShard):
-                value = piece_as_dcp(tp, owned[name], value.local, writing=True)
-            elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                # Whole-parameter state, from its owner only; see [Note: whole-tensor state].
-                whole.setdefault(name, {})[key] = describe(value)
-            state[f"state/{name}/{key}"] = value
-    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
-        # Buffers from the first DP ranks only, so that DCP writes theirs, which the next
-        # forward broadcasts; see [Note: buffer broadcasting] in ddp/module_buffers.py.
-        others = set() if model.parallel.first_dp_rank else buffer_keys(model.module)
-        for key, value in model.module.state_dict().items():
-            if key not in others:
-                state[f"model/{prefix}{key}"] = value
-    state["meta/param_groups"] = sd["param_groups"]
-    if rank == 0:
-        state["extra"] = extra
-    return state, whole
-
-
-def _manifest(opt: Optimizer, sequence: int, name: str, listed: dict[str, dict[str, int]],
-              whole_state: dict[str, dict[str, list[Any]]]) -> dict[str, Any]:
+def _manifest(opt: Optimizer, sequence: int, name: str) -> dict[str, Any]:
+    """The manifest as the save begins; the writing fills in the whole-parameter state its
+    owners wrote and every file's checksum."""
     models = []
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         module = model.module
@@ -196,9 +213,9 @@ def _manifest(opt: Optimizer, sequence: int, name: str, listed: dict[str, dict[s
         "optimizer": class_path(type(opt.optimizer)),
         "param_groups": [group["params"] for group in hyper_params(opt)],
         "param_group_classes": group_class_paths(opt),
-        "whole_state": whole_state,
+        "whole_state": None,
         "default_param_groups": opt.default_param_groups,
         "loss_scaler": scaler_state(opt),
         "models": models,
-        "files": listed,
+        "files": None,
     }

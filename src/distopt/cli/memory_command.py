@@ -27,7 +27,12 @@ import torch
 
 from ..dtypes import DTYPES, STATE_DTYPES, dtype_name
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
-from ..memory import COMPONENTS, BytesPerParam, bytes_per_param_breakdown
+from ..memory import (
+    COMPONENTS,
+    BytesPerParam,
+    bytes_per_param_breakdown,
+    checkpoint_bytes_per_param,
+)
 from ..options import fp32_accumulation_problem, remainders_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
 
@@ -224,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGiB per rank: replicated {rep_total * num_params / GIB:.2f}, "
           f"distopt {dist_total * num_params / GIB:.2f} "
           f"({rep_total / dist_total:.2f}x less); activations not included")
+    _print_staging(args, num_params, dp)
     if args.store_param_remainders:
         print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
               "bf16/fp16 grads) one bucket's shard at a time; that transient is not included")
@@ -245,6 +251,17 @@ def main(argv: list[str] | None = None) -> int:
               "the state to fp32 at a time; that transient is not included (the replicated "
               "column keeps torch's fp32 state)")
     return 0
+
+
+def _print_staging(args: argparse.Namespace, num_params: int, ranks: int) -> None:
+    """The host memory async saves keep per rank: what the rank writes of a checkpoint."""
+    whole = checkpoint_bytes_per_param(
+        DTYPES[args.dtype], optimizer_state_bytes=args.optimizer_state_bytes,
+        state_dtype=STATE_DTYPES[args.state_dtype])
+    print(f"async checkpoint staging: {whole / ranks:.3f} B/param, "
+          f"{_size(whole / ranks * num_params)} of host memory per rank, kept between saves\n"
+          f"(save_checkpoint(async_save=True) copies the part each rank writes: 1/{ranks} of a "
+          f"checkpoint's\n{whole:g} B/param of params, fp32 main params and optimizer state)")
 
 
 def _labels(args: argparse.Namespace) -> dict[str, str]:
@@ -278,6 +295,7 @@ def _cluster(args: argparse.Namespace, num_params: int, label: str, grad_dtype: 
           f"{_size(flat.memory_total * num_params)};\nthe busiest rank sends "
           f"{_size(sharded.traffic.across_nodes_busiest * num_params)} across nodes per step "
           f"instead of {_size(flat.traffic.across_nodes_busiest * num_params)}")
+    _print_staging(args, num_params, plan.world_size)
     return 0
 
 

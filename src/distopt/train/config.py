@@ -145,6 +145,10 @@ class TrainConfig:
     """Seconds a collective waits for the other ranks before it fails (the process group's
     timeout), so that a stuck rank fails the run, or with ``max_restarts`` restarts it; None:
     torch's default (30 minutes on gloo, 10 on NCCL)."""
+    async_save: bool = False
+    """Write checkpoints in the background: the step that saves copies this rank's part of the
+    state into a host buffer kept between saves, and training goes on while it is written and
+    published (``save_checkpoint(async_save=True)``)."""
     stop_on_save_failure: bool = False
     """Stop the run when a checkpoint cannot be saved; by default it is reported and training
     goes on (the previous checkpoint stays the latest)."""
@@ -194,6 +198,8 @@ class TrainConfig:
             if self.no_shard:
                 problems.append("--store-param-remainders needs the sharded optimizer; drop "
                                 "--no-shard")
+        if self.async_save and not self.save:
+            problems.append("--async-save writes checkpoints in the background; drop --no-save")
         if self.shard_grads and self.no_shard:
             problems.append("--shard-grads needs the sharded optimizer (the replicated one "
                             "steps whole grads); drop --no-shard")
@@ -338,6 +344,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     p.add_argument("--no-save", dest="save", action="store_false",
                    help="write no checkpoints (the run cannot be resumed)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: the saving step copies this "
+                   "rank's part of the state and training goes on")
     p.add_argument("--stop-on-save-failure", action="store_true",
                    help="stop when a checkpoint cannot be saved (default: report it and train "
                    "on; the previous checkpoint stays the latest)")

@@ -11,7 +11,6 @@ import datetime
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -26,17 +25,11 @@ import distopt
 from ..dtypes import DTYPES, parse_state_dtype
 from ..optim.kinds import whole_tensor_cost
 from ..plan import ownership
+from . import elastic
 from .config import OPTIMIZERS, TrainConfig, default_shard_size, param_groups
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
 from .report import write_loss_plot, write_summary
-
-# Test hook for the fault-tolerance tests: the rank named here sends itself a signal at this
-# step of the first attempt: SIGKILL (by default), exactly like a crashed or preempted process,
-# or SIGSTOP, like a hung one.
-FAIL_AT_STEP_ENV = "DISTOPT_TRAIN_FAIL_AT_STEP"
-FAIL_RANK_ENV = "DISTOPT_TRAIN_FAIL_RANK"
-FAIL_SIGNAL_ENV = "DISTOPT_TRAIN_FAIL_SIGNAL"
 
 
 def warmup_cosine(config: TrainConfig):
@@ -109,6 +102,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(config))
         self.step = 0
         self.history: list[dict[str, Any]] = []
+        self.pending: tuple[int, distopt.checkpoint.AsyncCheckpoint] | None = None
 
     def _data_parallel_mesh(self) -> Any:
         """A ("dp_replicate", "dp_shard") mesh for --shard-size, or by default on several
@@ -144,21 +138,50 @@ class Trainer:
         }
 
     def save(self, log: _MetricsLog) -> None:
-        """Save a checkpoint. One that fails has changed nothing on disk (see [Note: failed
-        saves]): it is reported and training goes on, unless --stop-on-save-failure."""
+        """Save a checkpoint (with --async-save, start one). One that fails has changed nothing
+        on disk (see [Note: failed saves]): it is reported and training goes on, unless
+        --stop-on-save-failure. The time the loop was held is logged as checkpoint_stall_s."""
+        began = time.perf_counter()
+        waited = self.settle(log)
         try:
-            distopt.save_checkpoint(self.ckpt_dir, self.ddp, self.opt, extra=self._extra(),
-                                    keep=self.config.keep)
+            saved = distopt.save_checkpoint(self.ckpt_dir, self.ddp, self.opt,
+                                            extra=self._extra(), keep=self.config.keep,
+                                            async_save=self.config.async_save)
         except distopt.CheckpointError as error:  # raised alike on every rank
-            if self.config.stop_on_save_failure:
-                raise
-            log.write({"step": self.step, "checkpoint_error": str(error)})
-            if self.rank == 0:
-                print(f"distopt train: warning: step {self.step}: {error}; training goes on "
-                      "(--stop-on-save-failure stops instead)", file=sys.stderr, flush=True)
+            self._save_failed(log, self.step, error)
+            return
+        if self.config.async_save:
+            self.pending = (self.step, saved)
+        log.write({"step": self.step, "checkpoint_stall_s": time.perf_counter() - began,
+                   "checkpoint_wait_s": waited})
+
+    def settle(self, log: _MetricsLog) -> float:
+        """Wait for the async save in flight, if any, and report its failure; every rank
+        waits here, at the same step, so that all learn the outcome together. Returns the
+        seconds waited."""
+        if self.pending is None:
+            return 0.0
+        (step, pending), self.pending = self.pending, None
+        began = time.perf_counter()
+        try:
+            pending.wait()
+        except distopt.CheckpointError as error:
+            self._save_failed(log, step, error)
+        return time.perf_counter() - began
+
+    def _save_failed(self, log: _MetricsLog, step: int, error: Exception) -> None:
+        if self.config.stop_on_save_failure:
+            raise error
+        log.write({"step": step, "checkpoint_error": str(error)})
+        if self.rank == 0:
+            print(f"distopt train: warning: step {step}: {error}; training goes on "
+                  "(--stop-on-save-failure stops instead)", file=sys.stderr, flush=True)
 
     def maybe_resume(self) -> bool:
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        """Resume from the latest checkpoint with --resume or when the launcher restarted
+        the run (after a failure, or with another number of nodes: see train/elastic.py), at
+        whatever world size it has now; collective."""
+        restarted = elastic.is_restart(self.out, self.rank)
         if not (self.config.resume or restarted) or not distopt.has_checkpoint(self.ckpt_dir):
             return False
         extra = distopt.load_checkpoint(self.ckpt_dir, self.ddp, self.opt)
@@ -218,16 +241,18 @@ class Trainer:
             if not resumed:
                 metrics_path.unlink(missing_ok=True)
         log = _MetricsLog(metrics_path if self.rank == 0 else None)
-        if not resumed:
+        if resumed:
+            log.write({"step": self.step, "resumed": True, "world_size": self.world})
+        else:
             self._record(log, {"step": 0, "heldout_loss": self.evaluate()})
-        fail_step, fail_rank, fail_signal = _failure_injection()
+        fail_step, fail = elastic.failure_injection(self.rank)
 
         tokens_per_step = config.batch_size * config.seq_len
         bar = _progress(config, self.rank, initial=self.step)
         window_start, window_steps = time.perf_counter(), 0
         while self.step < config.steps:
-            if self.step == fail_step and self.rank == fail_rank:
-                os.kill(os.getpid(), fail_signal)
+            if self.step == fail_step:
+                fail()
             stats = self.train_step()
             self.step += 1
             window_steps += 1
@@ -249,6 +274,7 @@ class Trainer:
                 self.save(log)
         if bar is not None:
             bar.close()
+        self.settle(log)  # the last checkpoint is published before the run ends
         return self.finish()
 
     def _record(self, log: _MetricsLog, stats: dict[str, Any]) -> None:
@@ -308,14 +334,6 @@ def _progress(config: TrainConfig, rank: int, initial: int):
                 dynamic_ncols=True)
 
 
-def _failure_injection() -> tuple[int, int, signal.Signals]:
-    kind = getattr(signal, os.environ.get(FAIL_SIGNAL_ENV, "SIGKILL"))
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return -1, -1, kind
-    return (int(os.environ.get(FAIL_AT_STEP_ENV, "-1")), int(os.environ.get(FAIL_RANK_ENV, "0")),
-            kind)
-
-
 def _node_id() -> str:
     """Which node this rank runs on: the launcher's node rank (torchrun's GROUP_RANK, one per
     launcher even when several run on one machine), else the host name."""
@@ -331,22 +349,6 @@ def _device(device_type: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _attempt_store(rank: int, world: int) -> dist.Store:
-    """The launcher's TCPStore, under a prefix of its own for each restart of the group.
-
-    After a restart the launcher may hand the ranks the store of the failed attempt, where
-    gloo would find the dead ranks' addresses and fail to connect; a per-attempt prefix keeps
-    each attempt's keys apart.
-    """
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-        is_master=not agent_hosts and rank == 0, wait_for_workers=False,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distopt/attempt_{attempt}", store)
-
-
 def run_worker(config: TrainConfig) -> dict[str, Any]:
     """Entry point of every rank; the process group comes from torchrun's environment."""
     on_cuda = config.device_type() == "cuda"
@@ -356,7 +358,7 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
     backend = "nccl" if on_cuda else "gloo"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = None if config.timeout is None else datetime.timedelta(seconds=config.timeout)
-    dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank,
+    dist.init_process_group(backend, store=elastic.attempt_store(rank, world), rank=rank,
                             world_size=world, timeout=timeout)
     # A failed rank leaves without tearing the group down: that would wait on the very peers
     # that failed it, while the launcher waits for this process to exit.

@@ -1,0 +1,138 @@
+"""What each rank writes into a checkpoint: its part of every piece it holds, and the model
+entries dealt to it.
+
+[Note: each byte written once]
+Several ranks may hold the same piece of the state: the replicas of a shard group on a
+hierarchical mesh (the replicate group), and every rank of a ``BasicOptimizer`` (the DP group).
+The k ranks that hold a piece split it: the i-th writes the i-th of k contiguous parts
+(``part_of``). The model's entries (``module.state_dict()``, the same on every rank) are dealt
+out over the checkpoint group, largest first, each to the rank with the fewest bytes so far;
+buffers stay with the first DP rank, whose values the next forward broadcasts ([Note: buffer
+broadcasting]). A param's values that are not per element (its ``step``, the whole-parameter
+state of a param owned whole) are written by one rank that holds its first element, one
+replica of it. So no two ranks write the same byte, each writes about 1/N of the checkpoint
+over N ranks, and the write bandwidth grows with the ranks.
+
+DCP would deduplicate replicated chunks by itself (its global plan keeps each duplicated item
+on one rank), but only after every rank had declared them all, and whole chunks at a time: a
+piece two replicas hold would be written whole by one of them. Declaring only what a rank
+writes is also what bounds an async save's staging (staging.py): a rank copies only its part.
+The param groups are a small replicated object that DCP's deduplication writes once. With
+tensor parallelism the model entries are DTensors, which DCP writes shard by shard and
+deduplicates across DP replicas, and the scalars are left to its deduplication too.
+
+Any split loads at any layout: a load asks for its own pieces and DCP reads every saved chunk
+that overlaps them ([Note: flat shards in DCP] in dcp.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import collectives as comm
+from .format import (
+    FlatShard,
+    Optimizer,
+    buffer_keys,
+    describe,
+    model_prefixes,
+    owned_pieces,
+)
+from .state_dict import state_dict
+
+
+def holders(opt: Optimizer) -> tuple[int, int]:
+    """(this rank's index, count) among the ranks that hold the same pieces as this one."""
+    parallel = opt.parallel
+    replica = comm.group_rank(parallel.replicate_group)
+    if opt.sharded:
+        return replica, parallel.replicate_size
+    return replica * parallel.dp_size + parallel.dp_rank, parallel.replicate_size * parallel.dp_size
+
+
+def part_of(start: int, end: int, index: int, count: int) -> tuple[int, int]:
+    """The ``index``-th of ``count`` contiguous parts of ``[start, end)``."""
+    n = end - start
+    return start + n * index // count, start + n * (index + 1) // count
+
+
+def deal(sizes: dict[str, int], ranks: int) -> dict[str, int]:
+    """The rank that writes each entry: largest first, each to the rank with the fewest bytes
+    so far (the lowest such rank); the same on every rank given the same sizes."""
+    load = [0] * ranks
+    owner = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owner[key] = rank
+        load[rank] += sizes[key]
+    return owner
+
+
+def dcp_state(opt: Optimizer, extra: Any, group: Any
+              ) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
+    """What this rank gives DCP to write, under the keys of the package docstring, and the
+    whole-parameter state among it (``{name: {key: [shape, dtype]}}``); see [Note: each byte
+    written once]. The tensors are the live ones (views), as DCP reads them."""
+    from .dcp import piece_as_dcp
+
+    rank = comm.group_rank(group)
+    sd = state_dict(opt)
+    tp = opt.parallel.tp
+    index, count = holders(opt)
+    owned = {o.name: o for o in owned_pieces(opt)}
+    state: dict[str, Any] = {}
+    whole: dict[str, dict[str, list[Any]]] = {}
+
+    def flat(name: str, values: torch.Tensor) -> torch.Tensor:
+        piece = owned[name]
+        return piece_as_dcp(tp, piece, values, writing=True,
+                            part=part_of(piece.start, piece.end, index, count))
+
+    for name, shard in sd["main_params"].items():
+        state[f"main/{name}"] = flat(name, shard.local)
+    for position, (name, entries) in enumerate(sd["state"].items()):
+        # Values of the whole param (scalars such as step, whole-parameter state) are written
+        # by one of the ranks that hold them: a holder of its first element, one replica.
+        first = owned[name].start == 0 and position % count == index
+        for key, value in entries.items():
+            if isinstance(value, FlatShard):
+                value = flat(name, value.local)
+            else:
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    # Whole-parameter state, from its owner only; see [Note: whole-tensor
+                    # state]. Every holder lists it for the manifest.
+                    whole.setdefault(name, {})[key] = describe(value)
+                if not first and tp is None:
+                    continue
+            state[f"state/{name}/{key}"] = value
+    state.update(_model_entries(opt, rank, comm.group_size(group)))
+    state["meta/param_groups"] = sd["param_groups"]
+    if rank == 0:
+        state["extra"] = extra
+    return state, whole
+
+
+def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:
+    """The entries of ``module.state_dict()`` this rank writes, under ``model/``."""
+    entries: dict[str, Any] = {}
+    dealt: dict[str, int] = {}
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        # Buffers from the first DP ranks only, so that DCP writes theirs, which the next
+        # forward broadcasts; see [Note: buffer broadcasting] in ddp/module_buffers.py.
+        buffers = buffer_keys(model.module)
+        for key, value in model.module.state_dict().items():
+            fqn = f"model/{prefix}{key}"
+            if key in buffers:
+                if model.parallel.first_dp_rank:
+                    entries[fqn] = value
+            elif isinstance(value, torch.Tensor) and opt.parallel.tp is None:
+                dealt[fqn] = value.numel() * value.element_size()
+                entries[fqn] = value
+            else:
+                entries[fqn] = value  # DTensors and objects: DCP writes each once
+    for fqn, owner in deal(dealt, ranks).items():
+        if owner != rank:
+            del entries[fqn]
+    return entries
