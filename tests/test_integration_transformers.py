@@ -420,6 +420,170 @@ def train_fp16_overflowing(root: Path) -> dict[str, Any]:
             "scale": trainer.optimizer.loss_scaler.scale}
 
 
+# ---------------------------------------------------------------------- sharded params
+
+
+SHARDED_STEPS = 4
+SHARDED_BATCH = (4, 4)  # global sequences of 4 tokens: few enough that experts idle
+# (model, activation checkpointing: reentrant, non-reentrant or None)
+SHARDED_CASES = [("llama", True), ("llama", False), ("mixtral", None)]
+
+
+def tiny_mixtral():
+    """Mixtral with 8 experts, 2 per token: a step's 16 tokens leave some idle."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                           max_position_embeddings=32, num_local_experts=8,
+                           num_experts_per_tok=2)
+    return MixtralForCausalLM(config)
+
+
+def checkpoint_layers(model, reentrant: bool) -> None:
+    """Activation checkpointing of every decoder layer, by whichever name this version has."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
+def experts_hit(model) -> list[list[set[int]]]:
+    """Hooks every MoE router of ``model``; the returned list gets, per forward, the experts
+    each layer routed at least one token to."""
+    hit: list[list[set[int]]] = []
+    routers = [layer.mlp.gate for layer in model.model.layers]
+
+    def record(router, _args, output) -> None:
+        if router is routers[0]:
+            hit.append([])
+        hit[-1].append(set(output[-1].flatten().tolist()))  # (logits, scores, indices)
+
+    for router in routers:
+        router.register_forward_hook(record)
+    return hit
+
+
+def calls_of(module: torch.nn.Module) -> list[int]:
+    """A one-element list that counts ``module``'s forward calls (recomputations included)."""
+    calls = [0]
+
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    module.register_forward_pre_hook(count)
+    return calls
+
+
+def sharded_params_parity(name: str, reentrant: bool | None) -> dict[str, Any]:
+    """An HF model (``name``: "llama" or "mixtral") under
+    ``distopt.DistributedDataParallel(shard_params=True)`` and distopt's AdamW, against one
+    plain process's torch.optim.AdamW on the same global batches (each rank trains that
+    reference itself), and against ``shard_grads=True`` alone. ``reentrant``: every decoder
+    layer under activation checkpointing, reentrant or not (None: none)."""
+    import distopt
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    build = tiny_llama if name == "llama" else tiny_mixtral
+    runs: dict[str, Any] = {}
+    for kind in ("plain", "params", "grads"):
+        model = build().train()
+        if reentrant is not None:
+            checkpoint_layers(model, reentrant)
+        # The first layer's MLP: a checkpointed layer's forward runs again inside backward.
+        layer_calls = calls_of(model.model.layers[0].mlp)
+        hit = experts_hit(model) if name == "mixtral" else []
+        # AdamW divides each element's update by its own grad's size, so grads that differ in
+        # their last bits (the d ranks' mean against one process's) move an element whose grad
+        # cancels across steps by a fraction of the lr: torch DDP's Mixtral at d = 2 ends
+        # 2.3e-5 from one process at lr 3e-3, distopt's the same 2.3e-5, and 1.7e-6 at 1e-3.
+        options = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+        if kind == "plain":
+            forward, opt = model, torch.optim.AdamW(model.parameters(), **options)
+        else:
+            forward = distopt.DistributedDataParallel(
+                model, shard_params=kind == "params", shard_grads=True)
+            opt = distopt.DistributedOptimizer(forward, torch.optim.AdamW, clip_grad=1.0,
+                                               **options)
+        losses, calls = [], []
+        for step in range(SHARDED_STEPS):
+            generator = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, 64, SHARDED_BATCH, generator=generator)
+            mine = tokens if kind == "plain" else tokens.chunk(world)[rank]
+            opt.zero_grad()
+            layer_calls[0] = 0
+            loss = forward(input_ids=mine, labels=mine).loss
+            loss.backward()
+            if kind == "plain":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+                loss /= world  # every rank's tokens count alike: the global batch's mean
+            opt.step()
+            losses.append(loss.item())
+            calls.append(layer_calls[0])
+        weights = (model.state_dict() if kind == "plain" else forward.full_state_dict())
+        runs[kind] = {"loss": losses, "layer_calls": calls, "experts_hit": hit,
+                      "weights": {k: v.detach().clone() for k, v in weights.items()}}
+    return runs
+
+
+class ExpertPerModule(torch.nn.Module):
+    """A mixture of experts with an nn.Module per expert, each token sent to one expert by its
+    id (token % experts). Every expert runs on every rank, an idle one on an empty batch, as
+    sharded params require ([Note: every rank runs the same modules]); transformers' Mixtral
+    before v5 skipped them."""
+
+    def __init__(self, experts: int = 4, width: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, width)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width)
+                                           for _ in range(experts))
+        self.head = torch.nn.Linear(width, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens).flatten(0, 1)
+        chosen = tokens.flatten() % len(self.experts)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (chosen == e).nonzero()[:, 0]  # empty where no token went to expert e
+            out = out.index_add(0, rows, expert(h[rows]))
+        return torch.nn.functional.cross_entropy(self.head(h + out), tokens.flatten())
+
+
+def experts_per_module() -> float:
+    """ExpertPerModule under shard_params=True, each rank's tokens going to one expert of its
+    own (the others idle there), against one plain process: the largest weight difference."""
+    import distopt
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, ref = ExpertPerModule(), ExpertPerModule()
+    ref.load_state_dict(model.state_dict())
+    # A bucket per expert (its weight and bias), as a large model's experts get.
+    width = model.head.in_features
+    ddp = distopt.DistributedDataParallel(model, shard_params=True,
+                                          bucket_size=width * width + width)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    experts = len(model.experts)
+    for step in range(SHARDED_STEPS):
+        tokens = experts * torch.randint(0, 64 // experts, (world, 4),
+                                         generator=torch.Generator().manual_seed(step))
+        tokens += torch.arange(world)[:, None]  # row r: tokens of expert r
+        opt.zero_grad()
+        ddp(tokens[rank : rank + 1]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(tokens).backward()
+        ref_opt.step()
+    return max_weight_diff(ddp.full_state_dict(), ref.state_dict())
+
+
 # ---------------------------------------------------------------------- launching
 
 
@@ -469,15 +633,18 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                 for v in VARIANTS for plain in (False, True) if not (v in DISTOPT_ONLY and plain)]
     turns = [(f"{name}-{plain}", fn, (root, plain)) for plain in (False, True)
              for name, fn in (("smoothing", train_label_smoothing), ("turns", train_in_turn))]
+    sharded = [(f"sharded-{name}-{reentrant}", sharded_params_parity, (name, reentrant))
+               for name, reentrant in SHARDED_CASES]
     two = launch(2, [("refused", refused_arguments, (root,)),
                      ("broadcast_buffers", broadcast_buffers_argument, (root,)),
                      ("distopt", train_distopt, (root,)),
                      ("plain-resumed", resume_plain, (root,)),
                      ("ddp", train_plain, (root,)),
-                     ("fp16-skip", train_fp16_overflowing, (root,)), *variants, *turns])
+                     ("fp16-skip", train_fp16_overflowing, (root,)), *variants, *turns,
+                     *sharded, ("experts", experts_per_module, ())])
     one = launch(1, [("single", train_plain, (root,)), ("resumed", resume, (root,)),
                      ("muon", train_variant, (root, "muon", False))])
-    four = launch(4, [("resumed", resume, (root,))])
+    four = launch(4, [("resumed", resume, (root,)), *sharded])
     return {
         "variants": {name: result(two, name)[0] for name, _, _ in variants},
         "turns": {name: result(two, name) for name, _, _ in turns},
@@ -491,6 +658,9 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         "single": result(one, "single")[0],
         "resumed1": result(one, "resumed")[0],
         "resumed4": result(four, "resumed"),
+        "experts": result(two, "experts"),
+        "sharded": {(name, reentrant, d): result(launched, f"sharded-{name}-{reentrant}")
+                    for name, reentrant in SHARDED_CASES for d, launched in ((2, two), (4, four))},
     }
 
 
@@ -713,3 +883,43 @@ def test_optimizer_pt_keeps_the_trainers_empty_param_groups():
     assert state["param_groups"] == [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]},
                                      {"lr": 1e-3, "weight_decay": 0.0, "params": []}]
     assert state["state"] == {0: {"step": 1}}
+
+
+@pytest.mark.parametrize(("name", "reentrant"), SHARDED_CASES)
+@pytest.mark.parametrize("d", [2, 4])
+def test_sharded_params_train_hf_models_as_one_plain_process(runs, name, reentrant, d):
+    """HF Llama under activation checkpointing (reentrant and not) and HF Mixtral with idle
+    experts, under shard_params=True: within 1e-5 of one process's torch.optim.AdamW (clipped at
+    1.0) on the same global batches, and bit for bit sharded grads' numbers (only where the
+    params live between uses differs)."""
+    for per_rank in runs["sharded"][(name, reentrant, d)]:
+        plain, params, grads = per_rank["plain"], per_rank["params"], per_rank["grads"]
+        worst = max(abs(a - b) for a, b in zip(params["loss"], plain["loss"], strict=True))
+        assert worst <= TOL, f"loss differs by {worst:.3g}"
+        assert max_weight_diff(params["weights"], plain["weights"]) <= TOL
+        assert params["loss"] == grads["loss"]
+        assert max_weight_diff(params["weights"], grads["weights"]) == 0
+        # Checkpointing took: the first decoder layer's MLP ran again in each backward.
+        once = [1] * SHARDED_STEPS
+        expected = once if reentrant is None else [2] * SHARDED_STEPS
+        assert params["layer_calls"] == plain["layer_calls"] == expected
+        assert plain["loss"][-1] < plain["loss"][0]  # it trained
+    if name == "mixtral":
+        # Experts no token of a rank's batch went to, on some step and layer of every rank
+        # (their slice of the fused expert weights gets a zero grad there), and experts idle in
+        # the whole global batch too.
+        experts = 8
+        for per_rank in runs["sharded"][(name, reentrant, d)]:
+            hit = per_rank["params"]["experts_hit"]
+            assert len(hit) == SHARDED_STEPS
+            assert any(len(layer) < experts for step in hit for layer in step)
+        global_hit = runs["sharded"][(name, reentrant, d)][0]["plain"]["experts_hit"]
+        assert any(len(layer) < experts for step in global_hit for layer in step)
+
+
+def test_sharded_params_train_experts_idle_on_some_ranks_run_on_empty_batches(runs):
+    """An MoE with an nn.Module per expert whose ranks route to different experts: the idle
+    experts run on empty batches keep every rank's gathers in step, and the run trains as one
+    plain process does."""
+    for diff in runs["experts"]:
+        assert diff <= TOL

@@ -23,9 +23,10 @@ class CollectiveError(dist.DistBackendError):
 
 
 @contextlib.contextmanager
-def failures_named(op: str, what: str) -> Iterator[None]:
+def failures_named(op: str, what: str, cause: str = "") -> Iterator[None]:
     """Re-raise a failure of collective ``op`` on ``what`` (e.g. "bucket 3 (4096 fp32
-    elements)") as a CollectiveError naming both; see [Note: a stuck rank]."""
+    elements)") as a CollectiveError naming both; ``cause``: another way the ranks can part,
+    named after the stuck rank. See [Note: a stuck rank]."""
     start = time.monotonic()
     try:
         yield
@@ -35,7 +36,7 @@ def failures_named(op: str, what: str) -> Iterator[None]:
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise CollectiveError(
             f"{op} of {what} failed on rank {rank} after {time.monotonic() - start:.1f} s: "
-            f"{exc}. Another rank stopped, hung or died before this collective; the process "
-            "group's timeout (init_process_group(timeout=...), distopt train --timeout) bounds "
-            "the wait"
+            f"{exc}. Another rank stopped, hung or died before this collective"
+            f"{'; or ' + cause if cause else ''}; the process group's timeout "
+            "(init_process_group(timeout=...), distopt train --timeout) bounds the wait"
         ) from exc

@@ -18,7 +18,7 @@ from torch import nn
 from ..comm import collectives as comm
 from ..layout.elementwise import BucketLayout, Range
 from .grad_storage import FullGrads, ShardedGrads
-from .param_storage import FullParams, ShardedParams
+from .param_storage import SAME_MODULES, FullParams, ShardedParams
 from .state import BUCKET_TRANSITIONS, BucketState, advance
 
 _LAUNCHED = (BucketState.REDUCING, BucketState.REDUCED)
@@ -253,7 +253,8 @@ class Bucket:
         """Wait for the reduction over the shard group, if one is in flight."""
         handle, self._reduction = self._reduction, None
         if handle is not None:
-            with comm.failures_named(self._reduction_op, self._describe_grads()):
+            with comm.failures_named(self._reduction_op, self._describe_grads(),
+                                     SAME_MODULES if self.params_store.sharded else ""):
                 handle.wait()
             self.storage.first_stage_done(self)
 

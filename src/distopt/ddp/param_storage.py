@@ -50,6 +50,16 @@ from ..layout.elementwise import Range
 from ..parallel.dtensor import alias_local, local_tensor
 from .state import PARAM_TRANSITIONS, ParamState, advance
 
+# What a sharded-params collective that timed out names beside a stuck rank; see
+# [Note: every rank runs the same modules] in ddp/param_unshard.py.
+SAME_MODULES = (
+    "the ranks ran the forwards of different modules: with shard_params=True a module's "
+    "forward and backward gather its params with every rank, so every rank must run the same "
+    "modules (a mixture of experts with an nn.Module per expert: call an expert no token was "
+    "routed to on an empty batch rather than skip it, or hold the experts in one module's "
+    "stacked weights, as transformers' Mixtral does)"
+)
+
 
 class ParamPool:
     """The gathered buckets of one param dtype: how many are alive, and the most at once.
@@ -145,7 +155,7 @@ class ShardedParams:
             return
         self._full.untyped_storage().resize_(self._nbytes)
         self.pool.gathered(self._nbytes)
-        with comm.failures_named("all_gather", who):
+        with comm.failures_named("all_gather", who, SAME_MODULES):
             handle = comm.all_gather(self._full, self.param_shard, group, async_op=True,
                                      stats=stats)
         self._handle = None if handle is comm.DONE else handle
@@ -157,7 +167,7 @@ class ShardedParams:
             return
         handle, self._handle = self._handle, None
         if handle is not None:
-            with comm.failures_named("all_gather", who):
+            with comm.failures_named("all_gather", who, SAME_MODULES):
                 handle.wait()
         with torch.no_grad():
             for param, slot, shape in self._slots:

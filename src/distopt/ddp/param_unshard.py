@@ -18,6 +18,21 @@ Each user gets a forward pre-hook (gather its buckets, and start the next bucket
 forward hook (free each bucket once its last user in this forward is done, and hook the user's
 outputs so that its backward gathers again first); the grad sync frees a bucket once every
 param of it has its grad. See [Note: sharded params] in ddp/param_storage.py.
+
+[Note: every rank runs the same modules]
+A user's hooks gather on every rank at once, so every rank must run the forward of the same
+users, as FSDP2 requires of its units. A module run on some ranks only, chosen by the data,
+breaks that: a mixture of experts with an ``nn.Module`` per expert that skips an expert no
+token of this rank's batch was routed to (transformers' Mixtral before its experts became one
+module with stacked weights) gathers that expert's bucket where it ran, while the ranks that
+skipped it are in another collective. What follows is not distopt's to choose: a wait until
+the process group's timeout (whose ``CollectiveError`` names this cause and the fix), an abort
+inside gloo where the parted collectives differ in size, or, where they are the same size, one
+bucket's shards gathered into another's. No rank can tell alone that its peers ran other
+modules, so it is the caller's rule, not checked: run an idle expert on an empty batch (its
+grads are zeros), or hold the experts as one module's stacked weights (transformers' Mixtral
+since v5), which always runs and gives an idle expert's slice a zero grad. Branches that every
+rank takes or skips alike (the same step, the same flag) need only ``find_unused_parameters``.
 """
 
 from __future__ import annotations
