@@ -8,6 +8,7 @@ unchanged, so callers need not ask which kind they hold.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -15,11 +16,10 @@ from torch import nn
 
 
 def _dtensor_cls() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
+    # A DTensor exists only once torch.distributed.tensor has been imported; until then no
+    # tensor can be one, and importing it to ask would cost every process seconds of start-up.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else getattr(module, "DTensor", None)
 
 
 def is_dtensor(tensor: Any) -> bool:
