@@ -92,7 +92,9 @@ def context() -> Any:
     modules (which import pytest), on the session's sys.path.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "distopt", "pytest"])
+    # torch._dynamo: torch's optimizers import it (and DTensor with it) when first built.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "distopt",
+                                "pytest"])
     return ctx
 
 

@@ -5,6 +5,8 @@ options."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -52,16 +55,50 @@ def stopped_run(tmp_path_factory) -> Iterator[tuple[Path, BackgroundRun]]:
     run.stop()
 
 
+def train_in_pool(out: str, *extra: str) -> str:
+    """The ranks of a ``distopt train --nproc 2`` run, as a case of the harness's pool of two
+    (only the launcher left out: the same worker, threads and numbers); what this rank
+    printed. For the runs whose tests are not about launching."""
+    from distopt.train.config import parse_args
+    from distopt.train.worker import Trainer
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Trainer(parse_args([*SMALL_TRAIN, "--out", out, *extra])).run()
+    return printed.getvalue()
+
+
+POOL_RUNS = {
+    "baseline": (),
+    "shard-size-1": ("--shard-size", "1"),
+    "bf16": ("--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
+             "--reduce-scatter-fp32-accumulation", "--store-param-remainders"),
+    "shard-grads": ("--shard-grads",),
+    "shard-params": ("--shard-params",),
+}
+
+
+@dataclass
+class Run:
+    out: Path
+    stdout: str  # rank 0's
+
+
 @pytest.fixture(scope="module")
-def baseline(request, tmp_path_factory) -> Path:
-    # The stopped-rank run, if its test is to run, starts first and waits while this module's
-    # other runs train (its test comes last).
+def pool_runs(request, tmp_path_factory) -> dict[str, Run]:
+    # The stopped-rank run, if its test is to run, starts first and waits while these train
+    # (its test comes last).
     if any(item.name == STOPPED_TEST for item in request.session.items):
         request.getfixturevalue("stopped_run")
-    out = tmp_path_factory.mktemp("baseline")
-    proc = _train(out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    outs = {name: tmp_path_factory.mktemp(name) for name in POOL_RUNS}
+    printed = run_cases(2, [(name, train_in_pool, (str(outs[name]), *extra))
+                            for name, extra in POOL_RUNS.items()])
+    return {name: Run(outs[name], case_result(printed, name)[0]) for name in POOL_RUNS}
+
+
+@pytest.fixture(scope="module")
+def baseline(pool_runs) -> Path:
+    return pool_runs["baseline"].out
 
 
 @pytest.mark.slow
@@ -208,13 +245,9 @@ def test_a_restart_is_told_from_a_first_start_by_the_run_id(tmp_path, monkeypatc
 
 
 @pytest.fixture(scope="module")
-def shard_size_one(tmp_path_factory) -> subprocess.CompletedProcess:
-    """One launcher, two ranks that each shard alone and replicate each other."""
-    out = tmp_path_factory.mktemp("shard1")
-    proc = _train(out, "--shard-size", "1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc.out = out
-    return proc
+def shard_size_one(pool_runs) -> Run:
+    """Two ranks that each shard alone and replicate each other."""
+    return pool_runs["shard-size-1"]
 
 
 @pytest.mark.slow
@@ -265,11 +298,8 @@ def test_default_shard_size_is_one_node_on_several(node_of_rank, shard):
 
 
 @pytest.mark.slow
-def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
-    proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
-                  "--reduce-scatter-fp32-accumulation", "--store-param-remainders")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(pool_runs):
+    summary = json.loads((pool_runs["bf16"].out / "summary.json").read_text())
     assert summary["config"]["reduce_scatter_fp32_accumulation"] is True
     assert 0 < summary["heldout_loss_end"] < summary["heldout_loss_start"]
     # bf16 params and grads with remainders at d = 2: 4 + 10/2, against 20 replicated.
@@ -321,12 +351,11 @@ def test_bad_option_exits_2_with_one_line_from_the_shell():
 
 
 @pytest.mark.slow
-def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path):
+def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, pool_runs):
     # One backward per step: the same grads reduced by the same collective, so the same bits.
-    proc = _train(tmp_path, "--shard-grads")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    out = pool_runs["shard-grads"].out
+    assert _final_heldout(out) == _final_heldout(baseline)
+    summary = json.loads((out / "summary.json").read_text())
     # fp32 at d = 2: params 4, then (grads 4 + Adam 8) / 2, against 4 + 4 + 8/2.
     assert summary["theory_bytes_per_param"]["distopt"] == pytest.approx(10.0)
     full = json.loads((baseline / "summary.json").read_text())["memory_per_rank"]
@@ -336,12 +365,11 @@ def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path)
 
 
 @pytest.mark.slow
-def test_shard_params_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path):
+def test_shard_params_run_ends_where_the_full_buffer_run_ends(baseline, pool_runs):
     # The same grads and the same step: only where the params live changes, so the same bits.
-    proc = _train(tmp_path, "--shard-params")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    out = pool_runs["shard-params"].out
+    assert _final_heldout(out) == _final_heldout(baseline)
+    summary = json.loads((out / "summary.json").read_text())
     # fp32 at d = 2: (params 4 + grads 4 + Adam 8) / 2.
     assert summary["theory_bytes_per_param"]["distopt"] == pytest.approx(8.0)
     full = json.loads((baseline / "summary.json").read_text())["memory_per_rank"]
