@@ -1,11 +1,12 @@
-"""Run test cases inside gloo process groups spawned once per world size for the whole session.
+"""Run test cases inside gloo process groups started once per world size for the whole session.
 
-Spawning processes, importing torch and building a process group cost seconds, so the first
+Starting processes, importing torch and building a process group cost seconds, so the first
 ``run_cases(d, ...)`` of a session starts a pool of d worker processes joined in one gloo group
-and every later call with the same d reuses it: the suite spawns one group per world size, not
-one per test module. Test modules build lists of cases (a name, a module-level function, its
-arguments), run them with ``run_cases`` in a module-scoped fixture, and assert on the values
-each rank returned.
+and every later call with the same d reuses it: the suite starts one group per world size, not
+one per test module. The workers are forked from a server process that imported torch once
+(``context()``), so that a pool, or a fresh one after a failure, starts in a fraction of a
+second. Test modules build lists of cases (a name, a module-level function, its arguments), run
+them with ``run_cases`` in a module-scoped fixture, and assert on the values each rank returned.
 
 Cases run one at a time, in lockstep on every rank. A case that fails on any rank, a worker
 that dies and a case that runs past ``CASE_TIMEOUT`` each end the pool: its workers are killed
@@ -48,10 +49,11 @@ class CaseFailed(AssertionError):
     pass
 
 
-def _serve(rank: int, world_size: int, store_path: str, jobs: Any, results: Any,
-           parent: int) -> None:
+def _serve(rank: int, world_size: int, store_path: str, jobs: Any, results: Any) -> None:
     """A worker: join the group, then run the cases sent on ``jobs`` until told to stop or
-    until the session's process is gone."""
+    until the session's process is gone (the fork server it came from ends with the session,
+    and the worker is then handed to another parent)."""
+    parent = os.getppid()
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
@@ -80,11 +82,27 @@ def _serve(rank: int, world_size: int, store_path: str, jobs: Any, results: Any,
     os._exit(0)
 
 
+def context() -> Any:
+    """The multiprocessing context of the test processes: forked from one server process that
+    imported torch, distopt and pytest once.
+
+    A spawned process starts a fresh interpreter and imports torch (seconds of CPU each); the
+    fork server pays for that once per session. The server runs no torch op, so torch's thread
+    pools do not exist yet when a worker is forked from it. Workers still import their own test
+    modules (which import pytest), on the session's sys.path.
+    """
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo: torch's optimizers import it (and DTensor with it) when first built.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "distopt",
+                                "pytest"])
+    return ctx
+
+
 class WorkerPool:
-    """``world_size`` spawned processes in one gloo group, running one case at a time."""
+    """``world_size`` processes in one gloo group, running one case at a time."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.world_size = world_size
         self.tmp = tempfile.mkdtemp(prefix=f"distopt-pool-d{world_size}-")
         self.results = ctx.Queue()
@@ -92,7 +110,7 @@ class WorkerPool:
         self.procs = [
             ctx.Process(target=_serve, name=f"distopt-test-rank{rank}-of-{world_size}",
                         args=(rank, world_size, os.path.join(self.tmp, "store"),
-                              self.jobs[rank], self.results, os.getpid()))
+                              self.jobs[rank], self.results))
             for rank in range(world_size)
         ]
         for proc in self.procs:
@@ -138,13 +156,19 @@ class WorkerPool:
                 failed_at = time.monotonic()
         return [got[rank] for rank in range(self.world_size)]
 
-    def close(self) -> None:
-        for proc, jobs in zip(self.procs, self.jobs, strict=True):
-            if proc.is_alive():
-                with contextlib.suppress(OSError, ValueError):
-                    jobs.put(None)
+    def close(self, *, kill: bool = False) -> None:
+        """End the workers: ask each to leave and give them 5 s in all, or with ``kill`` (a
+        pool unfit after a failed case, whose workers may wait in a collective that never
+        ends) kill them at once."""
+        if not kill:
+            for proc, jobs in zip(self.procs, self.jobs, strict=True):
+                if proc.is_alive():
+                    with contextlib.suppress(OSError, ValueError):
+                        jobs.put(None)
+            deadline = time.monotonic() + 5
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
-            proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
@@ -157,10 +181,10 @@ class WorkerPool:
 _POOLS: dict[int, WorkerPool] = {}
 
 
-def _discard(world_size: int) -> None:
+def _discard(world_size: int, *, kill: bool = False) -> None:
     pool = _POOLS.pop(world_size, None)
     if pool is not None:
-        pool.close()
+        pool.close(kill=kill)
 
 
 def close_pools() -> None:
@@ -184,7 +208,7 @@ def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT,
             _POOLS[world_size] = WorkerPool(world_size)
         outcomes, fit = _POOLS[world_size].run(name, fn, args, timeout)
         if not fit:
-            _discard(world_size)
+            _discard(world_size, kill=True)
         for rank, outcome in enumerate(outcomes):
             out[rank][name] = outcome
     if end_pool:

@@ -10,7 +10,6 @@ compares. Checkpoints live in a directory that outlives each group.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import shutil
 import signal
@@ -25,7 +24,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 import distopt
 from distopt.checkpoint import merge_state_dicts
 
-from dist_harness import case_result, run_cases
+from dist_harness import case_result, context, run_cases
 from helpers import lm_loss, max_diff, params_of, same, snapshot, state_diff, world_params
 from models import VOCAB, AwkwardLM, batches, rank_slice
 
@@ -276,8 +275,8 @@ KILLED_RUNS = ("killed", "killed-async")
 
 @pytest.fixture(scope="module")
 def killed(root) -> dict:
-    """Both runs at once, a spawned pair of ranks each."""
-    ctx = multiprocessing.get_context("spawn")
+    """Both runs at once, a pair of ranks each."""
+    ctx = context()
     procs = {run: [ctx.Process(target=_kill_worker,
                                args=(r, 2, str(root / f"{run}-store"), root, run))
                    for r in range(2)] for run in KILLED_RUNS}

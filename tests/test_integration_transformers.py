@@ -19,13 +19,15 @@ import pickle
 import shutil
 import tempfile
 import traceback
+from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from dist_harness import context
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -609,7 +611,20 @@ def _worker(rank: int, world: int, tmp: str, cases: list) -> None:
 def launch(world: int, cases: list) -> list[dict[str, Any]]:
     """Run ``cases`` on ``world`` ranks (one plain process, no group, for world 1)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, tmp, cases), nprocs=world, join=True)
+        # Forked from the test processes' server, which imported torch once for the session.
+        ctx = context()
+        procs = [ctx.Process(target=_worker, args=(rank, world, tmp, cases))
+                 for rank in range(world)]
+        for proc in procs:
+            proc.start()
+        # As mp.spawn: a rank that fails ends the others, which may wait for it in a barrier.
+        while all(p.exitcode in (None, 0) for p in procs) and any(p.is_alive() for p in procs):
+            connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        assert [proc.exitcode for proc in procs] == [0] * world, "a rank failed; see its output"
         out = []
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:

@@ -5,6 +5,8 @@ options."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -12,10 +14,10 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 import distopt
 from distopt import cli
@@ -23,7 +25,7 @@ from distopt.train import elastic
 from distopt.train.config import default_shard_size
 
 from dist_harness import case_result, run_cases
-from helpers import SMALL_TRAIN, free_port, run_distopt
+from helpers import SMALL_TRAIN, BackgroundRun, rendezvous_endpoint, run_distopt
 
 
 def _train(out: Path, *extra: str, env: dict[str, str] | None = None):
@@ -34,12 +36,69 @@ def _final_heldout(out: Path) -> float:
     return json.loads((out / "summary.json").read_text())["heldout_loss_end"]
 
 
+STOPPED_TEST = "test_a_stopped_rank_fails_its_peers_within_the_timeout_and_the_group_restarts"
+STOPPED_TIMEOUT = 15  # seconds; long enough for ranks starved on a loaded machine
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("baseline")
-    proc = _train(out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+def stopped_run(tmp_path_factory) -> Iterator[tuple[Path, BackgroundRun]]:
+    """Rank 1 stops (SIGSTOP) at step 6 of a run that may restart once. Most of this run is
+    waiting: --timeout seconds for rank 0 to give up, then the launcher's grace period (30 s)
+    for the stopped rank to exit before it kills it and restarts the group."""
+    out = tmp_path_factory.mktemp("stopped")
+    run = BackgroundRun(["train", "--nproc", "2", *SMALL_TRAIN, "--out", str(out),
+                         "--timeout", str(STOPPED_TIMEOUT), "--max-restarts", "1"],
+                        logs=tmp_path_factory.mktemp("stopped-logs"),
+                        env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "1",
+                             "DISTOPT_TRAIN_FAIL_SIGNAL": "SIGSTOP"})
+    yield out, run
+    run.stop()
+
+
+def train_in_pool(out: str, *extra: str) -> str:
+    """The ranks of a ``distopt train --nproc 2`` run, as a case of the harness's pool of two
+    (only the launcher left out: the same worker, threads and numbers); what this rank
+    printed. For the runs whose tests are not about launching."""
+    from distopt.train.config import parse_args
+    from distopt.train.worker import Trainer
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Trainer(parse_args([*SMALL_TRAIN, "--out", out, *extra])).run()
+    return printed.getvalue()
+
+
+POOL_RUNS = {
+    "baseline": (),
+    "shard-size-1": ("--shard-size", "1"),
+    "bf16": ("--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
+             "--reduce-scatter-fp32-accumulation", "--store-param-remainders"),
+    "shard-grads": ("--shard-grads",),
+    "shard-params": ("--shard-params",),
+}
+
+
+@dataclass
+class Run:
+    out: Path
+    stdout: str  # rank 0's
+
+
+@pytest.fixture(scope="module")
+def pool_runs(request, tmp_path_factory) -> dict[str, Run]:
+    # The stopped-rank run, if its test is to run, starts first and waits while these train
+    # (its test comes last).
+    if any(item.name == STOPPED_TEST for item in request.session.items):
+        request.getfixturevalue("stopped_run")
+    outs = {name: tmp_path_factory.mktemp(name) for name in POOL_RUNS}
+    printed = run_cases(2, [(name, train_in_pool, (str(outs[name]), *extra))
+                            for name, extra in POOL_RUNS.items()])
+    return {name: Run(outs[name], case_result(printed, name)[0]) for name in POOL_RUNS}
+
+
+@pytest.fixture(scope="module")
+def baseline(pool_runs) -> Path:
+    return pool_runs["baseline"].out
 
 
 @pytest.mark.slow
@@ -80,24 +139,7 @@ def test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically(baseli
     assert _final_heldout(tmp_path) == _final_heldout(baseline)
 
 
-def test_a_stopped_rank_fails_its_peers_within_the_timeout_and_the_group_restarts(
-        baseline, tmp_path):
-    """Rank 1 stops (SIGSTOP) at step 6: rank 0 fails after --timeout seconds with an error
-    that names the collective and the bucket, the launcher restarts the group, and it resumes
-    from the step-4 checkpoint to the uninterrupted run's loss."""
-    timeout = 15  # seconds; long enough for ranks starved on a loaded machine
-    proc = _train(tmp_path, "--timeout", str(timeout), "--max-restarts", "1",
-                  env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "1",
-                       "DISTOPT_TRAIN_FAIL_SIGNAL": "SIGSTOP"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    failed = re.search(r"CollectiveError: (reduce_scatter|all_gather|all_reduce) of bucket \d+ "
-                       r"\(\d+ torch.float32 elements\) failed on rank 0 after ([\d.]+) s",
-                       proc.stderr)
-    assert failed, proc.stderr[-3000:]
-    assert timeout <= float(failed[2]) < 2 * timeout
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
-
-
+@pytest.mark.slow
 def test_a_failed_save_is_reported_and_training_goes_on(tmp_path):
     """The step-8 save cannot create its directory (a stale one of that name is in the way):
     the run reports it, trains to the end, and keeps the step-4 checkpoint as the latest; with
@@ -128,16 +170,6 @@ def uninterrupted(out: str) -> float | None:
     return summary.get("heldout_loss_end")
 
 
-@pytest.fixture
-def rendezvous_endpoint() -> Iterator[str]:
-    """host:port of a rendezvous store this test process holds while the test runs, on a port
-    the OS gave it; the launchers join it as clients (``is_host=false``), so none of them has
-    to pick a free port, and the rendezvous outlives any launcher that is killed."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield f"127.0.0.1:{store.port}"
-    del store
-
-
 def _elastic_launcher(out: Path, endpoint: str, env: dict[str, str]) -> subprocess.Popen:
     """torchrun --nnodes 1:2 of two ranks, one node of an elastic run. The rendezvous waits 5 s
     for the other node once one is there, and forgets a node silent for 2 s."""
@@ -152,7 +184,7 @@ def _elastic_launcher(out: Path, endpoint: str, env: dict[str, str]) -> subproce
 
 
 @pytest.mark.slow
-def test_a_lost_node_costs_only_the_steps_since_the_last_save(tmp_path, rendezvous_endpoint):
+def test_a_lost_node_costs_only_the_steps_since_the_last_save(tmp_path):
     """Two launchers of two ranks as two nodes under --nnodes 1:2, saving asynchronously every
     2 steps. At step 6, just after the save of step 6 has started, the second node is lost (its
     launcher and both its ranks SIGKILLed) during that save's background write; the first
@@ -160,20 +192,22 @@ def test_a_lost_node_costs_only_the_steps_since_the_last_save(tmp_path, rendezvo
     at two ranks from the latest checkpoint, with the same global batch, and finish: the
     held-out loss ends within 1e-4 of an uninterrupted four-rank run."""
     out = tmp_path / "elastic"
-    survivor = _elastic_launcher(out, rendezvous_endpoint, {})
-    lost = _elastic_launcher(out, rendezvous_endpoint, {
-        "DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0",
-        "DISTOPT_TRAIN_FAIL_SCOPE": "launcher"})
-    try:
-        # The uninterrupted run meanwhile, in the pool's four ranks.
-        reference = case_result(run_cases(4, [("four", uninterrupted, (str(tmp_path / "four"),))]),
-                                "four")[0]
-        _, lost_err = lost.communicate(timeout=300)
-        _, err = survivor.communicate(timeout=300)
-    finally:
-        for proc in (survivor, lost):
-            if proc.poll() is None:
-                proc.kill()
+    # The rendezvous store is this test's, so it outlives the launcher that is killed.
+    with rendezvous_endpoint() as endpoint:
+        survivor = _elastic_launcher(out, endpoint, {})
+        lost = _elastic_launcher(out, endpoint, {
+            "DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0",
+            "DISTOPT_TRAIN_FAIL_SCOPE": "launcher"})
+        try:
+            # The uninterrupted run meanwhile, in the pool's four ranks.
+            reference = case_result(
+                run_cases(4, [("four", uninterrupted, (str(tmp_path / "four"),))]), "four")[0]
+            _, lost_err = lost.communicate(timeout=300)
+            _, err = survivor.communicate(timeout=300)
+        finally:
+            for proc in (survivor, lost):
+                if proc.poll() is None:
+                    proc.kill()
     assert lost.returncode == -signal.SIGKILL, lost_err[-3000:]
     assert survivor.returncode == 0, err[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -211,28 +245,24 @@ def test_a_restart_is_told_from_a_first_start_by_the_run_id(tmp_path, monkeypatc
 
 
 @pytest.fixture(scope="module")
-def shard_size_one(tmp_path_factory) -> subprocess.CompletedProcess:
-    """One launcher, two ranks that each shard alone and replicate each other."""
-    out = tmp_path_factory.mktemp("shard1")
-    proc = _train(out, "--shard-size", "1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc.out = out
-    return proc
+def shard_size_one(pool_runs) -> Run:
+    """Two ranks that each shard alone and replicate each other."""
+    return pool_runs["shard-size-1"]
 
 
 @pytest.mark.slow
 def test_two_launchers_as_two_nodes_match_one_launcher(shard_size_one, tmp_path):
     """Two launchers of one rank each: by default each node's rank is its own shard group (the
     replicate all-reduce crosses the launchers), as one launcher with --shard-size 1 does."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-           "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-           "--rdzv-id", "distopt-two-nodes", "-m", "distopt.train", *SMALL_TRAIN,
-           "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for _ in range(2)]
-    outs = [node.communicate(timeout=240) for node in nodes]
+    with rendezvous_endpoint() as endpoint:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+               "--rdzv-conf", "is_host=false", "--rdzv-id", "distopt-two-nodes",
+               "-m", "distopt.train", *SMALL_TRAIN, "--out", str(tmp_path)]
+        nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for _ in range(2)]
+        outs = [node.communicate(timeout=240) for node in nodes]
     for node, (_, err) in zip(nodes, outs, strict=True):
         assert node.returncode == 0, err[-3000:]
     assert "sharded over 1 ranks, 2 replicas" in "".join(out for out, _ in outs)
@@ -268,11 +298,8 @@ def test_default_shard_size_is_one_node_on_several(node_of_rank, shard):
 
 
 @pytest.mark.slow
-def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(tmp_path):
-    proc = _train(tmp_path, "--dtype", "bf16", "--grad-dtype", "bf16", "--steps", "4",
-                  "--reduce-scatter-fp32-accumulation", "--store-param-remainders")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+def test_bf16_run_with_fp32_accumulated_reduce_scatter_and_remainders(pool_runs):
+    summary = json.loads((pool_runs["bf16"].out / "summary.json").read_text())
     assert summary["config"]["reduce_scatter_fp32_accumulation"] is True
     assert 0 < summary["heldout_loss_end"] < summary["heldout_loss_start"]
     # bf16 params and grads with remainders at d = 2: 4 + 10/2, against 20 replicated.
@@ -324,12 +351,11 @@ def test_bad_option_exits_2_with_one_line_from_the_shell():
 
 
 @pytest.mark.slow
-def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path):
+def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, pool_runs):
     # One backward per step: the same grads reduced by the same collective, so the same bits.
-    proc = _train(tmp_path, "--shard-grads")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    out = pool_runs["shard-grads"].out
+    assert _final_heldout(out) == _final_heldout(baseline)
+    summary = json.loads((out / "summary.json").read_text())
     # fp32 at d = 2: params 4, then (grads 4 + Adam 8) / 2, against 4 + 4 + 8/2.
     assert summary["theory_bytes_per_param"]["distopt"] == pytest.approx(10.0)
     full = json.loads((baseline / "summary.json").read_text())["memory_per_rank"]
@@ -339,15 +365,32 @@ def test_shard_grads_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path)
 
 
 @pytest.mark.slow
-def test_shard_params_run_ends_where_the_full_buffer_run_ends(baseline, tmp_path):
+def test_shard_params_run_ends_where_the_full_buffer_run_ends(baseline, pool_runs):
     # The same grads and the same step: only where the params live changes, so the same bits.
-    proc = _train(tmp_path, "--shard-params")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    out = pool_runs["shard-params"].out
+    assert _final_heldout(out) == _final_heldout(baseline)
+    summary = json.loads((out / "summary.json").read_text())
     # fp32 at d = 2: (params 4 + grads 4 + Adam 8) / 2.
     assert summary["theory_bytes_per_param"]["distopt"] == pytest.approx(8.0)
     full = json.loads((baseline / "summary.json").read_text())["memory_per_rank"]
     for report, before in zip(summary["memory_per_rank"], full, strict=True):
         assert 8.0 <= report["bytes_per_param"] < 8.5
         assert 2 * report["params"] == before["params"]  # each rank's half of the params
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_fails_its_peers_within_the_timeout_and_the_group_restarts(
+        baseline, stopped_run):
+    """Rank 1 stops (SIGSTOP) at step 6: rank 0 fails after --timeout seconds with an error
+    that names the collective and the bucket, the launcher restarts the group, and it resumes
+    from the step-4 checkpoint to the uninterrupted run's loss. (The run started with the
+    module's first run; see ``stopped_run``.)"""
+    out, run = stopped_run
+    proc = run.result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = re.search(r"CollectiveError: (reduce_scatter|all_gather|all_reduce) of bucket \d+ "
+                       r"\(\d+ torch.float32 elements\) failed on rank 0 after ([\d.]+) s",
+                       proc.stderr)
+    assert failed, proc.stderr[-3000:]
+    assert STOPPED_TIMEOUT <= float(failed[2]) < 2 * STOPPED_TIMEOUT
+    assert _final_heldout(out) == _final_heldout(baseline)

@@ -1,4 +1,5 @@
-"""One rank of tests/test_two_nodes.py, as torchrun starts it: ``two_node_worker.py OUT``.
+"""One rank of tests/test_two_nodes.py, as torchrun starts it: ``two_node_worker.py OUT``
+(and ``params_in_one_group``, the same training as a case of the test harness's pool).
 
 It trains the parity model on a ("dp_replicate", "dp_shard") = (2, 2) mesh and writes to
 ``OUT/rank{RANK}.pt`` its final params, what each step's collectives were (``ddp.comm_stats``),
@@ -76,15 +77,9 @@ def _record_messages(log: list[tuple[str, int, int]]) -> None:
         setattr(dist, name, wrapped)
 
 
-def main(out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _train(ddp: Any, opt: Any) -> list[dict[str, int]]:
+    """STEPS steps on this rank's slice of the parity batches; each step's collectives."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ddp, opt = build()
-    groups: list[tuple[str, list[int]]] = []
-    messages: list[tuple[str, int, int]] = []
-    _record_groups(groups)
-    _record_messages(messages)
     calls = []
     for step in range(STEPS):
         tokens, targets = batches(step)
@@ -97,6 +92,27 @@ def main(out: str) -> None:
         opt.step()
         calls.append(dict(ddp.comm_stats.calls))
     ddp.finish_param_sync()
+    return calls
+
+
+def params_in_one_group() -> dict[str, torch.Tensor]:
+    """The same training in a group of four ranks on one machine (a case of the test harness's
+    pool): the final params."""
+    model, ddp, opt = build()
+    _train(ddp, opt)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, ddp, opt = build()
+    groups: list[tuple[str, list[int]]] = []
+    messages: list[tuple[str, int, int]] = []
+    _record_groups(groups)
+    _record_messages(messages)
+    calls = _train(ddp, opt)
     result = {
         "rank": rank,
         "launcher": os.environ["DISTOPT_TEST_LAUNCHER"],
