@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import os
 import signal
 import subprocess
@@ -257,6 +258,19 @@ def run_distopt(args: list[str], env: dict[str, str] | None = None, timeout: int
     """``python -m distopt ARGS`` with one thread per process; its output captured."""
     cmd, full_env = _distopt_command(args, env, module)
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def train_in_pool(*args: str) -> str:
+    """The ranks of a ``distopt train ARGS`` run as a case of the harness's pool (only the
+    launcher left out: the same worker code, one thread per rank, the same numbers), for the
+    runs whose tests are not about launching; what this rank printed."""
+    from distopt.train.config import parse_args
+    from distopt.train.worker import Trainer
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Trainer(parse_args(list(args))).run()
+    return printed.getvalue()
 
 
 class BackgroundRun:

@@ -5,8 +5,6 @@ options."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -25,7 +23,7 @@ from distopt.train import elastic
 from distopt.train.config import default_shard_size
 
 from dist_harness import case_result, run_cases
-from helpers import SMALL_TRAIN, BackgroundRun, rendezvous_endpoint, run_distopt
+from helpers import SMALL_TRAIN, BackgroundRun, rendezvous_endpoint, run_distopt, train_in_pool
 
 
 def _train(out: Path, *extra: str, env: dict[str, str] | None = None):
@@ -55,19 +53,6 @@ def stopped_run(tmp_path_factory) -> Iterator[tuple[Path, BackgroundRun]]:
     run.stop()
 
 
-def train_in_pool(out: str, *extra: str) -> str:
-    """The ranks of a ``distopt train --nproc 2`` run, as a case of the harness's pool of two
-    (only the launcher left out: the same worker, threads and numbers); what this rank
-    printed. For the runs whose tests are not about launching."""
-    from distopt.train.config import parse_args
-    from distopt.train.worker import Trainer
-
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        Trainer(parse_args([*SMALL_TRAIN, "--out", out, *extra])).run()
-    return printed.getvalue()
-
-
 POOL_RUNS = {
     "baseline": (),
     "shard-size-1": ("--shard-size", "1"),
@@ -91,7 +76,8 @@ def pool_runs(request, tmp_path_factory) -> dict[str, Run]:
     if any(item.name == STOPPED_TEST for item in request.session.items):
         request.getfixturevalue("stopped_run")
     outs = {name: tmp_path_factory.mktemp(name) for name in POOL_RUNS}
-    printed = run_cases(2, [(name, train_in_pool, (str(outs[name]), *extra))
+    printed = run_cases(2, [(name, train_in_pool,
+                             (*SMALL_TRAIN, "--out", str(outs[name]), *extra))
                             for name, extra in POOL_RUNS.items()])
     return {name: Run(outs[name], case_result(printed, name)[0]) for name in POOL_RUNS}
 

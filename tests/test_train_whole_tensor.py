@@ -1,9 +1,10 @@
 """`distopt train --optimizer muon | adafactor`: the whole-tensor optimizers in the training job.
 
-Each run trains the tiny GPT for 8 steps on 2 ranks without checkpoints (--no-save), and the
-summary must show the loss falling and each rank's bytes equal to the layout's arithmetic:
-the table with the recipe's optimizer state, plus the padding, plus the state of what the rank
-owns beyond an even share ([Note: memory of whole-tensor ownership] in distopt/plan/ownership.py).
+Each run trains the tiny GPT for 8 steps on 2 ranks of the test pool without checkpoints
+(--no-save), and the summary must show the loss falling and each rank's bytes equal to the
+layout's arithmetic: the table with the recipe's optimizer state, plus the padding, plus the
+state of what the rank owns beyond an even share ([Note: memory of whole-tensor ownership]
+in distopt/plan/ownership.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 
 from distopt.train.model import gpt_config
 
-from helpers import SMALL_TRAIN, run_distopt
+from dist_harness import case_result, run_cases
+from helpers import SMALL_TRAIN, run_distopt, train_in_pool
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +46,14 @@ def _shapes() -> tuple[list[tuple[int, int]], int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    out = {}
-    for optimizer in ("muon", "adafactor"):
-        path = tmp_path_factory.mktemp(optimizer)
-        proc = _train(path, optimizer)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[optimizer] = (path, proc.stdout)
-    return out
+    """Both runs as cases of the pool of two ranks (no launcher: what they test is the
+    optimizers' work); rank 0's output."""
+    paths = {optimizer: tmp_path_factory.mktemp(optimizer) for optimizer in ("muon", "adafactor")}
+    printed = run_cases(2, [(optimizer, train_in_pool,
+                             (*NO_SAVE, "--optimizer", optimizer, "--out", str(path)))
+                            for optimizer, path in paths.items()])
+    return {optimizer: (path, case_result(printed, optimizer)[0])
+            for optimizer, path in paths.items()}
 
 
 def _summary(path: Path) -> dict:
