@@ -1,0 +1,310 @@
+"""distopt's DDP as the stage module of torch.distributed.pipelining, against one plain process.
+
+A tiny language model (an embedding, tanh layers, a head tied to the embedding) is split into
+pipeline stages that keep the whole model's names; each stage is a distopt DDP over its DP
+group (the "dp" dimension of a (pp, dp) mesh) inside ``distopt.pipelining.PipelineStage``, and
+torch's schedules run 4 micro-batches per step. In the same process a plain copy of the whole
+model trains on the whole batch with torch.optim.AdamW and clip_grad_norm_. The cases compare
+every stage's params after every step, count the collectives, and check that the tie's two
+copies stay identical. The 2-rank pool runs (pp, dp) = (2, 1); the 4-rank pool (2, 2) and (4, 1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+import distopt
+from distopt.pipelining import PipelineStage
+
+from dist_harness import case_result, run_cases
+
+VOCAB, DIM, SEQ, BATCH = 16, 8, 3, 8
+MICRO_BATCHES = 4
+STEPS = 4
+CLIP = 0.05  # below every step's grad norm here, so every step clips
+FP32_TOL = 1e-5
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved": ScheduleInterleaved1F1B}
+
+
+class StagedLM(nn.Module):
+    """The whole model, or one stage of it: the layers another stage runs are left out (the
+    first stage alone has the embedding, the last alone the head), names unchanged."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.wte: nn.Embedding | None = nn.Embedding(VOCAB, DIM)
+        # Two positions more than any batch uses: rows of zero grads for log_num_zeros.
+        self.wpe: nn.Embedding | None = nn.Embedding(SEQ + 2, DIM)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(DIM, DIM) for i in range(layers)})
+        self.head: nn.Linear | None = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.wte.weight  # tied
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:
+            h = self.wte(h) + self.wpe(torch.arange(h.shape[-1]))
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h))
+        return self.head(h) if self.head is not None else h
+
+
+def stage_of(whole: StagedLM, stage: int, stages: int) -> tuple[StagedLM, dict]:
+    """Stage ``stage`` of ``stages`` (a copy), and its ``tied_params``."""
+    module = copy.deepcopy(whole)
+    per = len(whole.layers) // stages
+    for name in list(module.layers):
+        if not stage * per <= int(name) < (stage + 1) * per:
+            del module.layers[name]
+    if stage > 0:
+        module.wte = module.wpe = None
+    if stage < stages - 1:
+        module.head = None
+    if stages == 1 or 0 < stage < stages - 1:
+        return module, {}
+    tied = module.wte.weight if module.wte is not None else module.head.weight
+    return module, {"wte.weight": tied}
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def parity(pp: int, dp: int, schedule: str, chunks: int = 1) -> dict:
+    """STEPS steps of AdamW + clip on a (pp, dp) mesh with ``chunks`` stages per rank."""
+    mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_coordinate()
+    stages = pp * chunks
+    torch.manual_seed(0)
+    whole = StagedLM(layers=stages)
+    ref = copy.deepcopy(whole)
+    # Interleaved: rank r runs stages r, r + pp, ...
+    indices = [pp_rank + pp * c for c in range(chunks)]
+    modules, ddps, pipeline_stages = [], [], []
+    for index in indices:
+        module, tied = stage_of(whole, index, stages)
+        ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
+                                              tied_params=tied)
+        modules.append(module)
+        ddps.append(ddp)
+        pipeline_stages.append(PipelineStage(ddp, index, stages, torch.device("cpu")))
+    opt = distopt.DistributedOptimizer(ddps if chunks > 1 else ddps[0], torch.optim.AdamW,
+                                       clip_grad=CLIP, lr=1e-2, weight_decay=0.1,
+                                       log_num_zeros=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    cls = SCHEDULES[schedule]
+    sched = cls(pipeline_stages if chunks > 1 else pipeline_stages[0],
+                n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+    first = 0 in indices
+    last = stages - 1 in indices
+    per = BATCH // dp
+    worst = worst_norm = 0.0
+    calls, zeros = [], []
+    for step in range(STEPS):
+        x, y = batch(step)
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        opt.zero_grad()
+        for ddp in ddps:
+            ddp.comm_stats.reset()
+        kwargs = {}
+        if last:
+            kwargs["target"] = y[mine]
+        sched.step(*((x[mine],) if first else ()), **kwargs)
+        result = opt.step()
+        calls.append([dict(ddp.comm_stats.calls) for ddp in ddps])
+
+        ref_opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        zeros.append((result.num_zeros,
+                      sum(int((p.grad == 0).sum()) for p in ref.parameters())))
+        ref_opt.step()
+
+        for ddp in ddps:
+            ddp.finish_param_sync()
+        ref_params = dict(ref.named_parameters())
+        for module in modules:
+            for name, param in module.named_parameters():
+                target = ref_params["wte.weight" if name == "head.weight" else name]
+                worst = max(worst, (param.detach() - target.detach()).abs().max().item())
+        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm - 1))
+    tie = [p for m in modules for n, p in m.named_parameters()
+           if n in ("wte.weight", "head.weight")]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [t.detach().clone() for t in tie])
+    copies = [t for held in gathered for t in held]
+    tie_equal = all(torch.equal(copies[0], t) for t in copies[1:])
+    return {
+        "max_diff": worst,
+        "norm_diff": worst_norm,
+        "calls": calls,
+        "buckets": [len(ddp.buckets) for ddp in ddps],
+        "tie_equal": tie_equal,
+        "tie_copies": len(copies),
+        "zeros": zeros,
+    }
+
+
+def inf_on_one_stage_skips_every_stage() -> dict:
+    """fp16's verdict spans the stages: an inf in the last stage's grads skips the step on
+    the first stage too."""
+    mesh = DeviceMesh("cpu", torch.arange(2).reshape(2, 1), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    module, tied = stage_of(StagedLM(layers=2), pp_rank, 2)
+    ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, tied_params=tied)
+    scaler = distopt.DynamicLossScaler(initial_scale=2.0**8, hysteresis=1)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, loss_scaler=scaler, lr=1e-2)
+    sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, 2, torch.device("cpu")),
+                          n_microbatches=MICRO_BATCHES,
+                          loss_fn=lambda out, y: opt.scale_loss(loss_fn(out, y)))
+    updated, changed = [], []
+    for step in range(3):
+        x, y = batch(step)
+        before = [p.detach().clone() for p in module.parameters()]
+        opt.zero_grad()
+        sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+        if step == 1 and pp_rank == 1:
+            module.layers["1"].weight.main_grad[0, 0] = float("inf")
+        updated.append(opt.step().updated)
+        ddp.finish_param_sync()
+        changed.append(any(not torch.equal(b, a)
+                           for b, a in zip(before, module.parameters(), strict=True)))
+    return {"updated": updated, "changed": changed, "scale": scaler.scale}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def refusals_on_every_stage() -> dict:
+    """What one stage refuses, both refuse, and neither hangs."""
+    mesh = DeviceMesh("cpu", torch.arange(2).reshape(2, 1), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh.get_coordinate()[0]
+
+    def stage(tie: bool = True) -> tuple[StagedLM, distopt.DistributedDataParallel]:
+        torch.manual_seed(0)
+        module, tied = stage_of(StagedLM(layers=2), pp_rank, 2)
+        return module, distopt.DistributedDataParallel(
+            module, device_mesh=mesh, tied_params=tied if tie else None)
+
+    def tie_on_one_stage() -> None:
+        _, ddp = stage(tie=pp_rank == 0)
+        distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+
+    def tie_of_another_module() -> None:
+        torch.manual_seed(0)
+        module, _ = stage_of(StagedLM(layers=2), pp_rank, 2)
+        tied = {"wte.weight": nn.Parameter(torch.zeros(VOCAB, DIM))} if pp_rank else {}
+        distopt.DistributedDataParallel(module, device_mesh=mesh, tied_params=tied)
+
+    def grads_not_zeroed() -> None:
+        _, ddp = stage()
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+        sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, 2, torch.device("cpu")),
+                              n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+        x, y = batch(0)
+        for _ in range(2):  # no opt.zero_grad() between the steps
+            sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+            opt.step()
+
+    def not_a_distopt_module() -> None:
+        PipelineStage(nn.Linear(2, 2), pp_rank, 2, torch.device("cpu"))
+
+    return {name: _error(fn) for name, fn in [
+        ("tie_on_one_stage", tie_on_one_stage), ("tie_of_another_module", tie_of_another_module),
+        ("grads_not_zeroed", grads_not_zeroed), ("not_a_distopt_module", not_a_distopt_module)]}
+
+
+PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2)]
+PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2)]
+
+
+def _name(config: tuple) -> str:
+    return "parity-" + "-".join(map(str, config))
+
+
+@pytest.fixture(scope="module")
+def results_2():
+    return run_cases(2, [(_name(c), parity, c) for c in PARITY_2]
+                     + [("inf", inf_on_one_stage_skips_every_stage, ()),
+                        ("refusals", refusals_on_every_stage, ())])
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_cases(4, [(_name(c), parity, c) for c in PARITY_4])
+
+
+def _check_parity(ranks: list[dict]) -> None:
+    for rank in ranks:
+        assert rank["max_diff"] < FP32_TOL, rank["max_diff"]
+        assert rank["norm_diff"] < FP32_TOL, rank["norm_diff"]
+        assert rank["tie_equal"] and rank["tie_copies"] >= 2
+        assert all(got == want > 0 for got, want in rank["zeros"]), rank["zeros"]
+
+
+@pytest.mark.parametrize("config", PARITY_2, ids=_name)
+def test_two_stages_train_like_one_process(results_2, config):
+    _check_parity(case_result(results_2, _name(config)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", PARITY_4, ids=_name)
+def test_four_ranks_train_like_one_process(results_4, config):
+    _check_parity(case_result(results_4, _name(config)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_reduce_scatter_and_all_gather_per_bucket_per_step(results_4, schedule):
+    # On each stage's DP group, whatever the micro-batches: no reduction per non-last one.
+    for rank in case_result(results_4, _name((2, 2, schedule))):
+        for step_calls in rank["calls"]:
+            (calls,) = step_calls
+            (buckets,) = rank["buckets"]
+            assert calls["reduce_scatter"] == buckets, calls
+            assert calls["all_gather"] == buckets, calls
+            assert calls["tied_all_reduce"] == 1, calls  # the tie's shard, over the stages
+
+
+def test_inf_on_one_stage_skips_the_step_on_every_stage(results_2):
+    for rank in case_result(results_2, "inf"):
+        assert rank["updated"] == [True, False, True]
+        assert rank["changed"] == [True, False, True]
+
+
+REFUSALS = {
+    "tie_on_one_stage": "held by one pipeline stage only",
+    "tie_of_another_module": "is not a trainable parameter of the stage module",
+    "grads_not_zeroed": "call optimizer.zero_grad() before each schedule.step()",
+    "not_a_distopt_module": "takes a distopt.DistributedDataParallel stage module",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_a_refusal_on_one_stage_is_raised_on_every_stage(results_2, name):
+    messages = [rank[name] for rank in case_result(results_2, "refusals")]
+    for message in messages:
+        assert REFUSALS[name] in message, messages
