@@ -23,6 +23,8 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 import distopt
@@ -36,7 +38,9 @@ STEPS = 4
 CLIP = 0.05  # below every step's grad norm here, so every step clips
 FP32_TOL = 1e-5
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved": ScheduleInterleaved1F1B}
+             "interleaved": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble,  # a split backward: I, then W
+             "zbv": ScheduleZBVZeroBubble}  # V-shaped: rank 0 holds the first and last stage
 
 
 class StagedLM(nn.Module):
@@ -95,8 +99,9 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1) -> dict:
     torch.manual_seed(0)
     whole = StagedLM(layers=stages)
     ref = copy.deepcopy(whole)
-    # Interleaved: rank r runs stages r, r + pp, ...
-    indices = [pp_rank + pp * c for c in range(chunks)]
+    # Interleaved: rank r runs stages r, r + pp, ...; V-shaped: r and 2 pp - 1 - r.
+    indices = ([pp_rank, 2 * pp - 1 - pp_rank] if schedule == "zbv"
+               else [pp_rank + pp * c for c in range(chunks)])
     modules, ddps, pipeline_stages = [], [], []
     for index in indices:
         module, tied = stage_of(whole, index, stages)
@@ -237,7 +242,8 @@ def refusals_on_every_stage() -> dict:
         ("grads_not_zeroed", grads_not_zeroed), ("not_a_distopt_module", not_a_distopt_module)]}
 
 
-PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2)]
+PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
+            (2, 1, "zero-bubble", 2), (2, 1, "zbv", 2)]
 PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2)]
 
 
@@ -308,3 +314,73 @@ def test_a_refusal_on_one_stage_is_raised_on_every_stage(results_2, name):
     messages = [rank[name] for rank in case_result(results_2, "refusals")]
     for message in messages:
         assert REFUSALS[name] in message, messages
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None,
+                save: str | None = None) -> dict[str, torch.Tensor]:
+    """Steps ``start`` to ``stop`` on a (pp, dp) mesh (pp = 1: the whole model under a plain
+    DDP), from the checkpoint ``load`` if given, saving into ``save`` at the end; the params
+    this rank holds, by the whole model's names."""
+    if pp == 1:
+        mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
+        pp_rank, dp_rank = 0, mesh.get_local_rank()
+    else:
+        mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp),
+                          mesh_dim_names=("pp", "dp"))
+        pp_rank, dp_rank = mesh.get_coordinate()
+    torch.manual_seed(0)
+    module, tied = stage_of(StagedLM(layers=2), pp_rank, pp)
+    ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
+                                          tied_params=tied)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2,
+                                       weight_decay=0.1)
+    if load is not None:
+        distopt.load_checkpoint(load, ddp, opt)
+    sched = None
+    if pp > 1:
+        sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, pp, torch.device("cpu")),
+                              n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+    per = BATCH // dp
+    for step in range(start, stop):
+        x, y = batch(step)
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        opt.zero_grad()
+        if sched is None:
+            loss_fn(ddp(x[mine]), y[mine]).backward()
+        else:
+            sched.step(*((x[mine],) if pp_rank == 0 else ()),
+                       **({"target": y[mine]} if pp_rank == pp - 1 else {}))
+        opt.step()
+    if save is not None:
+        distopt.save_checkpoint(save, ddp, opt)
+    ddp.finish_param_sync()
+    return {("wte.weight" if n == "head.weight" else n): p.detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def saved_at_2x2(directory: str) -> dict:
+    """Two steps at (2, 2), saved; two more: the uninterrupted run's end."""
+    train_steps(2, 2, 0, 2, save=directory)
+    return train_steps(2, 2, 0, 4)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("pipeline-ckpt"))
+    saved = run_cases(4, [("saved", saved_at_2x2, (directory,))])
+    resumed = run_cases(2, [(f"resumed-{pp}x{dp}", train_steps, (pp, dp, 2, 4, directory))
+                            for pp, dp in [(2, 1), (1, 2)]])
+    return saved, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["2x1", "1x2"])
+def test_a_2x2_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
+    saved, resumed = checkpoint_runs
+    uninterrupted = {n: p for rank in case_result(saved, "saved") for n, p in rank.items()}
+    ended = {n: p for rank in case_result(resumed, f"resumed-{layout}") for n, p in rank.items()}
+    assert sorted(ended) == sorted(uninterrupted)
+    worst = max((ended[n] - uninterrupted[n]).abs().max().item() for n in ended)
+    assert worst < FP32_TOL, worst

@@ -178,7 +178,19 @@ class ParallelGroups:
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The ranks a checkpoint of the model is collective over: the DP group, or with TP
         every rank (the default group, checked here to be the DP group times the TP mesh, so
-        that every rank raises the same error before communicating)."""
+        that every rank raises the same error before communicating). A pipeline stage's
+        checkpoint is one of the whole model, collective over every rank ([Note: pipeline
+        checkpoints] in checkpoint/pipeline.py)."""
+        if self.pp_group is not None:
+            world = dist.get_world_size()
+            size = self.pp_size * self.dp_size * self.replicate_size * self.tp_size
+            if size != world:
+                raise ValueError(
+                    f"checkpoints of pipelined models are collective over every rank, but the "
+                    f"mesh (pipeline x data-parallel x tensor-parallel: {size} ranks) is not the "
+                    f"world ({world} ranks): build the ('pp', 'dp') mesh over every rank"
+                )
+            return dist.group.WORLD
         if self.tp is None and self.replicate_group is None:
             return self.dp_group
         world = dist.get_world_size()
