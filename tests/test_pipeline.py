@@ -11,6 +11,7 @@ copies stay identical. The 2-rank pool runs (pp, dp) = (2, 1); the 4-rank pool (
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -91,8 +92,33 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
-def parity(pp: int, dp: int, schedule: str, chunks: int = 1) -> dict:
-    """STEPS steps of AdamW + clip on a (pp, dp) mesh with ``chunks`` stages per rank."""
+MUON = {"lr": 0.02, "momentum": 0.9}
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+VARIANTS = {"": {}, "shard_grads": {"shard_grads": True}, "shard_params": {"shard_params": True},
+            "muon": {}}
+
+
+def muon_groups(module: StagedLM) -> list[dict]:
+    """Muon for the matrices (the tied embedding included), AdamW for the rest."""
+    named = dict(module.named_parameters())
+    matrices = [p for n, p in named.items() if n.startswith("layers.") and p.dim() == 2]
+    matrices += [p for n, p in named.items() if n in ("wte.weight", "head.weight")]
+    rest = [p for p in named.values() if all(p is not m for m in matrices)]
+    return [{"params": matrices, **MUON},
+            {"params": rest, "optimizer": torch.optim.AdamW, **ADAMW}]
+
+
+def held_params(modules: list[StagedLM], ddps: list) -> list[tuple[str, torch.Tensor]]:
+    """Copies of this rank's stages' params, whole (gathered under sharded params)."""
+    with contextlib.ExitStack() as gathered:
+        for ddp in ddps:
+            gathered.enter_context(ddp.gathered_params())
+        return [(n, p.detach().clone()) for m in modules for n, p in m.named_parameters()]
+
+
+def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") -> dict:
+    """STEPS steps of AdamW + clip (or Muon and AdamW, ``variant="muon"``; or with sharded
+    grads or params) on a (pp, dp) mesh with ``chunks`` stages per rank."""
     mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_coordinate()
     stages = pp * chunks
@@ -106,14 +132,25 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1) -> dict:
     for index in indices:
         module, tied = stage_of(whole, index, stages)
         ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
-                                              tied_params=tied)
+                                              tied_params=tied, **VARIANTS[variant])
         modules.append(module)
         ddps.append(ddp)
         pipeline_stages.append(PipelineStage(ddp, index, stages, torch.device("cpu")))
-    opt = distopt.DistributedOptimizer(ddps if chunks > 1 else ddps[0], torch.optim.AdamW,
-                                       clip_grad=CLIP, lr=1e-2, weight_decay=0.1,
-                                       log_num_zeros=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    models = ddps if chunks > 1 else ddps[0]
+    if variant == "muon":
+        params = [g for module in modules for g in muon_groups(module)]
+        # One group per class: the stages' groups joined.
+        params = [{**params[0], "params": [p for g in params[::2] for p in g["params"]]},
+                  {**params[1], "params": [p for g in params[1::2] for p in g["params"]]}]
+        opt = distopt.DistributedOptimizer(models, torch.optim.Muon, params=params,
+                                           clip_grad=CLIP, log_num_zeros=True)
+        ref_groups = muon_groups(ref)
+        ref_opts = [torch.optim.Muon(ref_groups[0]["params"], **MUON),
+                    torch.optim.AdamW(ref_groups[1]["params"], **ADAMW)]
+    else:
+        opt = distopt.DistributedOptimizer(models, torch.optim.AdamW, clip_grad=CLIP,
+                                           log_num_zeros=True, **ADAMW)
+        ref_opts = [torch.optim.AdamW(ref.parameters(), **ADAMW)]
     cls = SCHEDULES[schedule]
     sched = cls(pipeline_stages if chunks > 1 else pipeline_stages[0],
                 n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
@@ -135,25 +172,24 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1) -> dict:
         result = opt.step()
         calls.append([dict(ddp.comm_stats.calls) for ddp in ddps])
 
-        ref_opt.zero_grad()
+        ref.zero_grad()
         loss_fn(ref(x), y).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
         zeros.append((result.num_zeros,
                       sum(int((p.grad == 0).sum()) for p in ref.parameters())))
-        ref_opt.step()
+        for ref_opt in ref_opts:
+            ref_opt.step()
 
         for ddp in ddps:
             ddp.finish_param_sync()
         ref_params = dict(ref.named_parameters())
-        for module in modules:
-            for name, param in module.named_parameters():
-                target = ref_params["wte.weight" if name == "head.weight" else name]
-                worst = max(worst, (param.detach() - target.detach()).abs().max().item())
+        for name, value in held_params(modules, ddps):
+            target = ref_params["wte.weight" if name == "head.weight" else name]
+            worst = max(worst, (value - target.detach()).abs().max().item())
         worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm - 1))
-    tie = [p for m in modules for n, p in m.named_parameters()
-           if n in ("wte.weight", "head.weight")]
+    tie = [v for n, v in held_params(modules, ddps) if n in ("wte.weight", "head.weight")]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [t.detach().clone() for t in tie])
+    dist.all_gather_object(gathered, tie)
     copies = [t for held in gathered for t in held]
     tie_equal = all(torch.equal(copies[0], t) for t in copies[1:])
     return {
@@ -243,8 +279,10 @@ def refusals_on_every_stage() -> dict:
 
 
 PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
-            (2, 1, "zero-bubble", 2), (2, 1, "zbv", 2)]
-PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2)]
+            (2, 1, "zero-bubble", 2), (2, 1, "zbv", 2), (2, 1, "1f1b", 1, "muon")]
+PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2),
+            (2, 2, "1f1b", 1, "muon"), (2, 2, "1f1b", 1, "shard_grads"),
+            (2, 2, "1f1b", 1, "shard_params")]
 
 
 def _name(config: tuple) -> str:
