@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import re
 
 import pytest
 import torch
@@ -30,8 +32,10 @@ from torch.distributed.pipelining import (
 
 import distopt
 from distopt.pipelining import PipelineStage
+from distopt.train.config import parse_args
 
 from dist_harness import case_result, run_cases
+from helpers import SMALL_TRAIN, train_in_pool
 
 VOCAB, DIM, SEQ, BATCH = 16, 8, 3, 8
 MICRO_BATCHES = 4
@@ -422,3 +426,40 @@ def test_a_2x2_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
     assert sorted(ended) == sorted(uninterrupted)
     worst = max((ended[n] - uninterrupted[n]).abs().max().item() for n in ended)
     assert worst < FP32_TOL, worst
+
+
+# ---------------------------------------------------------------- distopt train --pp
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory) -> dict[str, float]:
+    """distopt train at 4 ranks, 2 micro-batches per step: 2 stages x 2 DP ranks, and the
+    unpipelined run with the same global batch; each run's final held-out loss."""
+    runs = {"pp": ("--pp", "2"), "flat": ()}
+    outs = {name: tmp_path_factory.mktemp(f"train-{name}") for name in runs}
+    run_cases(4, [(name, train_in_pool, (*SMALL_TRAIN, "--out", str(outs[name]),
+                                         "--grad-accum", "2", *extra))
+                  for name, extra in runs.items()])
+    return {name: json.loads((outs[name] / "summary.json").read_text())["heldout_loss_end"]
+            for name in runs}
+
+
+@pytest.mark.slow
+def test_train_pp_2_learns_what_the_unpipelined_run_learns(train_runs):
+    # fp32 and the same global batch: equal up to the order of the sums.
+    assert train_runs["pp"] == pytest.approx(train_runs["flat"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--pp", "3"], "--pp 3 does not divide the 2 blocks of --model tiny"),
+    (["--pp", "2", "--schedule", "zb"], "--schedule must be one of gpipe, 1f1b"),
+    (["--pp", "2", "--no-shard"], "--pp does not compose with --no-shard"),
+    (["--pp", "2", "--dtype", "fp16"], "--pp does not compose with --dtype fp16"),
+])
+def test_train_pp_refuses_what_it_cannot_run(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(args)
+
+
+def test_train_pp_needs_a_divisor_of_the_ranks():
+    with pytest.raises(ValueError, match="--pp 2 does not divide the 3 ranks"):
+        parse_args(["--pp", "2"]).check_world_size(3)
