@@ -107,9 +107,12 @@ def check_same_model(saved: dict[str, list[int] | None], current: dict[str, list
     )
 
 
-def check_groups(opt: Optimizer, saved: list[list[str]], source: str) -> None:
-    """The saved param groups must hold the same parameters as this optimizer's."""
-    current = [group["params"] for group in hyper_params(opt)]
+def check_groups(opt: Optimizer, saved: list[list[str]], source: str,
+                 current: list[list[str]] | None = None) -> None:
+    """The saved param groups must hold the same parameters as this optimizer's (``current``:
+    a pipeline's whole model's groups)."""
+    if current is None:
+        current = [group["params"] for group in hyper_params(opt)]
     if len(saved) != len(current):
         raise CheckpointError(
             f"{source} has {len(saved)} param groups, this optimizer {len(current)}: build the "

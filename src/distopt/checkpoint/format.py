@@ -90,6 +90,7 @@ class Optimizer(Protocol):
     optimizers: list[torch.optim.Optimizer]  # one per class
     state: dict[Any, Any]
     state_precision: Any  # StatePrecision: the dtypes the state is held in
+    tied_copies: frozenset[nn.Parameter]  # tied stage params another stage writes
 
     @property
     def sharded(self) -> bool: ...
@@ -157,8 +158,12 @@ def class_path(cls: type) -> str:
 
 
 def model_prefixes(opt: Optimizer) -> list[str]:
-    """Name prefix of each model chunk: none for one model, ``chunk{i}.`` for several."""
-    return [""] if len(opt.models) == 1 else [f"chunk{i}." for i in range(len(opt.models))]
+    """Name prefix of each model chunk: none for one model, ``chunk{i}.`` for several; none for
+    pipeline stages, whose names are the whole model's ([Note: pipeline checkpoints] in
+    pipeline.py)."""
+    if len(opt.models) == 1 or opt.parallel.pp_group is not None:
+        return [""] * len(opt.models)
+    return [f"chunk{i}." for i in range(len(opt.models))]
 
 
 def buffer_keys(module: nn.Module) -> set[str]:

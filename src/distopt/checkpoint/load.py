@@ -24,6 +24,7 @@ from .checks import (
 from .files import CheckpointError
 from .format import Optimizer, describe, model_prefixes, owned_pieces
 from .install import install, state_tensor
+from .pipeline import WholeModel, check_unique_names, pipelined, whole_model
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -43,6 +44,10 @@ def load_checkpoint(
 
     check_pair(ddp, opt)
     group = opt.parallel.checkpoint_group()
+    whole = None
+    if pipelined(opt):  # see [Note: pipeline checkpoints] in pipeline.py
+        check_unique_names(opt)
+        whole = whole_model(opt)
     background.wait_for_in_flight()  # an async save may be publishing what this load reads
     rank, size = comm.group_rank(group), comm.group_size(group)
     error, checked = None, None
@@ -52,7 +57,7 @@ def load_checkpoint(
         listed = manifest["files"]
         files.verify_files(ckpt_dir, {".metadata": listed[".metadata"]})
         metadata = dcp.read_metadata(ckpt_dir)
-        state_keys = _check_checkpoint(opt, manifest, metadata, ckpt_dir)
+        state_keys = _check_checkpoint(opt, manifest, metadata, ckpt_dir, whole)
         if verify:
             data_files = sorted(k for k in listed if k != ".metadata")
             files.verify_files(ckpt_dir, {k: listed[k] for k in data_files[rank::size]})
@@ -67,8 +72,9 @@ def load_checkpoint(
 
 
 def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metadata,
-                      ckpt_dir: Path) -> dict[str, list[str]]:
-    """Compare the checkpoint with the model and optimizer; return each param's state keys."""
+                      ckpt_dir: Path, whole: WholeModel | None) -> dict[str, list[str]]:
+    """Compare the checkpoint with the model and optimizer (``whole``: a pipeline's whole
+    model); return each param's state keys."""
     source = f"checkpoint {ckpt_dir}"
     # Checkpoints written before param groups could name a class list one class for all.
     classes = manifest.get("param_group_classes") or [manifest["optimizer"]] * len(
@@ -76,21 +82,23 @@ def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metada
     check_optimizer_class(opt, classes, source,
                           otherwise="export the checkpoint (distopt export) and convert the "
                           "state yourself")
-    if len(manifest["models"]) != len(opt.models):
+    # A pipeline's checkpoint and an unpipelined one both describe one whole model:
+    # [Note: pipeline checkpoints] in pipeline.py.
+    current_models = _current_models(opt, whole)
+    if len(manifest["models"]) != len(current_models):
         raise CheckpointError(
             f"checkpoint {ckpt_dir} has {len(manifest['models'])} model chunks, the optimizer "
-            f"{len(opt.models)}"
+            f"{len(current_models)}"
         )
-    for saved, prefix, model in zip(manifest["models"], model_prefixes(opt), opt.models,
-                                    strict=True):
+    for saved, (prefix, params, entries) in zip(manifest["models"], current_models,
+                                                strict=True):
         trainable = {n: s for n, s, requires_grad in saved["parameters"] if requires_grad}
-        current = {model.param_names[p]: list(p.shape) for p in model.params}
-        check_same_model(trainable, current,
+        check_same_model(trainable, params,
                          f"trainable parameters{' of ' + prefix if prefix else ''}", source)
-        check_same_model({e[0]: e[1] for e in saved["state_dict"]},
-                         {k: describe(v)[0] for k, v in model.module.state_dict().items()},
+        check_same_model({e[0]: e[1] for e in saved["state_dict"]}, entries,
                          "state_dict entries", source)
-    check_groups(opt, manifest["param_groups"], source)
+    check_groups(opt, manifest["param_groups"], source,
+                 None if whole is None else whole.param_groups)
     scaler = manifest["loss_scaler"]
     check_scaler(opt, None if scaler is None else scaler["type"], source)
     whole_state = manifest.get("whole_state", {})
@@ -117,6 +125,18 @@ def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metada
                     f"{tuple(shape)}, which its index does not hold: it is damaged"
                 )
     return state_keys
+
+
+def _current_models(opt: Optimizer, whole: WholeModel | None
+                    ) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(prefix, trainable params' shapes, state_dict entries' shapes) of each model as a
+    checkpoint describes it: a pipeline's stages as one whole model."""
+    if whole is not None:
+        return [("", {n: s for n, s, requires_grad in whole.parameters if requires_grad},
+                 {e[0]: e[1] for e in whole.state_dict})]
+    return [(prefix, {model.param_names[p]: list(p.shape) for p in model.params},
+             {k: describe(v)[0] for k, v in model.module.state_dict().items()})
+            for prefix, model in zip(model_prefixes(opt), opt.models, strict=True)]
 
 
 def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any],

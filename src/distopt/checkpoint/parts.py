@@ -70,15 +70,27 @@ def deal(sizes: dict[str, int], ranks: int) -> dict[str, int]:
     return owner
 
 
-def dcp_state(opt: Optimizer, extra: Any, group: Any
+def dcp_state(opt: Optimizer, extra: Any, group: Any,
+              param_groups: list[list[str]] | None = None
               ) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
     """What this rank gives DCP to write, under the keys of the package docstring, and the
     whole-parameter state among it (``{name: {key: [shape, dtype]}}``); see [Note: each byte
-    written once]. The tensors are the live ones (views), as DCP reads them."""
+    written once]. The tensors are the live ones (views), as DCP reads them. ``param_groups``:
+    each group's names in the whole model, for pipeline stages ([Note: pipeline checkpoints]
+    in pipeline.py)."""
     from .dcp import piece_as_dcp
 
-    rank = comm.group_rank(group)
     sd = state_dict(opt)
+    # A tie's copies are written by the stage that counts it; see [Note: tied stage params].
+    pieces = owned_pieces(opt)
+    counted = {o.name for o in pieces if o.param not in opt.tied_copies}
+    for name in {o.name for o in pieces} - counted:
+        del sd["main_params"][name]
+        sd["state"].pop(name, None)
+    if param_groups is not None:
+        sd["param_groups"] = [{**group, "params": names}
+                              for group, names in zip(sd["param_groups"], param_groups,
+                                                      strict=True)]
     tp = opt.parallel.tp
     index, count = holders(opt)
     owned = {o.name: o for o in owned_pieces(opt)}
@@ -107,11 +119,21 @@ def dcp_state(opt: Optimizer, extra: Any, group: Any
                 if not first and tp is None:
                     continue
             state[f"state/{name}/{key}"] = value
-    state.update(_model_entries(opt, rank, comm.group_size(group)))
+    state.update(_model_entries(opt, *_model_dealers(opt, group)))
     state["meta/param_groups"] = sd["param_groups"]
-    if rank == 0:
+    if comm.group_rank(group) == 0:
         state["extra"] = extra
     return state, whole
+
+
+def _model_dealers(opt: Optimizer, group: Any) -> tuple[int, int]:
+    """(this rank's index, count) among the ranks the model's entries are dealt over: the
+    checkpoint group, or a pipeline stage's DP ranks, which alone hold its entries."""
+    parallel = opt.parallel
+    if parallel.pp_group is None:
+        return comm.group_rank(group), comm.group_size(group)
+    replica = comm.group_rank(parallel.replicate_group)
+    return replica * parallel.dp_size + parallel.dp_rank, parallel.replicate_size * parallel.dp_size
 
 
 def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:

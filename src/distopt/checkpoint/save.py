@@ -27,6 +27,7 @@ from .format import (
     model_prefixes,
     scaler_state,
 )
+from .pipeline import WholeModel, check_unique_names, pipelined, whole_model
 from .staging import staging_of
 
 
@@ -57,6 +58,10 @@ def save_checkpoint(
     """
     check_pair(ddp, opt)
     group = opt.parallel.checkpoint_group()
+    whole = None
+    if pipelined(opt):  # one checkpoint of the whole model: [Note: pipeline checkpoints]
+        check_unique_names(opt)
+        whole = whole_model(opt)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive number of checkpoints or None, got {keep!r}")
     if name is not None and (
@@ -93,17 +98,18 @@ def save_checkpoint(
         raise CheckpointError(setup)
     final, tmp, sequence = setup
 
-    publish = partial(_write_and_publish, manifest=_manifest(opt, sequence, final.name),
+    publish = partial(_write_and_publish, manifest=_manifest(opt, sequence, final.name, whole),
                       tmp=tmp, final=final, keep=keep, latest=latest)
     with _params_gathered(opt):
-        state, whole = parts.dcp_state(opt, extra, group)
+        state, whole_state = parts.dcp_state(
+            opt, extra, group, None if whole is None else whole.param_groups)
         if not async_save:
-            return publish(state, whole, group)
+            return publish(state, whole_state, group)
         writers = background.writer_group(group)  # collective the first time
         staged = staging_of(opt).stage(state)
     handle = AsyncCheckpoint(final, waited)
     handle.stall_s = time.perf_counter() - called
-    return background.start(handle, lambda: publish(staged, whole, writers),
+    return background.start(handle, lambda: publish(staged, whole_state, writers),
                             partial(_lost_message, final, rank))
 
 
@@ -189,9 +195,11 @@ def _failure_message(final: Path, tmp: Path, problems: list[str]) -> str:
             "directory, then save again")
 
 
-def _manifest(opt: Optimizer, sequence: int, name: str) -> dict[str, Any]:
+def _manifest(opt: Optimizer, sequence: int, name: str,
+              whole: WholeModel | None) -> dict[str, Any]:
     """The manifest as the save begins; the writing fills in the whole-parameter state its
-    owners wrote and every file's checksum."""
+    owners wrote and every file's checksum. ``whole``: a pipeline's whole model, described as
+    one model."""
     models = []
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         module = model.module
@@ -212,10 +220,12 @@ def _manifest(opt: Optimizer, sequence: int, name: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "optimizer": class_path(type(opt.optimizer)),
         "param_groups": [group["params"] for group in hyper_params(opt)],
+        "pp_size": opt.parallel.pp_size,
         "param_group_classes": group_class_paths(opt),
         "whole_state": None,
         "default_param_groups": opt.default_param_groups,
         "loss_scaler": scaler_state(opt),
         "models": models,
         "files": None,
-    }
+    } | ({} if whole is None else {"models": whole.manifest_models(),
+                                   "param_groups": whole.param_groups})

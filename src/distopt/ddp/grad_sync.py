@@ -40,6 +40,9 @@ twice in one backward); anything else.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,7 +52,7 @@ from ..options import GradSyncOptions
 from ..parallel.dtensor import local_grad
 from ..parallel.process_groups import ParallelGroups
 from .bucket import Bucket
-from .grad_marker import GradMarkers
+from .grad_marker import GradInBuffer, GradMarkers
 from .grad_pool import GradPool
 from .nan_check import raise_on_nonfinite_grad
 from .state import SYNC_TRANSITIONS, SyncState, advance
@@ -84,6 +87,7 @@ class GradSync:
         self.sync_enabled = True  # False inside no_sync()
         self.round = 0  # see [Note: grads after the reduction]
         self._synced_in_step = False  # for the late grad's message: which case it is
+        self._grad_divisor = 1.0  # what this step's reduced grads are divided by (divide())
         self._launches = True  # whether this backward launches buckets as they fill
         self._next_launch = 0  # the first bucket of the launch order not launched yet
         self._next_replica = 0  # the first bucket whose second stage is not started yet
@@ -106,10 +110,11 @@ class GradSync:
             self._start_backward()
         param.grad = None
 
-    def _start_backward(self) -> None:
+    def _start_backward(self, *, on_engine: bool = True) -> None:
         # Grads cleared outside distopt (a zero_grad of the wrapped module) start a new step;
         # an earlier backward's reductions finish first (their second stages keep the launch
-        # order on every rank). The end of this backward is queued on the autograd engine.
+        # order on every rank). The end of this backward is queued on the autograd engine
+        # (``on_engine``), or comes when ``assigned_grads`` ends.
         if self.markers.all_cleared():
             self.zero_grad_buffer()
         for bucket in self.buckets:
@@ -118,7 +123,34 @@ class GradSync:
             self.round += 1
         self._launches = self.sync_enabled or self.policy.reduces_every_backward
         self._advance(SyncState.BACKWARD)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if on_engine:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    @contextlib.contextmanager
+    def assigned_grads(self) -> Iterator[None]:
+        """One backward whose grads autograd computes but does not accumulate: code inside
+        assigns them to ``p.grad`` (``torch.autograd.grad`` and an assignment, as the weight
+        half of torch's split backward does). The tensor hooks still take the markers off the
+        params they reach, so the code finds ``p.grad`` None; when the block ends, every
+        ``p.grad`` it assigned goes into its bucket in launch order, as the post-accumulate
+        hook would have put it, and the backward ends. See [Note: pipeline stages] in
+        distopt/pipelining.py."""
+        if self.state is SyncState.BACKWARD:
+            raise RuntimeError(
+                "assigned_grads() was entered while a backward pass is running: enter it "
+                "between backward passes"
+            )
+        self._start_backward(on_engine=False)
+        try:
+            yield
+        except BaseException:
+            self._advance(SyncState.ACCUMULATED)  # its grads are dropped with the error
+            raise
+        for bucket in self.buckets:
+            for param in bucket.params:
+                if param.grad is not None and not isinstance(param.grad, GradInBuffer):
+                    self.accumulate(param)
+        self._end_backward()
 
     def accumulate(self, param: nn.Parameter) -> None:
         """After autograd accumulated ``param``'s grad: move it into its bucket."""
@@ -258,11 +290,26 @@ class GradSync:
             bucket.expect_every_grad()
         if self.policy.reduces_again_after_sync:
             self.round += 1
+        self._apply_divisor()
         self._advance(SyncState.SYNCED)
         self._synced_in_step = True
         if self.options.check_for_nan_in_grad:
             raise_on_nonfinite_grad(self.buckets, self.params, self.param_names,
                                     self._nan_check_groups, self.stats)
+
+    def divide(self, divisor: float) -> None:
+        """Divide this step's grads by ``divisor``: the part each rank holds reduced, once it
+        is (now, if the sync has finished). Dividing is linear, so dividing the average equals
+        averaging the divided grads, and reductions in flight need not wait."""
+        self._grad_divisor *= divisor
+        if self.state is SyncState.SYNCED:
+            self._apply_divisor()
+
+    def _apply_divisor(self) -> None:
+        if self._grad_divisor != 1.0:
+            for bucket in self.buckets:
+                bucket.owned_grad.div_(self._grad_divisor)
+        self._grad_divisor = 1.0
 
     def zero_grad_buffer(self) -> None:
         """Start a new step's grads ([Note: grads written, not zeroed])."""
@@ -277,6 +324,7 @@ class GradSync:
         self._release_grad_pools()
         self.round += 1
         self._synced_in_step = False
+        self._grad_divisor = 1.0
         self._advance(SyncState.IDLE)
 
     def _release_grad_pools(self) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..comm import collectives as comm
 from ..cross_rank.model import check_same_model
+from ..cross_rank.stages import stages_agree
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
 from ..optim.kinds import costs_of_classes
@@ -41,14 +42,16 @@ from .module_params import trainable_named_params
 from .param_gather import register_param_wait_hooks
 from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
+from .stage_methods import PipelineStageMethods
 from .state import SyncState
+from .tied import resolve_tied_params
 from .whole_module import WholeModule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class DistributedDataParallel(WholeModule, nn.Module):
+class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
     """Data parallelism over contiguous, bucketed param and grad buffers.
 
     Args:
@@ -78,7 +81,8 @@ class DistributedDataParallel(WholeModule, nn.Module):
         device_mesh: the data-parallel group as a mesh instead of ``process_group`` (give at
             most one): a 1-D mesh, or a mesh with a dimension named "dp". Params may be DTensors
             on the tensor-parallel submesh (``parallelize_module(module, mesh["tp"], plan)``);
-            see docs/tensor-parallel.md.
+            see docs/tensor-parallel.md. A "pp" dimension makes the module one pipeline stage:
+            grad statistics span the stages; see docs/pipeline.md.
         shard_grads: keep only this rank's shard of the reduced grads between steps, each
             bucket's full grads only from its first grad until its reduction is waited for,
             in a small pool of bucket-sized buffers (``grad_pools``). Every backward then
@@ -101,6 +105,9 @@ class DistributedDataParallel(WholeModule, nn.Module):
             with its optimizer class, so that the buffers are laid out for their owners now;
             without it an optimizer with such groups lays them out again before the first
             backward (a transient second param buffer). See [Note: layout planned once].
+        tied_params: on a pipeline stage, ``{name: param}`` for its params that hold a weight
+            of another stage too (embedding and head), named after it; see
+            [Note: tied stage params] in optim/tied.py.
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class DistributedDataParallel(WholeModule, nn.Module):
         broadcast_buffers: bool = True,
         sharding: str | Sharding | None = None,
         whole_tensor_params: Mapping[nn.Parameter, type[torch.optim.Optimizer]] | None = None,
+        tied_params: Mapping[str, nn.Parameter] | None = None,
     ) -> None:
         super().__init__()
         named = trainable_named_params(
@@ -153,7 +161,7 @@ class DistributedDataParallel(WholeModule, nn.Module):
         # any collective) on a DTensor layout distopt cannot compose with. See
         # [Note: DTensor params].
         self.parallel = ParallelGroups.of(
-            dp_group, check_params(named, dp_group), replicate_group
+            dp_group, check_params(named, dp_group), replicate_group, mesh=device_mesh
         )
         self.comm_stats = comm.CommStats()
         self._target_device = (target_device(self.process_group) if meta
@@ -164,16 +172,20 @@ class DistributedDataParallel(WholeModule, nn.Module):
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
-        whole_costs = costs_of_classes(whole_tensor_params or {}, self.param_names)
-        target = TARGET_BUCKETS_GLOO if comm.is_gloo(self.process_group) else TARGET_BUCKETS
-        self.bucket_size = resolve_bucket_size(
-            self.options.bucket_size, self._param_specs({}), self.dp_size, target
-        )
-
-        # Every rank must hold the same model and plan the same buckets before the first
-        # collective; see [Note: one model on every rank] in cross_rank/model.py.
-        check_same_model(module, named, self.options, bucket_size=self.bucket_size,
-                         parallel=self.parallel, stats=self.comm_stats)
+        # One stage's refusal is every stage's: [Note: refusals across stages].
+        with stages_agree(self.parallel.pp_group):
+            # Known by the tie's name from here on; see [Note: tied stage params].
+            self.tied_params = resolve_tied_params(tied_params, self.param_names, self.parallel)
+            self.param_names.update(self.tied_params)
+            whole_costs = costs_of_classes(whole_tensor_params or {}, self.param_names)
+            target = TARGET_BUCKETS_GLOO if comm.is_gloo(self.process_group) else TARGET_BUCKETS
+            self.bucket_size = resolve_bucket_size(
+                self.options.bucket_size, self._param_specs({}), self.dp_size, target
+            )
+            # Every rank must hold the same model and plan the same buckets before the first
+            # collective; see [Note: one model on every rank] in cross_rank/model.py.
+            check_same_model(module, named, self.options, bucket_size=self.bucket_size,
+                             parallel=self.parallel, stats=self.comm_stats)
         # A module wrapped before is taken over, its old wrapper released first (its gathers
         # may still write into the params); see [Note: one wrapper per param] in
         # ddp/param_owners.py.
@@ -213,8 +225,8 @@ class DistributedDataParallel(WholeModule, nn.Module):
         ]
 
     def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
-        return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p))
-                for p in self.params]
+        return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p),
+                          alone=p in self.tied_params) for p in self.params]
 
     def _lay_out(self, whole_costs: dict[nn.Parameter, float]) -> None:
         """Lay the buffers out, each param in ``whole_costs`` owned whole by one rank (owners

@@ -40,6 +40,10 @@ class ParamSpec:
     dtype: torch.dtype
     whole_cost: float | None = None
     """The cost its owner balances when one rank owns it whole; None: element-wise shards."""
+    alone: bool = False
+    """In a buffer of its own, so that its shards are the same in every model it is laid out
+    in at this DP size (a param tied across pipeline stages; see [Note: tied stage params] in
+    optim/tied.py)."""
 
     @property
     def numel(self) -> int:
@@ -88,11 +92,12 @@ def plan_model_layout(
 ) -> ModelLayout:
     """Lay a model's params out; see [Note: layout planned once]. ``grad_dtype`` None: each
     buffer's grads in its params' dtype."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    by_dtype: dict[tuple[torch.dtype, int], list[int]] = {}
     for index in reversed(range(len(specs))):  # reverse registration ~ the order backward runs
-        by_dtype.setdefault(specs[index].dtype, []).append(index)
+        key = (specs[index].dtype, index if specs[index].alone else -1)
+        by_dtype.setdefault(key, []).append(index)
     buffers = []
-    for dtype, indices in by_dtype.items():
+    for (dtype, _), indices in by_dtype.items():
         layout = build_mixed_layout(
             [specs[i].numel for i in indices],
             [specs[i].whole_cost for i in indices],

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cross_rank.optimizer import check_same_optimizer, describe_optimizer
+from ..cross_rank.stages import stages_agree
 from ..ddp.wrapper import DistributedDataParallel
 from ..layout.elementwise import ShardPiece
 from ..options import StepOptions
@@ -42,6 +43,7 @@ from .state_precision import (
     resolve_state_dtypes,
 )
 from .step import BucketByBucket, StepPipeline, StepResult, WholeShard
+from .tied import tied_grads
 
 
 class BufferOptimizer(torch.optim.Optimizer):
@@ -55,6 +57,30 @@ class BufferOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(
+        self,
+        models: Sequence[DistributedDataParallel],
+        optimizer_cls: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None,
+        options: StepOptions,
+        loss_scaler: LossScaler | None,
+        model_parallel_group: dist.ProcessGroup | None,
+        optimizer_kwargs: dict[str, Any],
+    ) -> None:
+        # One pipeline stage's refusal is every stage's: [Note: refusals across stages] in
+        # cross_rank/stages.py.
+        pp_group = models[0].parallel.pp_group
+        with stages_agree(pp_group):
+            self._construct(models, optimizer_cls, params, options, loss_scaler,
+                            model_parallel_group, optimizer_kwargs)
+        # After the agreement, so that every stage reaches its collectives; see
+        # [Note: tied stage params] in optim/tied.py.
+        self._tied = tied_grads(self.models, pp_group) if pp_group is not None else None
+        if self._tied is not None:
+            for main in [m for m in self._pipeline.counted
+                         if self.piece_info(m)[0] in self._tied.copies]:
+                del self._pipeline.counted[main]
+
+    def _construct(
         self,
         models: Sequence[DistributedDataParallel],
         optimizer_cls: type[torch.optim.Optimizer],
@@ -246,6 +272,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         for model in self.models:
             model.finish_grad_sync()
             model.finish_param_sync()
+        if self._tied is not None:  # see [Note: tied stage params] in optim/tied.py
+            self._tied.sum_(self.models[0].comm_stats)
         unused = {main for model in self.models for param in model.unused_params
                   for main in self._mains_of.get(param, ())}
         result = self._pipeline.run(loss_scaler, unused)
@@ -308,6 +336,12 @@ class BufferOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ for checkpoints
     # The interface checkpoint/format.py's ``Optimizer`` protocol names, and nothing else.
+
+    @property
+    def tied_copies(self) -> frozenset[nn.Parameter]:
+        """Params tied across pipeline stages whose elements another stage counts and saves
+        (this rank's copies of them); see [Note: tied stage params] in optim/tied.py."""
+        return frozenset() if self._tied is None else self._tied.copies
 
     @property
     def sharded(self) -> bool:

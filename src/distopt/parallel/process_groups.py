@@ -37,10 +37,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-MESH_DIMS = ("dp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp", "dp_replicate", "dp_shard", "tp")
 """The mesh dimension names distopt reads: a flat data-parallel dimension ("dp"), or a
 hierarchical one ("dp_replicate" x "dp_shard", see [Note: hierarchical data parallelism]),
-beside the tensor-parallel one ("tp") that DTensor params live on."""
+beside the tensor-parallel one ("tp") that DTensor params live on and the pipeline one ("pp")
+whose ranks hold the other stages (see [Note: pipeline stages] in distopt/pipelining.py)."""
 
 
 def resolve_dp_groups(process_group: Any, device_mesh: DeviceMesh | None) -> tuple[Any, Any]:
@@ -88,6 +89,14 @@ def resolve_dp_groups(process_group: Any, device_mesh: DeviceMesh | None) -> tup
     return device_mesh["dp"].get_group(), None
 
 
+def resolve_pp_group(device_mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    """The group of the pipeline stages this rank's model is one of: the mesh's "pp"
+    dimension, None without one."""
+    if device_mesh is None or "pp" not in (device_mesh.mesh_dim_names or ()):
+        return None
+    return device_mesh["pp"].get_group()
+
+
 THIS_PROCESS = object()  # process_group of for_this_process(): no group, even under dist
 
 
@@ -115,13 +124,28 @@ class ParallelGroups:
     tp: TensorParallelMesh | None
     replicate_group: dist.ProcessGroup | None = None
     replicate_size: int = 1
+    pp_group: dist.ProcessGroup | None = None
+    """The pipeline stages' group (one rank per stage, at this rank's DP and TP coordinates),
+    None without pipeline parallelism; see [Note: pipeline stages] in distopt/pipelining.py."""
 
     @classmethod
     def of(cls, dp_group: dist.ProcessGroup | None, tp: TensorParallelMesh | None,
-           replicate_group: dist.ProcessGroup | None = None) -> ParallelGroups:
+           replicate_group: dist.ProcessGroup | None = None, *,
+           mesh: DeviceMesh | None = None) -> ParallelGroups:
+        """The layout of these groups; ``mesh``: the DDP's mesh, whose "pp" dimension (if
+        any) names the pipeline stages."""
         return cls(dp_group=dp_group, dp_size=comm.group_size(dp_group),
                    dp_rank=comm.group_rank(dp_group), tp=tp, replicate_group=replicate_group,
-                   replicate_size=comm.group_size(replicate_group))
+                   replicate_size=comm.group_size(replicate_group),
+                   pp_group=resolve_pp_group(mesh))
+
+    @property
+    def pp_size(self) -> int:
+        return comm.group_size(self.pp_group)
+
+    @property
+    def pp_rank(self) -> int:
+        return comm.group_rank(self.pp_group)
 
     @property
     def data_parallel_groups(self) -> list[dist.ProcessGroup | None]:
@@ -140,10 +164,12 @@ class ParallelGroups:
     ) -> list[dist.ProcessGroup | None]:
         """The groups over which a verdict on the reduced grads this rank holds (an inf, a
         nan, a norm) is agreed: the shard group when its ranks hold different shards, then the
-        TP groups. Replicas hold the same reduced grads, so they agree without their group;
-        ``replicas`` adds it for a verdict on what each rank produced before the reduction."""
+        TP groups, then the pipeline stages (each holds other params). Replicas hold the same
+        reduced grads, so they agree without their group; ``replicas`` adds it for a verdict on
+        what each rank produced before the reduction."""
         return (([self.dp_group] if sharded else [])
-                + ([self.replicate_group] if replicas else []) + stat_groups(self.tp))
+                + ([self.replicate_group] if replicas else []) + stat_groups(self.tp)
+                + ([self.pp_group] if self.pp_size > 1 else []))
 
     @property
     def tp_size(self) -> int:
@@ -152,7 +178,19 @@ class ParallelGroups:
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The ranks a checkpoint of the model is collective over: the DP group, or with TP
         every rank (the default group, checked here to be the DP group times the TP mesh, so
-        that every rank raises the same error before communicating)."""
+        that every rank raises the same error before communicating). A pipeline stage's
+        checkpoint is one of the whole model, collective over every rank ([Note: pipeline
+        checkpoints] in checkpoint/pipeline.py)."""
+        if self.pp_group is not None:
+            world = dist.get_world_size()
+            size = self.pp_size * self.dp_size * self.replicate_size * self.tp_size
+            if size != world:
+                raise ValueError(
+                    f"checkpoints of pipelined models are collective over every rank, but the "
+                    f"mesh (pipeline x data-parallel x tensor-parallel: {size} ranks) is not the "
+                    f"world ({world} ranks): build the ('pp', 'dp') mesh over every rank"
+                )
+            return dist.group.WORLD
         if self.tp is None and self.replicate_group is None:
             return self.dp_group
         world = dist.get_world_size()
@@ -177,4 +215,9 @@ def common_groups(layouts: Sequence[ParallelGroups]) -> ParallelGroups:
     without DTensor params adopt."""
     if len({(id(layout.dp_group), id(layout.replicate_group)) for layout in layouts}) > 1:
         raise ValueError("all model chunks must use the same data-parallel process group")
+    if len({id(layout.pp_group) for layout in layouts}) > 1:
+        raise ValueError(
+            "all model chunks must be stages of the same pipeline: build every chunk's "
+            "DistributedDataParallel with the same device_mesh (its 'pp' dimension)"
+        )
     return replace(layouts[0], tp=common_mesh([layout.tp for layout in layouts]))

@@ -75,7 +75,13 @@ class TrainConfig:
     batch_size: int = 32
     """Global batch size in sequences (all ranks and micro-batches together)."""
     grad_accum: int = 1
-    """Micro-batches per step on each rank (no_sync for all but the last)."""
+    """Micro-batches per step on each rank (no_sync for all but the last); with --pp, the
+    pipeline schedule's micro-batches."""
+    pp: int = 1
+    """Pipeline stages: the GPT's blocks split evenly over them, each stage sharded over the
+    world / pp ranks of its data-parallel group (docs/pipeline.md)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule with --pp: gpipe or 1f1b."""
     seq_len: int = 128
     """Tokens (bytes) per sequence."""
     lr: float | None = None
@@ -208,6 +214,8 @@ class TrainConfig:
                             "steps whole params); drop --no-shard")
         if self.optimizer in OPTIMIZERS:
             problems += self._state_dtype_problems()
+        if self.pp != 1:
+            problems += self._pipeline_problems()
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
         if problems:
@@ -242,9 +250,35 @@ class TrainConfig:
             problems.append(f"{flag} needs the sharded optimizer; drop --no-shard")
         return problems
 
+    def _pipeline_problems(self) -> list[str]:
+        from .stages import SCHEDULES
+
+        problems = []
+        if self.pp < 1:
+            return [f"--pp must be >= 1, got {self.pp}"]
+        layers = MODEL_PRESETS[self.model]["n_layer"] if self.model in MODEL_PRESETS else None
+        if layers is not None and layers % self.pp:
+            problems.append(f"--pp {self.pp} does not divide the {layers} blocks of --model "
+                            f"{self.model}; pick a divisor of {layers}")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got "
+                            f"{self.schedule}")
+        for flag, on in (("--no-shard", self.no_shard), ("--shard-size", self.shard_size),
+                         ("--dtype fp16", self.dtype == "fp16")):
+            if on:
+                problems.append(f"--pp does not compose with {flag} in distopt train yet; drop "
+                                "one of them")
+        return problems
+
     def check_world_size(self, world_size: int) -> None:
-        """The global batch must split evenly over ranks and micro-batches, and the ranks into
-        shard groups."""
+        """The global batch must split evenly over ranks and micro-batches, the ranks into
+        shard groups and into pipeline stages."""
+        if world_size % self.pp:
+            raise ValueError(
+                f"--pp {self.pp} does not divide the {world_size} ranks; pick a divisor of the "
+                "rank count"
+            )
+        world_size //= self.pp  # the data-parallel ranks of each stage
         if self.shard_size is not None and world_size % self.shard_size:
             raise ValueError(
                 f"--shard-size {self.shard_size} does not divide the {world_size} ranks; pick a "
@@ -301,6 +335,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="folder of text files (default: stdlib sources)")
     p.add_argument("--max-bytes", type=lambda s: None if s == "all" else int(float(s)),
                    default=defaults.max_bytes, help="bytes per data split, or 'all'")
+    p.add_argument("--pp", type=int, default=defaults.pp,
+                   help="pipeline stages (the GPT's blocks split evenly); each stage is sharded "
+                   "over world / pp ranks; micro-batches from --grad-accum")
+    p.add_argument("--schedule", default=defaults.schedule, help="with --pp: gpipe or 1f1b")
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "warmup", "eval_every",
                  "eval_batches", "save_every", "keep", "max_restarts", "seed"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))

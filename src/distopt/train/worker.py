@@ -30,6 +30,7 @@ from .config import OPTIMIZERS, TrainConfig, default_shard_size, param_groups
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
 from .report import write_loss_plot, write_summary
+from .stages import GPTStage, StagedSteps
 
 
 def warmup_cosine(config: TrainConfig):
@@ -54,31 +55,39 @@ class Trainer:
         self.device = _device(config.device_type())
         self.out = Path(config.out)
         self.ckpt_dir = self.out / "checkpoints"
+        mesh = self._pipeline_mesh()
+        # With --pp each stage's ranks are one data-parallel group of world / pp ranks.
+        pp_rank, self.dp_rank = mesh.get_coordinate() if mesh is not None else (0, self.rank)
+        self.dp_size = self.world // config.pp
 
         corpus = load_corpus(config.data, max_bytes=config.max_bytes)
         self.corpus = corpus
         self.sampler = BatchSampler(
             corpus.train, seq_len=config.seq_len, global_batch_size=config.batch_size,
-            dp_rank=self.rank, dp_size=self.world, seed=config.seed,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, seed=config.seed,
         )
         self.heldout = [
             (x.to(self.device), y.to(self.device))
             for x, y in eval_batches(
                 corpus.heldout, seq_len=config.seq_len, batch_size=config.batch_size,
-                num_batches=config.eval_batches, dp_rank=self.rank, dp_size=self.world,
+                num_batches=config.eval_batches, dp_rank=self.dp_rank, dp_size=self.dp_size,
             )
         ]
 
         torch.manual_seed(config.seed)
         model = GPT(gpt_config(config.model, seq_len=config.seq_len))
         model = model.to(self.device, DTYPES[config.dtype])
+        tied: dict[str, Any] = {}
+        if mesh is not None:  # this rank's stage of the model; see train/stages.py
+            model = GPTStage(model, pp_rank, config.pp)
+            tied = model.tied_params()
         self.ddp = distopt.DistributedDataParallel(
-            model,
+            model, tied_params=tied,
             grad_dtype=DTYPES[config.grad_dtype],
             bucket_size=config.bucket_size,
             overlap_grad_reduce=config.overlap_grad_reduce,
             use_distributed_optimizer=not config.no_shard,
-            device_mesh=self._data_parallel_mesh(),
+            device_mesh=mesh if mesh is not None else self._data_parallel_mesh(),
             reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
             shard_grads=config.shard_grads,
             shard_params=config.shard_params,
@@ -99,10 +108,21 @@ class Trainer:
                 self.ddp, opt_cls, overlap_param_gather=config.overlap_param_gather,
                 store_param_remainders=config.store_param_remainders, **common
             )
+        self.stages = None if mesh is None else StagedSteps(
+            self.ddp, model, pp_rank, config.pp, config.grad_accum, config.schedule, self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(config))
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.pending: tuple[int, distopt.checkpoint.AsyncCheckpoint] | None = None
+
+    def _pipeline_mesh(self) -> Any:
+        """The ("pp", "dp") mesh of a run with --pp, else None."""
+        if self.config.pp == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.config.pp, self.world // self.config.pp),
+                                mesh_dim_names=("pp", "dp"))
 
     def _data_parallel_mesh(self) -> Any:
         """A ("dp_replicate", "dp_shard") mesh for --shard-size, or by default on several
@@ -199,37 +219,42 @@ class Trainer:
         self.ddp.eval()
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for x, y in self.heldout:
-            _, loss = self.ddp(x, y)
+            # With --pp the last stage's ranks hold the loss, the others add 0.
+            loss = self.ddp(x, y)[1] if self.stages is None else self.stages.evaluate(x, y)
             total += loss.double()
         total /= len(self.heldout)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         self.ddp.train()
-        return float(total.item()) / self.world
+        return float(total.item()) / self.dp_size
 
     def train_step(self) -> dict[str, Any]:
-        config = self.config
         x, y = self.sampler.next_batch()
         x, y = x.to(self.device), y.to(self.device)
         self.opt.zero_grad()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        micro_x, micro_y = x.chunk(config.grad_accum), y.chunk(config.grad_accum)
-        for i, (mx, my) in enumerate(zip(micro_x, micro_y, strict=True)):
-            last = i == config.grad_accum - 1
-            with self.ddp.no_sync() if not last else contextlib.nullcontext():
-                _, loss = self.ddp(mx, my)
-                self.opt.scale_loss(loss / config.grad_accum).backward()
-            loss_sum += loss.detach().float()
+        # With --pp the schedule runs the micro-batches.
+        loss_avg = (self._accumulate(x, y) if self.stages is None
+                    else self.stages.train(x, y))
         result = self.opt.step()
         if result.updated:
             self.sched.step()
-        loss_avg = loss_sum / config.grad_accum
         dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)
         return {
-            "loss": float(loss_avg.item()) / self.world,
+            "loss": float(loss_avg.item()) / self.dp_size,
             "grad_norm": result.grad_norm,
             "updated": result.updated,
             "lr": self.opt.param_groups[0]["lr"],
         }
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The step's micro-batches, each reduced by the last backward; their mean loss."""
+        accum = self.config.grad_accum
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+            with self.ddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                _, loss = self.ddp(mx, my)
+                self.opt.scale_loss(loss / accum).backward()
+            loss_sum += loss.detach().float()
+        return loss_sum / accum
 
     def run(self) -> dict[str, Any]:
         config = self.config

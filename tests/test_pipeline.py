@@ -1,0 +1,465 @@
+"""distopt's DDP as the stage module of torch.distributed.pipelining, against one plain process.
+
+A tiny language model (an embedding, tanh layers, a head tied to the embedding) is split into
+pipeline stages that keep the whole model's names; each stage is a distopt DDP over its DP
+group (the "dp" dimension of a (pp, dp) mesh) inside ``distopt.pipelining.PipelineStage``, and
+torch's schedules run 4 micro-batches per step. In the same process a plain copy of the whole
+model trains on the whole batch with torch.optim.AdamW and clip_grad_norm_. The cases compare
+every stage's params after every step, count the collectives, and check that the tie's two
+copies stay identical. The 2-rank pool runs (pp, dp) = (2, 1); the 4-rank pool (2, 2) and (4, 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+import distopt
+from distopt.pipelining import PipelineStage
+from distopt.train.config import parse_args
+
+from dist_harness import case_result, run_cases
+from helpers import SMALL_TRAIN, train_in_pool
+
+VOCAB, DIM, SEQ, BATCH = 16, 8, 3, 8
+MICRO_BATCHES = 4
+STEPS = 4
+CLIP = 0.05  # below every step's grad norm here, so every step clips
+FP32_TOL = 1e-5
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble,  # a split backward: I, then W
+             "zbv": ScheduleZBVZeroBubble}  # V-shaped: rank 0 holds the first and last stage
+
+
+class StagedLM(nn.Module):
+    """The whole model, or one stage of it: the layers another stage runs are left out (the
+    first stage alone has the embedding, the last alone the head), names unchanged."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.wte: nn.Embedding | None = nn.Embedding(VOCAB, DIM)
+        # Two positions more than any batch uses: rows of zero grads for log_num_zeros.
+        self.wpe: nn.Embedding | None = nn.Embedding(SEQ + 2, DIM)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(DIM, DIM) for i in range(layers)})
+        self.head: nn.Linear | None = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.wte.weight  # tied
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:
+            h = self.wte(h) + self.wpe(torch.arange(h.shape[-1]))
+        for layer in self.layers.values():
+            h = torch.tanh(layer(h))
+        return self.head(h) if self.head is not None else h
+
+
+def stage_of(whole: StagedLM, stage: int, stages: int) -> tuple[StagedLM, dict]:
+    """Stage ``stage`` of ``stages`` (a copy), and its ``tied_params``."""
+    module = copy.deepcopy(whole)
+    per = len(whole.layers) // stages
+    for name in list(module.layers):
+        if not stage * per <= int(name) < (stage + 1) * per:
+            del module.layers[name]
+    if stage > 0:
+        module.wte = module.wpe = None
+    if stage < stages - 1:
+        module.head = None
+    if stages == 1 or 0 < stage < stages - 1:
+        return module, {}
+    tied = module.wte.weight if module.wte is not None else module.head.weight
+    return module, {"wte.weight": tied}
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+MUON = {"lr": 0.02, "momentum": 0.9}
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+VARIANTS = {"": {}, "shard_grads": {"shard_grads": True}, "shard_params": {"shard_params": True},
+            "muon": {}}
+
+
+def muon_groups(module: StagedLM) -> list[dict]:
+    """Muon for the matrices (the tied embedding included), AdamW for the rest."""
+    named = dict(module.named_parameters())
+    matrices = [p for n, p in named.items() if n.startswith("layers.") and p.dim() == 2]
+    matrices += [p for n, p in named.items() if n in ("wte.weight", "head.weight")]
+    rest = [p for p in named.values() if all(p is not m for m in matrices)]
+    return [{"params": matrices, **MUON},
+            {"params": rest, "optimizer": torch.optim.AdamW, **ADAMW}]
+
+
+def held_params(modules: list[StagedLM], ddps: list) -> list[tuple[str, torch.Tensor]]:
+    """Copies of this rank's stages' params, whole (gathered under sharded params)."""
+    with contextlib.ExitStack() as gathered:
+        for ddp in ddps:
+            gathered.enter_context(ddp.gathered_params())
+        return [(n, p.detach().clone()) for m in modules for n, p in m.named_parameters()]
+
+
+def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") -> dict:
+    """STEPS steps of AdamW + clip (or Muon and AdamW, ``variant="muon"``; or with sharded
+    grads or params) on a (pp, dp) mesh with ``chunks`` stages per rank."""
+    mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_coordinate()
+    stages = pp * chunks
+    torch.manual_seed(0)
+    whole = StagedLM(layers=stages)
+    ref = copy.deepcopy(whole)
+    # Interleaved: rank r runs stages r, r + pp, ...; V-shaped: r and 2 pp - 1 - r.
+    indices = ([pp_rank, 2 * pp - 1 - pp_rank] if schedule == "zbv"
+               else [pp_rank + pp * c for c in range(chunks)])
+    modules, ddps, pipeline_stages = [], [], []
+    for index in indices:
+        module, tied = stage_of(whole, index, stages)
+        ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
+                                              tied_params=tied, **VARIANTS[variant])
+        modules.append(module)
+        ddps.append(ddp)
+        pipeline_stages.append(PipelineStage(ddp, index, stages, torch.device("cpu")))
+    models = ddps if chunks > 1 else ddps[0]
+    if variant == "muon":
+        params = [g for module in modules for g in muon_groups(module)]
+        # One group per class: the stages' groups joined.
+        params = [{**params[0], "params": [p for g in params[::2] for p in g["params"]]},
+                  {**params[1], "params": [p for g in params[1::2] for p in g["params"]]}]
+        opt = distopt.DistributedOptimizer(models, torch.optim.Muon, params=params,
+                                           clip_grad=CLIP, log_num_zeros=True)
+        ref_groups = muon_groups(ref)
+        ref_opts = [torch.optim.Muon(ref_groups[0]["params"], **MUON),
+                    torch.optim.AdamW(ref_groups[1]["params"], **ADAMW)]
+    else:
+        opt = distopt.DistributedOptimizer(models, torch.optim.AdamW, clip_grad=CLIP,
+                                           log_num_zeros=True, **ADAMW)
+        ref_opts = [torch.optim.AdamW(ref.parameters(), **ADAMW)]
+    cls = SCHEDULES[schedule]
+    sched = cls(pipeline_stages if chunks > 1 else pipeline_stages[0],
+                n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+    first = 0 in indices
+    last = stages - 1 in indices
+    per = BATCH // dp
+    worst = worst_norm = 0.0
+    calls, zeros = [], []
+    for step in range(STEPS):
+        x, y = batch(step)
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        opt.zero_grad()
+        for ddp in ddps:
+            ddp.comm_stats.reset()
+        kwargs = {}
+        if last:
+            kwargs["target"] = y[mine]
+        sched.step(*((x[mine],) if first else ()), **kwargs)
+        result = opt.step()
+        calls.append([dict(ddp.comm_stats.calls) for ddp in ddps])
+
+        ref.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        zeros.append((result.num_zeros,
+                      sum(int((p.grad == 0).sum()) for p in ref.parameters())))
+        for ref_opt in ref_opts:
+            ref_opt.step()
+
+        for ddp in ddps:
+            ddp.finish_param_sync()
+        ref_params = dict(ref.named_parameters())
+        for name, value in held_params(modules, ddps):
+            target = ref_params["wte.weight" if name == "head.weight" else name]
+            worst = max(worst, (value - target.detach()).abs().max().item())
+        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm - 1))
+    tie = [v for n, v in held_params(modules, ddps) if n in ("wte.weight", "head.weight")]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tie)
+    copies = [t for held in gathered for t in held]
+    tie_equal = all(torch.equal(copies[0], t) for t in copies[1:])
+    return {
+        "max_diff": worst,
+        "norm_diff": worst_norm,
+        "calls": calls,
+        "buckets": [len(ddp.buckets) for ddp in ddps],
+        "tie_equal": tie_equal,
+        "tie_copies": len(copies),
+        "zeros": zeros,
+    }
+
+
+def inf_on_one_stage_skips_every_stage() -> dict:
+    """fp16's verdict spans the stages: an inf in the last stage's grads skips the step on
+    the first stage too."""
+    mesh = DeviceMesh("cpu", torch.arange(2).reshape(2, 1), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    module, tied = stage_of(StagedLM(layers=2), pp_rank, 2)
+    ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, tied_params=tied)
+    scaler = distopt.DynamicLossScaler(initial_scale=2.0**8, hysteresis=1)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, loss_scaler=scaler, lr=1e-2)
+    sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, 2, torch.device("cpu")),
+                          n_microbatches=MICRO_BATCHES,
+                          loss_fn=lambda out, y: opt.scale_loss(loss_fn(out, y)))
+    updated, changed = [], []
+    for step in range(3):
+        x, y = batch(step)
+        before = [p.detach().clone() for p in module.parameters()]
+        opt.zero_grad()
+        sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+        if step == 1 and pp_rank == 1:
+            module.layers["1"].weight.main_grad[0, 0] = float("inf")
+        updated.append(opt.step().updated)
+        ddp.finish_param_sync()
+        changed.append(any(not torch.equal(b, a)
+                           for b, a in zip(before, module.parameters(), strict=True)))
+    return {"updated": updated, "changed": changed, "scale": scaler.scale}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def refusals_on_every_stage() -> dict:
+    """What one stage refuses, both refuse, and neither hangs."""
+    mesh = DeviceMesh("cpu", torch.arange(2).reshape(2, 1), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh.get_coordinate()[0]
+
+    def stage(tie: bool = True) -> tuple[StagedLM, distopt.DistributedDataParallel]:
+        torch.manual_seed(0)
+        module, tied = stage_of(StagedLM(layers=2), pp_rank, 2)
+        return module, distopt.DistributedDataParallel(
+            module, device_mesh=mesh, tied_params=tied if tie else None)
+
+    def tie_on_one_stage() -> None:
+        _, ddp = stage(tie=pp_rank == 0)
+        distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+
+    def tie_of_another_module() -> None:
+        torch.manual_seed(0)
+        module, _ = stage_of(StagedLM(layers=2), pp_rank, 2)
+        tied = {"wte.weight": nn.Parameter(torch.zeros(VOCAB, DIM))} if pp_rank else {}
+        distopt.DistributedDataParallel(module, device_mesh=mesh, tied_params=tied)
+
+    def grads_not_zeroed() -> None:
+        _, ddp = stage()
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+        sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, 2, torch.device("cpu")),
+                              n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+        x, y = batch(0)
+        for _ in range(2):  # no opt.zero_grad() between the steps
+            sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+            opt.step()
+
+    def not_a_distopt_module() -> None:
+        PipelineStage(nn.Linear(2, 2), pp_rank, 2, torch.device("cpu"))
+
+    return {name: _error(fn) for name, fn in [
+        ("tie_on_one_stage", tie_on_one_stage), ("tie_of_another_module", tie_of_another_module),
+        ("grads_not_zeroed", grads_not_zeroed), ("not_a_distopt_module", not_a_distopt_module)]}
+
+
+PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
+            (2, 1, "zero-bubble", 2), (2, 1, "zbv", 2), (2, 1, "1f1b", 1, "muon")]
+PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2),
+            (2, 2, "1f1b", 1, "muon"), (2, 2, "1f1b", 1, "shard_grads"),
+            (2, 2, "1f1b", 1, "shard_params")]
+
+
+def _name(config: tuple) -> str:
+    return "parity-" + "-".join(map(str, config))
+
+
+@pytest.fixture(scope="module")
+def results_2():
+    return run_cases(2, [(_name(c), parity, c) for c in PARITY_2]
+                     + [("inf", inf_on_one_stage_skips_every_stage, ()),
+                        ("refusals", refusals_on_every_stage, ())])
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_cases(4, [(_name(c), parity, c) for c in PARITY_4])
+
+
+def _check_parity(ranks: list[dict]) -> None:
+    for rank in ranks:
+        assert rank["max_diff"] < FP32_TOL, rank["max_diff"]
+        assert rank["norm_diff"] < FP32_TOL, rank["norm_diff"]
+        assert rank["tie_equal"] and rank["tie_copies"] >= 2
+        assert all(got == want > 0 for got, want in rank["zeros"]), rank["zeros"]
+
+
+@pytest.mark.parametrize("config", PARITY_2, ids=_name)
+def test_two_stages_train_like_one_process(results_2, config):
+    _check_parity(case_result(results_2, _name(config)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", PARITY_4, ids=_name)
+def test_four_ranks_train_like_one_process(results_4, config):
+    _check_parity(case_result(results_4, _name(config)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_reduce_scatter_and_all_gather_per_bucket_per_step(results_4, schedule):
+    # On each stage's DP group, whatever the micro-batches: no reduction per non-last one.
+    for rank in case_result(results_4, _name((2, 2, schedule))):
+        for step_calls in rank["calls"]:
+            (calls,) = step_calls
+            (buckets,) = rank["buckets"]
+            assert calls["reduce_scatter"] == buckets, calls
+            assert calls["all_gather"] == buckets, calls
+            assert calls["tied_all_reduce"] == 1, calls  # the tie's shard, over the stages
+
+
+def test_inf_on_one_stage_skips_the_step_on_every_stage(results_2):
+    for rank in case_result(results_2, "inf"):
+        assert rank["updated"] == [True, False, True]
+        assert rank["changed"] == [True, False, True]
+
+
+REFUSALS = {
+    "tie_on_one_stage": "held by one pipeline stage only",
+    "tie_of_another_module": "is not a trainable parameter of the stage module",
+    "grads_not_zeroed": "call optimizer.zero_grad() before each schedule.step()",
+    "not_a_distopt_module": "takes a distopt.DistributedDataParallel stage module",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_a_refusal_on_one_stage_is_raised_on_every_stage(results_2, name):
+    messages = [rank[name] for rank in case_result(results_2, "refusals")]
+    for message in messages:
+        assert REFUSALS[name] in message, messages
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None,
+                save: str | None = None) -> dict[str, torch.Tensor]:
+    """Steps ``start`` to ``stop`` on a (pp, dp) mesh (pp = 1: the whole model under a plain
+    DDP), from the checkpoint ``load`` if given, saving into ``save`` at the end; the params
+    this rank holds, by the whole model's names."""
+    if pp == 1:
+        mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
+        pp_rank, dp_rank = 0, mesh.get_local_rank()
+    else:
+        mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp),
+                          mesh_dim_names=("pp", "dp"))
+        pp_rank, dp_rank = mesh.get_coordinate()
+    torch.manual_seed(0)
+    module, tied = stage_of(StagedLM(layers=2), pp_rank, pp)
+    ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
+                                          tied_params=tied)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2,
+                                       weight_decay=0.1)
+    if load is not None:
+        distopt.load_checkpoint(load, ddp, opt)
+    sched = None
+    if pp > 1:
+        sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, pp, torch.device("cpu")),
+                              n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+    per = BATCH // dp
+    for step in range(start, stop):
+        x, y = batch(step)
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        opt.zero_grad()
+        if sched is None:
+            loss_fn(ddp(x[mine]), y[mine]).backward()
+        else:
+            sched.step(*((x[mine],) if pp_rank == 0 else ()),
+                       **({"target": y[mine]} if pp_rank == pp - 1 else {}))
+        opt.step()
+    if save is not None:
+        distopt.save_checkpoint(save, ddp, opt)
+    ddp.finish_param_sync()
+    return {("wte.weight" if n == "head.weight" else n): p.detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def saved_at_2x2(directory: str) -> dict:
+    """Two steps at (2, 2), saved; two more: the uninterrupted run's end."""
+    train_steps(2, 2, 0, 2, save=directory)
+    return train_steps(2, 2, 0, 4)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("pipeline-ckpt"))
+    saved = run_cases(4, [("saved", saved_at_2x2, (directory,))])
+    resumed = run_cases(2, [(f"resumed-{pp}x{dp}", train_steps, (pp, dp, 2, 4, directory))
+                            for pp, dp in [(2, 1), (1, 2)]])
+    return saved, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["2x1", "1x2"])
+def test_a_2x2_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
+    saved, resumed = checkpoint_runs
+    uninterrupted = {n: p for rank in case_result(saved, "saved") for n, p in rank.items()}
+    ended = {n: p for rank in case_result(resumed, f"resumed-{layout}") for n, p in rank.items()}
+    assert sorted(ended) == sorted(uninterrupted)
+    worst = max((ended[n] - uninterrupted[n]).abs().max().item() for n in ended)
+    assert worst < FP32_TOL, worst
+
+
+# ---------------------------------------------------------------- distopt train --pp
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory) -> dict[str, float]:
+    """distopt train at 4 ranks, 2 micro-batches per step: 2 stages x 2 DP ranks, and the
+    unpipelined run with the same global batch; each run's final held-out loss."""
+    runs = {"pp": ("--pp", "2"), "flat": ()}
+    outs = {name: tmp_path_factory.mktemp(f"train-{name}") for name in runs}
+    run_cases(4, [(name, train_in_pool, (*SMALL_TRAIN, "--out", str(outs[name]),
+                                         "--grad-accum", "2", *extra))
+                  for name, extra in runs.items()])
+    return {name: json.loads((outs[name] / "summary.json").read_text())["heldout_loss_end"]
+            for name in runs}
+
+
+@pytest.mark.slow
+def test_train_pp_2_learns_what_the_unpipelined_run_learns(train_runs):
+    # fp32 and the same global batch: equal up to the order of the sums.
+    assert train_runs["pp"] == pytest.approx(train_runs["flat"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--pp", "3"], "--pp 3 does not divide the 2 blocks of --model tiny"),
+    (["--pp", "2", "--schedule", "zb"], "--schedule must be one of gpipe, 1f1b"),
+    (["--pp", "2", "--no-shard"], "--pp does not compose with --no-shard"),
+    (["--pp", "2", "--dtype", "fp16"], "--pp does not compose with --dtype fp16"),
+])
+def test_train_pp_refuses_what_it_cannot_run(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(args)
+
+
+def test_train_pp_needs_a_divisor_of_the_ranks():
+    with pytest.raises(ValueError, match="--pp 2 does not divide the 3 ranks"):
+        parse_args(["--pp", "2"]).check_world_size(3)
