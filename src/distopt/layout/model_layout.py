@@ -40,6 +40,9 @@ class ParamSpec:
     dtype: torch.dtype
     whole_cost: float | None = None
     """The cost its owner balances when one rank owns it whole; None: element-wise shards."""
+    expert: bool = False
+    """An expert's param: in a buffer of its own, sharded over the expert-data-parallel group
+    (see [Note: expert parallelism] in parallel/experts.py)."""
 
     @property
     def numel(self) -> int:
@@ -55,6 +58,8 @@ class PlannedBuffer:
     param_indices: tuple[int, ...]
     """Positions in the planner's ``specs`` (registration order), in layout order."""
     layout: BufferLayout
+    expert: bool = False
+    """Whether it holds experts' params, laid out for the expert-data-parallel size."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +90,24 @@ def plan_model_layout(
     grad_dtype: torch.dtype | None,
     bucket_size: int,
     dp_size: int,
+    expert_dp_size: int | None = None,
 ) -> ModelLayout:
     """Lay a model's params out; see [Note: layout planned once]. ``grad_dtype`` None: each
-    buffer's grads in its params' dtype."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    buffer's grads in its params' dtype. Experts' params (``ParamSpec.expert``) get buffers of
+    their own, laid out for ``expert_dp_size`` ranks."""
+    by_dtype: dict[tuple[torch.dtype, bool], list[int]] = {}
     for index in reversed(range(len(specs))):  # reverse registration ~ the order backward runs
-        by_dtype.setdefault(specs[index].dtype, []).append(index)
+        by_dtype.setdefault((specs[index].dtype, specs[index].expert), []).append(index)
     buffers = []
-    for dtype, indices in by_dtype.items():
+    for (dtype, expert), indices in by_dtype.items():
         layout = build_mixed_layout(
             [specs[i].numel for i in indices],
             [specs[i].whole_cost for i in indices],
             bucket_size=bucket_size,
-            dp_size=dp_size,
+            dp_size=(expert_dp_size or dp_size) if expert else dp_size,
         )
-        buffers.append(PlannedBuffer(dtype, grad_dtype or dtype, tuple(indices), layout))
+        buffers.append(PlannedBuffer(dtype, grad_dtype or dtype, tuple(indices), layout,
+                                     expert))
     # One launch order over the buckets of all dtypes: by the backward position of the param
     # that completes each bucket (its last), then of its first.
     def backward_position(buffer: PlannedBuffer, layout_index: int) -> int:
