@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import distopt
-from distopt.comm import collectives as comm
 from distopt.train.model import GPT, GPTConfig
 
 from dist_harness import case_result, run_cases
@@ -45,6 +44,12 @@ CLIP = 0.05  # below every step's norm: every step clips
 LR, WD = 1e-2, 0.1
 IDLE = 3  # the expert the router never picks in the cases with an idle expert
 LOW_ONLY = 2  # the expert the router never picks for the low token ids of the first rows
+REFUSALS = {  # a bad configuration, and what its error says
+    "replicated-optimizer": "needs the distributed optimizer",
+    "not-a-submodule": "not a submodule of the wrapped model",
+    "sharded-params": "shard_params=True needs an expert-data-parallel size of 1",
+    "mesh-names": "mesh_dim_names=('dp', 'ep')",
+}
 
 
 def config(top_k: int) -> GPTConfig:
@@ -232,11 +237,100 @@ def parity(dp: int, ep: int, top_k: int, idle: bool = False, find_unused: bool =
     }
 
 
+def build_any(layout: tuple[int, int] | None, seed: int):
+    """``build`` at (dp, ep), or (None) the model with every expert local on plain data
+    parallelism over every rank."""
+    if layout is not None:
+        return build(*layout, 2, seed=seed)
+    torch.manual_seed(seed)
+    model = GPT(config(2))
+    route(model, False)
+    ddp = distopt.DistributedDataParallel(model, bucket_size=2000)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, weight_decay=WD,
+                                       clip_grad=CLIP)
+    return model, ddp, opt
+
+
+def resume(saved_at: tuple[int, int] | None, loads_at: list[tuple[int, int] | None]) -> dict:
+    """Train half the steps at ``saved_at`` and save; for each of ``loads_at``, a model built
+    from another seed loads it and trains the rest: the largest difference from one process
+    that trained every step, per layout it resumed at."""
+    want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
+    half = STEPS // 2
+    path = shared_tmpdir("distopt-experts-")
+    model, ddp, opt = build_any(saved_at, SEED)
+    train(model, ddp, opt, range(half))
+    distopt.save_checkpoint(path, ddp, opt, extra={"step": half})
+    out = {}
+    for layout in loads_at:
+        model, ddp, opt = build_any(layout, SEED + 1)
+        extra = distopt.load_checkpoint(path, ddp, opt)
+        got, _ = train(model, ddp, opt, range(extra["step"], STEPS))
+        out[str(layout)] = max(by_step(got[-1:], {n: v[-1:] for n, v in want.items()}))
+    return out
+
+
+def collectives(dp: int, ep: int) -> dict:
+    """One step's collectives after a first one, by op and group: the expert-DP group, every
+    rank (the dense group), or another."""
+    model, ddp, opt = build(dp, ep, 2)
+    train(model, ddp, opt, range(1))
+    ddp.comm_stats.reset()
+    train(model, ddp, opt, range(1, 2))
+    world = tuple(range(dist.get_world_size()))
+    expert_dp = tuple(dist.get_process_group_ranks(ddp.experts.parallel.expert_dp_group))
+    by_group = {}
+    for (op, ranks), n in ddp.comm_stats.calls_by_group.items():
+        where = "world" if ranks == world else "expert_dp" if ranks == expert_dp else str(ranks)
+        by_group[f"{op}@{where}"] = n
+    return {
+        "by_group": by_group,
+        "dense_buckets": sum(len(b.buckets) for b in ddp.flat_buffers if not b.expert),
+        "expert_buckets": sum(len(b.buckets) for b in ddp.flat_buffers if b.expert),
+    }
+
+
+def refused(what: str) -> str:
+    """The error a bad configuration raises, the same on every rank, before any collective."""
+    world = dist.get_world_size()
+    torch.manual_seed(SEED)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    model = GPT(config(2), ep_group=mesh["ep"].get_group())
+    experts = distopt.ExpertParallel(mesh, model.expert_lists())
+    kwargs: dict = {"experts": experts}
+    if what == "replicated-optimizer":
+        kwargs["use_distributed_optimizer"] = False
+    elif what == "not-a-submodule":
+        stray = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+        kwargs["experts"] = distopt.ExpertParallel(mesh, stray)
+    elif what == "sharded-params":
+        kwargs["experts"] = distopt.ExpertParallel(
+            init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep")),
+            model.expert_lists())
+        kwargs["shard_params"] = True
+    elif what == "mesh-names":
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ep", "dp"))
+        try:
+            distopt.ExpertParallel(mesh, model.expert_lists())
+        except ValueError as e:
+            return str(e)
+        return "no error"
+    try:
+        distopt.DistributedDataParallel(model, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _cases_2() -> list:
     return [
         ("parity-dp1-ep2-top1", parity, (1, 2, 1)),
         ("parity-dp1-ep2-top2", parity, (1, 2, 2)),
         ("parity-dp1-ep2-top1-idle-unused", parity, (1, 2, 1, True, True)),
+        ("collectives-dp1-ep2", collectives, (1, 2)),
+        ("resume-from-dp1-ep2", resume, ((1, 2), [(2, 1), (1, 2), None])),
+        ("resume-from-every-expert-local", resume, (None, [(1, 2)])),
+        *((f"refused-{what}", refused, (what,)) for what in REFUSALS),
     ]
 
 
@@ -249,6 +343,8 @@ def _cases_4() -> list:
         ("parity-dp2-ep2-top2-idle", parity, (2, 2, 2, True, False)),
         ("parity-dp2-ep2-top2-idle-unused-muon", parity, (2, 2, 2, True, True, True)),
         ("parity-dp2-ep2-top2-shard-grads", parity, (2, 2, 2, False, False, False, True)),
+        ("collectives-dp2-ep2", collectives, (2, 2)),
+        ("resume-from-dp2-ep2", resume, ((2, 2), [(4, 1), (1, 4), (2, 2), None])),
     ]
 
 
@@ -271,6 +367,7 @@ def test_parity_two_ranks(grid2, name: str) -> None:
     _check_parity(case_result(grid2, name), name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _parity_names(_cases_4()))
 def test_parity_four_ranks(grid4, name: str) -> None:
     _check_parity(case_result(grid4, name), name)
@@ -278,13 +375,17 @@ def test_parity_four_ranks(grid4, name: str) -> None:
 
 def _check_parity(values: list[dict], name: str) -> None:
     for rank, v in enumerate(values):
-        # Within 1e-5 of the reference, or (Muon, after its first step) of four times the
-        # noise of bf16 Newton-Schulz (see parity).
-        assert v["diffs"][0] < FP32_TOL, (rank, v)
-        for diff, noise in zip(v["diffs"], v["noise"], strict=True):
-            assert diff < max(FP32_TOL, 4 * noise), (rank, v)
-        for diff, noise in zip(v["norm_rdiffs"], v["norm_noise"], strict=True):
-            assert diff < max(1e-5, 4 * noise), (rank, v)
+        # Within 1e-5 of the reference; with Muon, within four times the largest move bf16
+        # Newton-Schulz alone makes (see parity): one grad's last bit summed in another order
+        # can flip a bf16 rounding in the first step already, as it does between the chunked
+        # references in a later one. The grads themselves are exact (the first norm).
+        if "muon" in name:
+            assert all(d < max(FP32_TOL, 4 * max(v["noise"])) for d in v["diffs"]), (rank, v)
+        else:
+            assert all(d < FP32_TOL for d in v["diffs"]), (rank, v)
+        assert v["norm_rdiffs"][0] < 1e-5, (rank, v)
+        norm_tol = max(1e-5, 4 * max(v["norm_noise"])) if "muon" in name else 1e-5
+        assert all(d < norm_tol for d in v["norm_rdiffs"]), (rank, v)
         if "muon" in name:
             assert 1e-4 < max(v["noise"]) < 1e-2, v  # the noise is real, and bounded
         assert v["clipped"]
@@ -298,3 +399,52 @@ def _check_parity(values: list[dict], name: str) -> None:
                        for p in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")})
         holders = [v for v in values if v["unused"]]
         assert holders and all(v["unused"] == want for v in holders), [v["unused"] for v in values]
+
+
+@pytest.mark.parametrize("what", list(REFUSALS))
+def test_bad_configurations_refused_on_every_rank(grid2, what: str) -> None:
+    messages = case_result(grid2, f"refused-{what}")
+    assert REFUSALS[what] in messages[0], messages[0]
+    assert len(set(messages)) == 1, messages
+
+
+def _check_collectives(values: list[dict]) -> None:
+    for v in values:
+        by = v["by_group"]
+        # Each dense bucket reduce-scattered and gathered once over every rank; the expert
+        # buckets over their expert-DP group only (nothing to send where it is one rank).
+        assert by["reduce_scatter@world"] == by["all_gather@world"] == v["dense_buckets"], v
+        assert by.get("reduce_scatter@expert_dp", 0) == by.get("all_gather@expert_dp", 0), v
+        # The grad norm (and the inf/nan verdict with it) is one all-reduce over every rank,
+        # none over the expert group: each element is counted once.
+        assert not any(k.startswith("all_reduce") and not k.endswith("@world") for k in by), v
+        assert not [k for k in by if not k.endswith(("@world", "@expert_dp"))], v
+    return None
+
+
+def test_collectives_by_group_two_ranks(grid2) -> None:
+    values = case_result(grid2, "collectives-dp1-ep2")
+    _check_collectives(values)
+    assert all("reduce_scatter@expert_dp" not in v["by_group"] for v in values)  # dp = 1
+
+
+@pytest.mark.slow
+def test_collectives_by_group_four_ranks(grid4) -> None:
+    values = case_result(grid4, "collectives-dp2-ep2")
+    _check_collectives(values)
+    for v in values:
+        assert v["by_group"]["reduce_scatter@expert_dp"] == v["expert_buckets"] >= 1, v
+
+
+@pytest.mark.parametrize("name", ["resume-from-dp1-ep2", "resume-from-every-expert-local"])
+def test_checkpoint_resumes_at_other_layouts_two_ranks(grid2, name: str) -> None:
+    # None: the model with every expert local, on plain data parallelism.
+    for diffs in case_result(grid2, name):
+        assert all(d < FP32_TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_at_other_layouts_four_ranks(grid4) -> None:
+    for diffs in case_result(grid4, "resume-from-dp2-ep2"):
+        assert set(diffs) == {"(4, 1)", "(1, 4)", "(2, 2)", "None"}
+        assert all(d < FP32_TOL for d in diffs.values()), diffs

@@ -22,7 +22,7 @@ from .checks import (
     check_whole_state,
 )
 from .files import CheckpointError
-from .format import Optimizer, describe, model_prefixes, owned_pieces
+from .format import Optimizer, describe, global_name, model_prefixes, names_everywhere, owned_pieces
 from .install import install, state_tensor
 
 if TYPE_CHECKING:
@@ -84,11 +84,14 @@ def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metada
     for saved, prefix, model in zip(manifest["models"], model_prefixes(opt), opt.models,
                                     strict=True):
         trainable = {n: s for n, s, requires_grad in saved["parameters"] if requires_grad}
-        current = {model.param_names[p]: list(p.shape) for p in model.params}
+        # Every EP rank's experts; see [Note: expert checkpoints] in format.py.
+        current = dict(names_everywhere(
+            model, [(model.param_names[p], list(p.shape)) for p in model.params]))
         check_same_model(trainable, current,
                          f"trainable parameters{' of ' + prefix if prefix else ''}", source)
         check_same_model({e[0]: e[1] for e in saved["state_dict"]},
-                         {k: describe(v)[0] for k, v in model.module.state_dict().items()},
+                         dict(names_everywhere(model, [(k, describe(v)[0]) for k, v in
+                                                       model.module.state_dict().items()])),
                          "state_dict entries", source)
     check_groups(opt, manifest["param_groups"], source)
     scaler = manifest["loss_scaler"]
@@ -163,7 +166,7 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
             for key, value in model.module.state_dict(keep_vars=True).items():
                 # Trainable params come from the fp32 main params below; the rest as saved.
                 if isinstance(value, torch.Tensor) and id(value) not in trainable:
-                    state[f"model/{prefix}{key}"] = value.detach()
+                    state[f"model/{prefix}{global_name(model, key)}"] = value.detach()
 
         with torch.no_grad():
             dcp.load(state, ckpt_dir, group, metadata)

@@ -31,9 +31,10 @@ buffers of the largest bucket. A model whose backward itself communicates (the t
 all-to-all of experts, [Note: expert parallelism] in parallel/experts.py) must not wait for
 a reduction in a grad hook: a peer whose launches are held back (by an expert that got no
 token there) launches that reduction only when its backward ends, and may first wait in the
-all-to-all for this rank; its pool waits only for reductions already done and grows instead. ``finish_grad_sync`` and ``zero_grad_buffer`` drop the buffers,
-so nothing transient is held between steps; on CUDA the caching allocator hands the same blocks
-back in the next step, without new device allocations.
+all-to-all for this rank; its pool waits only for reductions already done and grows instead.
+``finish_grad_sync`` and ``zero_grad_buffer`` drop the buffers, so nothing transient is held
+between steps; on CUDA the caching allocator hands the same blocks back in the next step,
+without new device allocations.
 
 Every backward reduces, since there is no full buffer to accumulate micro-batches in. The first
 grad hook of a backward queues a callback on the autograd engine that, when backward ends,

@@ -106,8 +106,8 @@ class DistributedDataParallel(WholeModule, nn.Module):
             ``distopt.ExpertParallel(mesh, modules)``: their params go into buffers of their
             own, reduce-scattered and gathered over the expert-data-parallel group
             (``mesh["dp"]``) with grads averaged over every token of the batch; the dense params
-            are data-parallel over every rank of the mesh. See docs/experts.md and
-            [Note: expert parallelism] in parallel/experts.py.
+            are data-parallel over every rank of the mesh. See "Experts" in docs/design.md
+            and [Note: expert parallelism] in parallel/experts.py.
     """
 
     def __init__(
@@ -167,7 +167,8 @@ class DistributedDataParallel(WholeModule, nn.Module):
         self.experts: ExpertParams | None = None if experts is None else experts.resolve(
             module, named, dp_group, replicated=comm.group_size(replicate_group) > 1,
             tensor_parallel=self.parallel.tp is not None,
-            reduce_scatter=self.options.grad_policy.reduce_scatter)
+            reduce_scatter=self.options.grad_policy.reduce_scatter,
+            sharded_params=not self.options.grad_policy.full_params)
         self.comm_stats = comm.CommStats()
         self._target_device = (target_device(self.process_group) if meta
                                else named[0][1].device)
@@ -298,11 +299,9 @@ class DistributedDataParallel(WholeModule, nn.Module):
         """The group a buffer's buckets reduce and gather over, this rank's place in it, and
         the factor grads take first: the expert-DP group for experts' buffers (see
         [Note: expert parallelism] in parallel/experts.py), else the data-parallel group."""
-        if not expert or self.experts is None:
-            return dict(dp_rank=self.dp_rank, group=self.process_group)
-        parallel = self.experts.parallel
-        return dict(dp_rank=parallel.expert_dp_rank, group=parallel.expert_dp_group,
-                    expert=True, grad_scale=parallel.grad_scale)
+        if expert and self.experts is not None:
+            return self.experts.parallel.buffer_options()
+        return dict(dp_rank=self.dp_rank, group=self.process_group)
 
     def lay_out_for(self, whole_tensor_costs: dict[nn.Parameter, float], *, by: str) -> None:
         """Make sure the buffers are laid out for these owners of whole tensors: the layout

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,8 @@ from ..comm import collectives as comm
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+V = TypeVar("V")
 
 EXPERT_MESH_DIMS = ("dp", "ep")
 """The dimension names of an expert mesh: the expert-data-parallel one, then the EP one."""
@@ -118,13 +120,20 @@ class ExpertParallel:
         expert-DP group; see [Note: expert parallelism]."""
         return 1.0 / self.ep_size
 
+    def buffer_options(self) -> dict[str, object]:
+        """What an expert buffer is built with: the expert-DP group, this rank's place in it,
+        and the factor its grads take first."""
+        return dict(dp_rank=self.expert_dp_rank, group=self.expert_dp_group, expert=True,
+                    grad_scale=self.grad_scale)
+
     def describe(self) -> str:
         """What every rank of the mesh must agree on (the model check compares it)."""
         return f"ep={self.ep_size} expert_dp={self.expert_dp_size}"
 
     def resolve(self, module: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]],
                 dp_group: dist.ProcessGroup | None, *, replicated: bool,
-                tensor_parallel: bool, reduce_scatter: bool) -> ExpertParams:
+                tensor_parallel: bool, reduce_scatter: bool,
+                sharded_params: bool = False) -> ExpertParams:
         """The expert params of ``module`` (whose trainable params are ``trainable``) and
         their global names; raises, on every rank alike and before any collective, where the
         experts cannot compose with the rest of the DDP's arguments."""
@@ -140,6 +149,15 @@ class ExpertParallel:
                 "the replicated optimizer (use_distributed_optimizer=False, sharding='none', "
                 "BasicOptimizer) does not count expert grads across the EP ranks; use "
                 "distopt.DistributedOptimizer"
+            )
+        if sharded_params and self.expert_dp_size > 1:
+            raise ValueError(
+                "experts= with shard_params=True needs an expert-data-parallel size of 1 (the "
+                f"mesh's 'dp' is {self.expert_dp_size}): an expert that gets no token on one "
+                "rank is not run there, so its params' gathers over the expert-DP group would "
+                "part the ranks (see [Note: every rank runs the same modules] in "
+                "ddp/param_unshard.py); use shard_params=False (grads and optimizer state stay "
+                "sharded) or a mesh with dp = 1"
             )
         mesh_ranks = sorted(int(r) for r in self.mesh.mesh.flatten().tolist())
         dp_ranks = (sorted(dist.get_process_group_ranks(dp_group)) if dp_group is not None
@@ -224,25 +242,36 @@ class ExpertParams:
         """Every EP rank's entries of ``names`` (this rank's, in their order), in the order
         the model with every expert local registers them: each run of names under one list of
         experts is repeated for each EP rank, lowest first."""
-        out: list[str] = []
-        run: list[str] = []
+        return [name for name, _ in self.everywhere([(n, None) for n in names])]
+
+    def everywhere(self, items: Sequence[tuple[str, V]]) -> list[tuple[str, V]]:
+        """``global_order`` of (name, value) pairs, each expert's value standing for the
+        values of the experts in its place on the other EP ranks (their shapes and dtypes:
+        every EP rank holds experts of the same structure)."""
+        out: list[tuple[str, V]] = []
+        run: list[tuple[str, V]] = []
         run_list: str | None = None
 
         def flush() -> None:
-            out.extend(self.name_at(n, c) for c in range(self.parallel.ep_size) for n in run)
+            out.extend((self.name_at(n, c), v) for c in range(self.parallel.ep_size)
+                       for n, v in run)
 
-        for name in names:
+        for name, value in items:
             split = self._split(name)
             path = None if split is None else split[0]
             if path is None or path != run_list:
                 flush()
                 run, run_list = [], path
             if path is None:
-                out.append(name)
+                out.append((name, value))
             else:
-                run.append(name)
+                run.append((name, value))
         flush()
         return out
+
+    def is_expert_entry(self, name: str) -> bool:
+        """Whether ``name`` (a param, or a key of the module's state_dict) is an expert's."""
+        return self._split(name) is not None
 
 
 def used_anywhere(used: Sequence[int], expert: Sequence[bool], experts: ExpertParallel,
