@@ -283,8 +283,15 @@ def collectives(dp: int, ep: int) -> dict:
     for (op, ranks), n in ddp.comm_stats.calls_by_group.items():
         where = "world" if ranks == world else "expert_dp" if ranks == expert_dp else str(ranks)
         by_group[f"{op}@{where}"] = n
+    expert = ddp.experts.params
     return {
         "by_group": by_group,
+        # fp32 main params (fp32 here: views of the shards) and the state with them.
+        "main": {kind: sum(piece.param_range.size for p, piece, _ in opt.pieces()
+                           if (p in expert) == is_expert)
+                 for kind, is_expert in (("expert", True), ("dense", False))},
+        "local": {kind: sum(p.numel() for p in ddp.params if (p in expert) == is_expert)
+                  for kind, is_expert in (("expert", True), ("dense", False))},
         "dense_buckets": sum(len(b.buckets) for b in ddp.flat_buffers if not b.expert),
         "expert_buckets": sum(len(b.buckets) for b in ddp.flat_buffers if b.expert),
     }
@@ -422,9 +429,42 @@ def _check_collectives(values: list[dict]) -> None:
     return None
 
 
+def _check_memory(values: list[dict], dp: int, ep: int) -> None:
+    # Each element's main param and state on one rank: the dense ones once over every rank,
+    # an expert's once over its expert-DP group; so a rank holds about 1/(dp * ep) of the
+    # dense params' and 1/dp of its experts'.
+    local = values[0]["local"]
+    assert sum(v["main"]["dense"] for v in values) == local["dense"]
+    assert sum(v["main"]["expert"] for v in values) == ep * local["expert"]
+    for v in values:
+        assert abs(v["main"]["expert"] - local["expert"] / dp) <= 64 * 8, v
+        assert abs(v["main"]["dense"] - local["dense"] / (dp * ep)) <= 64 * 8, v
+
+
+def test_memory_command_by_part() -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from distopt.cli.memory_command import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["--params", "47e9", "--expert-params", "45e9", "--dp", "16", "--ep", "8",
+                     "--dtype", "fp32"]) == 0
+    rows = {line[:18].strip(): [float(x) for x in line[18:].split()]
+            for line in out.getvalue().splitlines() if line.startswith("optimizer state")}
+    dense, experts, total, unsharded = rows["optimizer state"]
+    gib = 2**30
+    assert abs(dense - 8 * 2e9 / 16 / gib) < 0.01  # Adam's 8 bytes over all 16 ranks
+    assert abs(experts - 8 * 45e9 / 8 / 2 / gib) < 0.01  # 1/ep of the experts, over dp/ep = 2
+    assert abs(unsharded - 2 * experts) < 0.02 and abs(total - dense - experts) < 0.02
+    assert main(["--params", "7e9", "--expert-params", "6e9", "--dp", "8", "--ep", "3"]) == 2
+
+
 def test_collectives_by_group_two_ranks(grid2) -> None:
     values = case_result(grid2, "collectives-dp1-ep2")
     _check_collectives(values)
+    _check_memory(values, 1, 2)
     assert all("reduce_scatter@expert_dp" not in v["by_group"] for v in values)  # dp = 1
 
 
@@ -432,6 +472,7 @@ def test_collectives_by_group_two_ranks(grid2) -> None:
 def test_collectives_by_group_four_ranks(grid4) -> None:
     values = case_result(grid4, "collectives-dp2-ep2")
     _check_collectives(values)
+    _check_memory(values, 2, 2)
     for v in values:
         assert v["by_group"]["reduce_scatter@expert_dp"] == v["expert_buckets"] >= 1, v
 

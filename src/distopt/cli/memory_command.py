@@ -8,6 +8,7 @@
         --state-dtype bf16
     distopt memory --model medium --dp 8 --dtype bf16 --grad-dtype bf16 \
         --store-param-remainders --shard-grads
+    distopt memory --params 47e9 --expert-params 45e9 --dp 16 --ep 8
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
@@ -35,6 +36,7 @@ from ..memory import (
 )
 from ..options import fp32_accumulation_problem, remainders_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
+from .memory_experts import add_expert_options, expert_problem, print_expert_table
 
 GIB = 2**30
 LABELS = {
@@ -98,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
                          help="bf16/fp16 grads summed in fp32 (the replicate stage gathers)")
     _add_whole_tensor_options(parser)
+    add_expert_options(parser)
     return parser
 
 
@@ -216,6 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes is not None:
         return _cluster(args, num_params, label, grad_dtype, ours, labels)
     dp = args.dp or 8
+    problem = expert_problem(args, num_params, dp)
+    if problem is not None:
+        print(f"distopt memory: {problem}", file=sys.stderr)
+        return 2
+    if args.expert_params is not None:
+        print_expert_table(args, ours, num_params, dp, labels,
+                           f"{label}, {args.dtype} params, {dtype_name(grad_dtype)} grads, "
+                           f"data-parallel size {dp}")
+        return 0
     replicated, distributed = theory.per_rank(dp, distributed=False), ours.per_rank(dp)
     rows = [(labels[name], replicated[name], distributed[name]) for name in COMPONENTS]
     rep_total = theory.total(dp, distributed=False)
