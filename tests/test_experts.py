@@ -489,3 +489,28 @@ def test_checkpoint_resumes_at_other_layouts_four_ranks(grid4) -> None:
     for diffs in case_result(grid4, "resume-from-dp2-ep2"):
         assert set(diffs) == {"(4, 1)", "(1, 4)", "(2, 2)", "None"}
         assert all(d < FP32_TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.slow
+def test_distopt_train_moe_learns(tmp_path) -> None:
+    import json
+
+    from helpers import SMALL_TRAIN, run_distopt
+
+    proc = run_distopt(["train", "--nproc", "2", *SMALL_TRAIN, "--out", str(tmp_path),
+                        "--moe", "4", "--ep", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["heldout_loss"] for r in records if "heldout_loss" in r]
+    assert evals[-1] < evals[0]
+
+
+def test_distopt_train_moe_options_checked() -> None:
+    from distopt.train.config import parse_args
+
+    with pytest.raises(ValueError, match="pick N a multiple of 2"):
+        parse_args(["--moe", "3", "--ep", "2"])
+    with pytest.raises(ValueError, match="drop --no-shard"):
+        parse_args(["--moe", "4", "--no-shard"])
+    with pytest.raises(ValueError, match="does not divide the 2 ranks"):
+        parse_args(["--moe", "4", "--ep", "4"]).check_world_size(2)

@@ -70,15 +70,19 @@ class Trainer:
         ]
 
         torch.manual_seed(config.seed)
-        model = GPT(gpt_config(config.model, seq_len=config.seq_len))
+        experts, ep_group = self._expert_mesh()
+        model = GPT(gpt_config(config.model, seq_len=config.seq_len, n_experts=config.moe),
+                    ep_group=ep_group)
         model = model.to(self.device, DTYPES[config.dtype])
         self.ddp = distopt.DistributedDataParallel(
             model,
+            experts=None if experts is None else distopt.ExpertParallel(
+                experts, model.expert_lists()),
             grad_dtype=DTYPES[config.grad_dtype],
             bucket_size=config.bucket_size,
             overlap_grad_reduce=config.overlap_grad_reduce,
             use_distributed_optimizer=not config.no_shard,
-            device_mesh=self._data_parallel_mesh(),
+            device_mesh=None if experts is not None else self._data_parallel_mesh(),
             reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
             shard_grads=config.shard_grads,
             shard_params=config.shard_params,
@@ -103,6 +107,18 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.pending: tuple[int, distopt.checkpoint.AsyncCheckpoint] | None = None
+
+    def _expert_mesh(self) -> tuple[Any, dist.ProcessGroup | None]:
+        """With --moe, the ("dp", "ep") mesh of the experts and the group tokens are exchanged
+        over; see [Note: expert parallelism] in distopt/parallel/experts.py."""
+        if not self.config.moe:
+            return None, None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep = self.config.ep
+        mesh = init_device_mesh(self.device.type, (self.world // ep, ep),
+                                mesh_dim_names=("dp", "ep"))
+        return mesh, mesh["ep"].get_group()
 
     def _data_parallel_mesh(self) -> Any:
         """A ("dp_replicate", "dp_shard") mesh for --shard-size, or by default on several
