@@ -47,7 +47,6 @@ LOW_ONLY = 2  # the expert the router never picks for the low token ids of the f
 REFUSALS = {  # a bad configuration, and what its error says
     "replicated-optimizer": "needs the distributed optimizer",
     "not-a-submodule": "not a submodule of the wrapped model",
-    "sharded-params": "shard_params=True needs an expert-data-parallel size of 1",
     "mesh-names": "mesh_dim_names=('dp', 'ep')",
 }
 
@@ -86,15 +85,15 @@ def route(model: GPT, idle: bool) -> None:
 
 
 def count_calls(model: GPT) -> dict[str, int]:
-    """Forward calls of each of this rank's experts, by its name in the model."""
+    """Forward calls on some rows of each of this rank's experts, by its name in the model."""
     calls = {}
     for i, block in enumerate(model.blocks):
         for j, expert in enumerate(block.mlp.experts):
             name = f"blocks.{i}.mlp.experts.{j}"
             calls[name] = 0
 
-            def hook(_m, _i, _o, name=name):
-                calls[name] += 1
+            def hook(_m, inputs, _o, name=name):
+                calls[name] += int(inputs[0].shape[0] > 0)  # not an idle one run on no rows
 
             expert.register_forward_hook(hook)
     return calls
@@ -144,15 +143,20 @@ def reference(top_k: int, steps: range, *, idle: bool, find_unused: bool, muon: 
 
 
 def build(dp: int, ep: int, top_k: int, *, idle: bool = False, find_unused: bool = False,
-          muon: bool = False, shard_grads: bool = False, seed: int = SEED):
-    """The model on a (dp, ep) mesh of the first dp * ep ranks, its DDP and optimizer."""
+          muon: bool = False, shard_grads: bool = False, shard_params: bool = False,
+          seed: int = SEED):
+    """The model on a (dp, ep) mesh of the first dp * ep ranks, its DDP and optimizer. With
+    sharded params every rank runs each of its experts in every forward, idle ones on no rows
+    ([Note: every rank runs the same modules] in distopt/ddp/param_unshard.py)."""
     mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
     torch.manual_seed(seed)
     model = GPT(config(top_k), ep_group=mesh["ep"].get_group())
     route(model, idle)
+    for block in model.blocks:
+        block.mlp.run_idle_experts = shard_params
     ddp = distopt.DistributedDataParallel(
         model, experts=distopt.ExpertParallel(mesh, model.expert_lists()), bucket_size=2000,
-        find_unused_parameters=find_unused, shard_grads=shard_grads)
+        find_unused_parameters=find_unused, shard_grads=shard_grads, shard_params=shard_params)
     groups = optimizer_groups(model, muon)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, params=groups, lr=LR,
                                        weight_decay=WD, clip_grad=CLIP)
@@ -174,8 +178,8 @@ def train(model: GPT, ddp, opt, steps: range) -> tuple[list[dict[str, torch.Tens
             with ddp.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
                 (ddp(mx, my)[1] / MICRO).backward()
         norms.append(opt.step().grad_norm)
-        ddp.finish_param_sync()
-        out.append({names(n): p.detach().clone() for n, p in model.named_parameters()})
+        with ddp.gathered_params():  # sharded params: gathered for the block
+            out.append({names(n): p.detach().clone() for n, p in model.named_parameters()})
     return out, norms
 
 
@@ -195,12 +199,12 @@ def rdiffs(got: list[float], want: list[float]) -> list[float]:
 
 
 def parity(dp: int, ep: int, top_k: int, idle: bool = False, find_unused: bool = False,
-           muon: bool = False, shard_grads: bool = False) -> dict:
+           muon: bool = False, shard_grads: bool = False, shard_params: bool = False) -> dict:
     """Train at (dp, ep) and compare with one process after every step."""
     want, want_norms = reference(top_k, range(STEPS), idle=idle, find_unused=find_unused,
                                  muon=muon)
     model, ddp, opt = build(dp, ep, top_k, idle=idle, find_unused=find_unused, muon=muon,
-                            shard_grads=shard_grads)
+                            shard_grads=shard_grads, shard_params=shard_params)
     calls = count_calls(model)
     steps_calls = []
     got, norms = [], []
@@ -310,11 +314,6 @@ def refused(what: str) -> str:
     elif what == "not-a-submodule":
         stray = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
         kwargs["experts"] = distopt.ExpertParallel(mesh, stray)
-    elif what == "sharded-params":
-        kwargs["experts"] = distopt.ExpertParallel(
-            init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep")),
-            model.expert_lists())
-        kwargs["shard_params"] = True
     elif what == "mesh-names":
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ep", "dp"))
         try:
@@ -334,6 +333,8 @@ def _cases_2() -> list:
         ("parity-dp1-ep2-top1", parity, (1, 2, 1)),
         ("parity-dp1-ep2-top2", parity, (1, 2, 2)),
         ("parity-dp1-ep2-top1-idle-unused", parity, (1, 2, 1, True, True)),
+        ("parity-dp1-ep2-top2-idle-shard-params", parity,
+         (1, 2, 2, True, False, False, False, True)),
         ("collectives-dp1-ep2", collectives, (1, 2)),
         ("resume-from-dp1-ep2", resume, ((1, 2), [(2, 1), (1, 2), None])),
         ("resume-from-every-expert-local", resume, (None, [(1, 2)])),
@@ -350,6 +351,8 @@ def _cases_4() -> list:
         ("parity-dp2-ep2-top2-idle", parity, (2, 2, 2, True, False)),
         ("parity-dp2-ep2-top2-idle-unused-muon", parity, (2, 2, 2, True, True, True)),
         ("parity-dp2-ep2-top2-shard-grads", parity, (2, 2, 2, False, False, False, True)),
+        ("parity-dp2-ep2-top2-idle-shard-params", parity,
+         (2, 2, 2, True, False, False, False, True)),
         ("collectives-dp2-ep2", collectives, (2, 2)),
         ("resume-from-dp2-ep2", resume, ((2, 2), [(4, 1), (1, 4), (2, 2), None])),
     ]

@@ -167,8 +167,7 @@ class DistributedDataParallel(WholeModule, nn.Module):
         self.experts: ExpertParams | None = None if experts is None else experts.resolve(
             module, named, dp_group, replicated=comm.group_size(replicate_group) > 1,
             tensor_parallel=self.parallel.tp is not None,
-            reduce_scatter=self.options.grad_policy.reduce_scatter,
-            sharded_params=not self.options.grad_policy.full_params)
+            reduce_scatter=self.options.grad_policy.reduce_scatter)
         self.comm_stats = comm.CommStats()
         self._target_device = (target_device(self.process_group) if meta
                                else named[0][1].device)

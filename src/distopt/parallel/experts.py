@@ -39,6 +39,12 @@ holds a param computed a grad for it: a dense param over the whole mesh, an expe
 expert-DP group (``used_anywhere``, one all-reduce over the mesh with one slot per EP
 coordinate), as one process with every expert local would see a grad or None.
 
+Sharded params (``shard_params=True``) gather an expert's bucket over its expert-DP group
+around the expert's forward and backward: every rank of that group must run the expert in every
+forward, an idle one on no rows (``MoE.run_idle_experts`` in the demo), by the rule of
+[Note: every rank runs the same modules] in ddp/param_unshard.py; an idle expert's grad is then
+zero, never None.
+
 Names. An expert is known by its global index: this rank's experts of a list of n are the
 global experts ``ep_rank * n .. ep_rank * n + n - 1``, so the param ``moe.experts.1.w`` of EP
 rank 1 (n = 2) is ``moe.experts.3.w`` of the model with every expert local. Checkpoints key
@@ -132,8 +138,7 @@ class ExpertParallel:
 
     def resolve(self, module: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]],
                 dp_group: dist.ProcessGroup | None, *, replicated: bool,
-                tensor_parallel: bool, reduce_scatter: bool,
-                sharded_params: bool = False) -> ExpertParams:
+                tensor_parallel: bool, reduce_scatter: bool) -> ExpertParams:
         """The expert params of ``module`` (whose trainable params are ``trainable``) and
         their global names; raises, on every rank alike and before any collective, where the
         experts cannot compose with the rest of the DDP's arguments."""
@@ -149,15 +154,6 @@ class ExpertParallel:
                 "the replicated optimizer (use_distributed_optimizer=False, sharding='none', "
                 "BasicOptimizer) does not count expert grads across the EP ranks; use "
                 "distopt.DistributedOptimizer"
-            )
-        if sharded_params and self.expert_dp_size > 1:
-            raise ValueError(
-                "experts= with shard_params=True needs an expert-data-parallel size of 1 (the "
-                f"mesh's 'dp' is {self.expert_dp_size}): an expert that gets no token on one "
-                "rank is not run there, so its params' gathers over the expert-DP group would "
-                "part the ranks (see [Note: every rank runs the same modules] in "
-                "ddp/param_unshard.py); use shard_params=False (grads and optimizer state stay "
-                "sharded) or a mesh with dp = 1"
             )
         mesh_ranks = sorted(int(r) for r in self.mesh.mesh.flatten().tolist())
         dp_ranks = (sorted(dist.get_process_group_ranks(dp_group)) if dp_group is not None

@@ -14,8 +14,10 @@ sorts its token copies by expert, tells every EP rank how many it sends to each 
 expert on the rows it received, and sends the results back the same way; the backward of each
 exchange is the exchange the other way. An expert that receives no rows is not run, so it gets
 no grad on this rank (zero in the DDP's buffer, or left out of the step where no rank ran it
-and ``find_unused_parameters`` is on). Every EP rank joins both exchanges in every forward and
-backward, whatever it routes, so the collectives match.
+and ``find_unused_parameters`` is on), unless ``run_idle_experts`` is set: then it runs on no
+rows and its grad is zero, as sharded params need (every rank runs the same modules). Every EP
+rank joins both exchanges in every forward and backward, whatever it routes, so the
+collectives match.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.experts = nn.ModuleList(make_expert() for _ in range(n_experts))
+        self.run_idle_experts = False
         self.ep_group: dist.ProcessGroup | None = None
         self.ep_size, self.ep_rank = 1, 0
 
@@ -110,9 +113,11 @@ class MoE(nn.Module):
             torch.arange(n, device=x.device).repeat(self.ep_size), recv_counts.reshape(-1))
         by_expert = torch.argsort(expert_of_row, stable=True)
         grouped = rows[by_expert]
+        # An idle expert is not run (no grad for it here) unless ``run_idle_experts``: then on
+        # no rows, so that every rank runs the same modules (sharded params need it).
         outs = [expert(part) for expert, part in
                 zip(self.experts, grouped.split(recv_counts.sum(0).tolist()), strict=True)
-                if part.shape[0]]  # an idle expert is not run: no grad for it here
+                if part.shape[0] or self.run_idle_experts]
         # With no rows at all, a product with the received rows keeps the backward exchange.
         out = (torch.cat(outs) if outs else grouped * 0)[torch.argsort(by_expert)]
 

@@ -74,6 +74,9 @@ class Trainer:
         model = GPT(gpt_config(config.model, seq_len=config.seq_len, n_experts=config.moe),
                     ep_group=ep_group)
         model = model.to(self.device, DTYPES[config.dtype])
+        for block in model.blocks if config.moe else ():
+            # Sharded params: every rank runs the same modules (idle experts on no rows).
+            block.mlp.run_idle_experts = config.shard_params
         self.ddp = distopt.DistributedDataParallel(
             model,
             experts=None if experts is None else distopt.ExpertParallel(
