@@ -34,7 +34,7 @@ import distopt
 from distopt.train.model import GPT, GPTConfig
 
 from dist_harness import case_result, run_cases
-from helpers import FP32_TOL, shared_tmpdir
+from helpers import FP32_TOL, SMALL_TRAIN, shared_tmpdir, train_in_pool
 
 SEED = 7
 BATCH, SEQ, VOCAB = 8, 8, 32  # global batch: 8 sequences, split over ranks and 2 micro-batches
@@ -359,8 +359,13 @@ def _cases_4() -> list:
 
 
 @pytest.fixture(scope="module")
-def grid2() -> list:
-    return run_cases(2, _cases_2())
+def grid2(tmp_path_factory) -> list:
+    # distopt train --moe as a case of the pool (the ranks' code without the launcher).
+    out = tmp_path_factory.mktemp("train-moe")
+    train = ("train-moe", train_in_pool,
+             (*SMALL_TRAIN, "--out", str(out), "--moe", "4", "--ep", "2"))
+    return [{**ranks, "train-moe-out": ("ok", out)}
+            for ranks in run_cases(2, [*_cases_2(), train])]
 
 
 @pytest.fixture(scope="module")
@@ -494,16 +499,13 @@ def test_checkpoint_resumes_at_other_layouts_four_ranks(grid4) -> None:
         assert all(d < FP32_TOL for d in diffs.values()), diffs
 
 
-@pytest.mark.slow
-def test_distopt_train_moe_learns(tmp_path) -> None:
+def test_distopt_train_moe_learns(grid2) -> None:
     import json
 
-    from helpers import SMALL_TRAIN, run_distopt
-
-    proc = run_distopt(["train", "--nproc", "2", *SMALL_TRAIN, "--out", str(tmp_path),
-                        "--moe", "4", "--ep", "2"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    printed = case_result(grid2, "train-moe")[0]
+    assert "held-out loss" in printed, printed
+    out = case_result(grid2, "train-moe-out")[0]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["heldout_loss"] for r in records if "heldout_loss" in r]
     assert evals[-1] < evals[0]
 
