@@ -11,14 +11,16 @@ compares against one process training the whole batch with every expert local (f
   clips, experts idle on some ranks (checked to happen) and one expert idle everywhere (the
   router never picks it), which ``find_unused_parameters`` leaves out of the step as torch
   skips a grad of None, and without it steps on a zero grad; Muon on the expert matrices beside
-  AdamW; sharded grads;
+  AdamW; sharded grads; sharded params (idle experts run on no rows);
 * the collectives: expert buckets reduce-scatter and gather over the expert-DP group only,
   dense ones over every rank, and the norm is one all-reduce that counts every element once;
-* memory per rank by component: expert state at 1/dp of this rank's experts, dense at
-  1/(dp * ep);
-* checkpoints: saved at (2, 2), resumed at (4, 1), (1, 2), (2, 1) and (2, 2), and into the
-  model with every expert local, and back, each ending where the uninterrupted run ends;
-* errors raised on every rank before any collective.
+* memory per rank: each element's main param and state on one rank, the dense ones over every
+  rank, an expert's over its expert-DP group (``distopt memory --expert-params`` by part);
+* checkpoints: saved at (2, 2), resumed at (4, 1), (1, 4), (2, 2) and on the model with every
+  expert local; saved at (1, 2), resumed at (2, 1), (1, 2) and with every expert local; saved
+  with every expert local, resumed at (1, 2); exported to one plain torch file that one process
+  goes on from; each ending where the uninterrupted run ends;
+* errors raised on every rank before any collective; ``distopt train --moe`` learns.
 """
 
 from __future__ import annotations
@@ -274,6 +276,36 @@ def resume(saved_at: tuple[int, int] | None, loads_at: list[tuple[int, int] | No
     return out
 
 
+def exported(dp: int, ep: int) -> float | None:
+    """Train half the steps at (dp, ep), save, export one plain torch file (rank 0) and train
+    the rest in one process with torch.optim from it: the largest difference from the run that
+    trained every step in that one process."""
+    want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
+    path = shared_tmpdir("distopt-experts-export-")
+    model, ddp, opt = build(dp, ep, 2)
+    train(model, ddp, opt, range(STEPS // 2))
+    distopt.save_checkpoint(path, ddp, opt)
+    diff = None
+    if dist.get_rank() == 0:
+        saved = torch.load(distopt.export_checkpoint(path, f"{path}/plain.pt"),
+                           weights_only=False)
+        torch.manual_seed(SEED + 1)
+        plain = GPT(config(2))
+        route(plain, False)
+        plain.load_state_dict(saved["model"])
+        adamw = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD)
+        adamw.load_state_dict(saved["optimizer"])
+        for step in range(STEPS // 2, STEPS):
+            x, y = batch(step)
+            plain(x, y)[1].backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
+            adamw.step()
+            adamw.zero_grad()
+        diff = max((p - want[n][-1]).abs().max().item() for n, p in plain.named_parameters())
+    dist.barrier()  # the others leave the directory to rank 0 until it is done
+    return diff
+
+
 def collectives(dp: int, ep: int) -> dict:
     """One step's collectives after a first one, by op and group: the expert-DP group, every
     rank (the dense group), or another."""
@@ -338,6 +370,7 @@ def _cases_2() -> list:
         ("collectives-dp1-ep2", collectives, (1, 2)),
         ("resume-from-dp1-ep2", resume, ((1, 2), [(2, 1), (1, 2), None])),
         ("resume-from-every-expert-local", resume, (None, [(1, 2)])),
+        ("exported-dp1-ep2", exported, (1, 2)),
         *((f"refused-{what}", refused, (what,)) for what in REFUSALS),
     ]
 
@@ -519,3 +552,8 @@ def test_distopt_train_moe_options_checked() -> None:
         parse_args(["--moe", "4", "--no-shard"])
     with pytest.raises(ValueError, match="does not divide the 2 ranks"):
         parse_args(["--moe", "4", "--ep", "4"]).check_world_size(2)
+
+
+def test_export_is_a_plain_torch_checkpoint_of_every_expert(grid2) -> None:
+    diff = case_result(grid2, "exported-dp1-ep2")[0]
+    assert diff is not None and diff < FP32_TOL
