@@ -11,7 +11,8 @@ compares against one process training the whole batch with every expert local (f
   clips, experts idle on some ranks (checked to happen) and one expert idle everywhere (the
   router never picks it), which ``find_unused_parameters`` leaves out of the step as torch
   skips a grad of None, and without it steps on a zero grad; Muon on the expert matrices beside
-  AdamW; sharded grads; sharded params (idle experts run on no rows);
+  AdamW; sharded grads; sharded params (idle experts run on no rows); bf16 params with fp32
+  grads within the bf16 tolerance of one process with fp32 masters;
 * the collectives: expert buckets reduce-scatter and gather over the expert-DP group only,
   dense ones over every rank, and the norm is one all-reduce that counts every element once;
 * memory per rank: each element's main param and state on one rank, the dense ones over every
@@ -36,7 +37,7 @@ import distopt
 from distopt.train.model import GPT, GPTConfig
 
 from dist_harness import case_result, run_cases
-from helpers import FP32_TOL, SMALL_TRAIN, shared_tmpdir, train_in_pool
+from helpers import BF16_TOL, FP32_TOL, SMALL_TRAIN, shared_tmpdir, train_in_pool
 
 SEED = 7
 BATCH, SEQ, VOCAB = 8, 8, 32  # global batch: 8 sequences, split over ranks and 2 micro-batches
@@ -276,6 +277,44 @@ def resume(saved_at: tuple[int, int] | None, loads_at: list[tuple[int, int] | No
     return out
 
 
+def bf16(dp: int, ep: int) -> list[float]:
+    """bf16 params, fp32 grads and fp32 main params at (dp, ep) against one process with bf16
+    params and fp32 masters on the whole batch: the largest difference after each step."""
+    torch.manual_seed(SEED)
+    ref = GPT(config(2)).to(torch.bfloat16)
+    route(ref, False)
+    trainable = list(ref.parameters())
+    masters = [torch.nn.Parameter(p.detach().float()) for p in trainable]
+    ref_opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD)
+    want: dict[str, list[torch.Tensor]] = {n: [] for n, _ in ref.named_parameters()}
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = ref(x, y)[1]
+        for p in trainable:
+            p.grad = None
+        loss.backward()
+        for master, p in zip(masters, trainable, strict=True):
+            master.grad = torch.zeros_like(master) if p.grad is None else p.grad.float()
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        ref_opt.step()
+        with torch.no_grad():
+            for master, p in zip(masters, trainable, strict=True):
+                p.copy_(master)
+        for n, p in ref.named_parameters():
+            want[n].append(p.detach().float().clone())
+    mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(SEED)
+    model = GPT(config(2), ep_group=mesh["ep"].get_group()).to(torch.bfloat16)
+    route(model, False)
+    ddp = distopt.DistributedDataParallel(
+        model, experts=distopt.ExpertParallel(mesh, model.expert_lists()), bucket_size=2000,
+        grad_dtype=torch.float32)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, weight_decay=WD,
+                                       clip_grad=CLIP)
+    got, _ = train(model, ddp, opt, range(STEPS))
+    return by_step([{n: p.float() for n, p in params.items()} for params in got], want)
+
+
 def exported(dp: int, ep: int) -> float | None:
     """Train half the steps at (dp, ep), save, export one plain torch file (rank 0) and train
     the rest in one process with torch.optim from it: the largest difference from the run that
@@ -371,6 +410,7 @@ def _cases_2() -> list:
         ("resume-from-dp1-ep2", resume, ((1, 2), [(2, 1), (1, 2), None])),
         ("resume-from-every-expert-local", resume, (None, [(1, 2)])),
         ("exported-dp1-ep2", exported, (1, 2)),
+        ("bf16-dp1-ep2", bf16, (1, 2)),
         *((f"refused-{what}", refused, (what,)) for what in REFUSALS),
     ]
 
@@ -557,3 +597,8 @@ def test_distopt_train_moe_options_checked() -> None:
 def test_export_is_a_plain_torch_checkpoint_of_every_expert(grid2) -> None:
     diff = case_result(grid2, "exported-dp1-ep2")[0]
     assert diff is not None and diff < FP32_TOL
+
+
+def test_bf16_parity(grid2) -> None:
+    for diffs in case_result(grid2, "bf16-dp1-ep2"):
+        assert max(diffs) < BF16_TOL, diffs
