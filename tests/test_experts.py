@@ -540,6 +540,12 @@ def test_memory_command_by_part() -> None:
     assert abs(experts - 8 * 45e9 / 8 / 2 / gib) < 0.01  # 1/ep of the experts, over dp/ep = 2
     assert abs(unsharded - 2 * experts) < 0.02 and abs(total - dense - experts) < 0.02
     assert main(["--params", "7e9", "--expert-params", "6e9", "--dp", "8", "--ep", "3"]) == 2
+    assert main(["--params", "7e9", "--moe", "8", "--dp", "8", "--ep", "4"]) == 2  # no --model
+    out = io.StringIO()
+    with redirect_stdout(out):  # the demo GPT's own experts, counted
+        assert main(["--model", "tiny", "--moe", "4", "--dp", "4", "--ep", "2"]) == 0
+    assert "--model tiny --moe 4" in out.getvalue() and "expert-data-parallel group of 2" in (
+        out.getvalue().replace("\n", " "))
 
 
 def test_collectives_by_group_two_ranks(grid2) -> None:

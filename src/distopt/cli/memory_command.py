@@ -9,6 +9,7 @@
     distopt memory --model medium --dp 8 --dtype bf16 --grad-dtype bf16 \
         --store-param-remainders --shard-grads
     distopt memory --params 47e9 --expert-params 45e9 --dp 16 --ep 8
+    distopt memory --model small --moe 8 --dp 8 --ep 4
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
@@ -188,13 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         from ..train.model import GPT, gpt_config  # the preset's exact parameter count
 
         try:
-            config = gpt_config(args.model, seq_len=256)
+            config = gpt_config(args.model, seq_len=256, n_experts=args.moe or 0)
         except ValueError as error:
             print(f"distopt memory: {error}", file=sys.stderr)
             return 2
         with torch.device("meta"):
-            num_params = GPT(config).num_params()
-        label = f"--model {args.model}"
+            model = GPT(config)
+        num_params = model.num_params()
+        if args.moe:
+            args.expert_params = sum(p.numel() for e in model.expert_lists()
+                                     for p in e.parameters())
+        label = f"--model {args.model}" + (f" --moe {args.moe}" if args.moe else "")
     else:
         num_params, label = args.params, f"{args.params:.3g} params"
     param_dtype = DTYPES[args.dtype]

@@ -24,6 +24,9 @@ def add_expert_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--expert-params", type=float, default=None, metavar="E",
                        help="parameters in the experts, of every expert (e.g. 6e9 of --params "
                        "7e9); prints the table by part")
+    group.add_argument("--moe", type=int, default=None, metavar="N",
+                       help="with --model: its GPT with a mixture of N experts in each block "
+                       "(distopt train --moe N); the experts' params counted from it")
     group.add_argument("--ep", type=int, default=None,
                        help="expert-parallel size: ranks the experts are split over (divides "
                        "--dp; default 1)")
@@ -31,6 +34,8 @@ def add_expert_options(parser: argparse.ArgumentParser) -> None:
 
 def expert_problem(args: argparse.Namespace, num_params: int, dp: int) -> str | None:
     """What is wrong with the expert options, or None."""
+    if args.moe is not None and args.model is None:
+        return "--moe N builds a demo GPT preset's mixture of experts: add --model (e.g. tiny)"
     if args.expert_params is None:
         return None if args.ep is None else "--ep needs --expert-params (e.g. 6e9)"
     ep = args.ep or 1
@@ -58,16 +63,14 @@ def print_expert_table(args: argparse.Namespace, ours: BytesPerParam, num_params
     print(f"{header}\n{args.expert_params:.3g} of the params in experts, split over ep = {ep}: "
           f"each rank holds {experts_here:.3g} expert params,\nsharded over its "
           f"expert-data-parallel group of {expert_dp}; the dense {dense:.3g} over all {dp}\n")
-    print(f"{'component':<18}{'dense GiB':>12}{'experts GiB':>13}{'total GiB':>12}"
+    rows = {name: [dense_rank[name] * dense, expert_rank[name] * experts_here,
+                   unsharded[name] * experts_here] for name in COMPONENTS}
+    rows["total"] = [sum(r[i] for r in rows.values()) for i in range(3)]
+    unit, scale = ("GiB", GIB) if rows["total"][0] + rows["total"][1] >= GIB else ("MiB", 2**20)
+    print(f"{'component':<18}{'dense ' + unit:>12}{'experts ' + unit:>13}{'total ' + unit:>12}"
           f"{'experts unsharded':>19}")
-    totals = [0.0, 0.0, 0.0]
-    for name in COMPONENTS:
-        row = [dense_rank[name] * dense / GIB, expert_rank[name] * experts_here / GIB,
-               unsharded[name] * experts_here / GIB]
-        totals = [t + r for t, r in zip(totals, row, strict=True)]
-        print(f"{labels[name]:<18}{row[0]:>12.2f}{row[1]:>13.2f}{row[0] + row[1]:>12.2f}"
-              f"{row[2]:>19.2f}")
-    print(f"{'total':<18}{totals[0]:>12.2f}{totals[1]:>13.2f}{totals[0] + totals[1]:>12.2f}"
-          f"{totals[2]:>19.2f}")
+    for name, (d, e, u) in rows.items():
+        print(f"{labels.get(name, name):<18}{d / scale:>12.2f}{e / scale:>13.2f}"
+              f"{(d + e) / scale:>12.2f}{u / scale:>19.2f}")
     print(f"\nexpert state per rank at 1/{expert_dp} of its unsharded figure, dense at 1/{dp}; "
           "activations and the token all-to-all's buffers not included")
