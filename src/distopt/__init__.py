@@ -15,6 +15,7 @@ from .memory import MemoryReport, measure_state_bytes, theoretical_bytes_per_par
 from .optim.kinds import register_whole_tensor_optimizer
 from .optim.loss_scalers import ConstantLossScaler, DynamicLossScaler
 from .optim.optimizers import BasicOptimizer, DistributedOptimizer, StepResult
+from .parallel.experts import ExpertParallel
 
 __all__ = [
     "BasicOptimizer",
@@ -23,6 +24,7 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicLossScaler",
+    "ExpertParallel",
     "MemoryReport",
     "StepResult",
     "export_checkpoint",

@@ -53,6 +53,19 @@ one DCP chunk at its global flat offset; a load asks for the runs of its own pie
 reads the overlapping saved chunks. Replicated params (plain or Replicate) are the identity and
 are written only by the rank that counts them in grad statistics (TP coordinate 0), since every
 TP rank holds the same values.
+
+[Note: expert checkpoints]
+Under expert parallelism ([Note: expert parallelism] in parallel/experts.py) a rank holds some
+experts only, under local names (``moe.experts.0`` of EP rank 1 is the model's expert n). A
+checkpoint knows every expert by its global name, the one the model with every expert local
+gives it: the main params, the state and the ``model/`` entries of this rank's experts are keyed
+by it, and what every rank must agree on (each param group's names, the manifest's parameters
+and state_dict entries) lists every EP rank's experts, in the order the model with every
+expert local registers them (``expert_names_everywhere``). The expert-DP ranks of one EP
+coordinate hold one copy of its experts between them, as the dense group holds one of the dense
+params, so each element is written once; the ``model/`` entries of experts are dealt over the
+expert-DP group (parts.py). A load asks for its own pieces by global name, whatever (dp, ep) it
+runs at, with every expert local (no ``experts=``) included.
 """
 
 from __future__ import annotations
@@ -171,12 +184,39 @@ def buffer_keys(module: nn.Module) -> set[str]:
     return {name for name, _ in module.named_buffers(remove_duplicate=False)}
 
 
+def global_name(model: Any, name: str) -> str:
+    """A param's or a module entry's name in the model with every expert local; see
+    [Note: expert checkpoints]."""
+    return name if model.experts is None else model.experts.global_name(name)
+
+
+def names_everywhere(model: Any, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """(name, value) of ``model``'s entries, an expert's repeated under the global names of
+    the experts in its place on every EP rank (the same structure); see [Note: expert
+    checkpoints]."""
+    return items if model.experts is None else model.experts.everywhere(items)
+
+
 def param_names(opt: Optimizer) -> dict[nn.Parameter, str]:
     names = {}
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         for p in model.params:
-            names[p] = prefix + model.param_names[p]
+            names[p] = prefix + global_name(model, model.param_names[p])
     return names
+
+
+def _group_names(opt: Optimizer, params: list[nn.Parameter]) -> list[str]:
+    """The names a param group lists: its params', with every EP rank's experts."""
+    local = {}
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        for p in model.params:
+            local[p] = (prefix + model.param_names[p], model)
+    listed = [local[p] for p in params]
+    experts = [m for m in opt.models if m.experts is not None]
+    if not experts:
+        return [name for name, _ in listed]
+    # One model with experts (the optimizer refuses model chunks beside it; prefix "").
+    return experts[0].experts.global_order([name for name, _ in listed])
 
 
 
@@ -215,11 +255,10 @@ def owned_pieces(opt: Optimizer) -> list[OwnedPiece]:
 def hyper_params(opt: Optimizer) -> list[dict[str, Any]]:
     """Each param group's options, with the names of its parameters in the order given and a
     class named by the group as its path; see [Note: whole-tensor state]."""
-    names = param_names(opt)
     return [
         {**{k: class_path(v) if k == CLASS_KEY and isinstance(v, type) else v
             for k, v in group.items() if k != "params"},
-         "params": [names[p] for p in mps]}
+         "params": _group_names(opt, mps)}
         for group, mps in zip(opt.param_groups, opt.model_param_groups, strict=True)
     ]
 

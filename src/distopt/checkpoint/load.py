@@ -22,7 +22,7 @@ from .checks import (
     check_whole_state,
 )
 from .files import CheckpointError
-from .format import Optimizer, describe, model_prefixes, owned_pieces
+from .format import Optimizer, describe, global_name, model_prefixes, names_everywhere, owned_pieces
 from .install import install, state_tensor
 from .pipeline import WholeModel, check_unique_names, pipelined, whole_model
 
@@ -134,8 +134,12 @@ def _current_models(opt: Optimizer, whole: WholeModel | None
     if whole is not None:
         return [("", {n: s for n, s, requires_grad in whole.parameters if requires_grad},
                  {e[0]: e[1] for e in whole.state_dict})]
-    return [(prefix, {model.param_names[p]: list(p.shape) for p in model.params},
-             {k: describe(v)[0] for k, v in model.module.state_dict().items()})
+    # Every EP rank's experts; see [Note: expert checkpoints] in format.py.
+    return [(prefix,
+             dict(names_everywhere(model, [(model.param_names[p], list(p.shape))
+                                           for p in model.params])),
+             dict(names_everywhere(model, [(k, describe(v)[0])
+                                           for k, v in model.module.state_dict().items()])))
             for prefix, model in zip(model_prefixes(opt), opt.models, strict=True)]
 
 
@@ -183,7 +187,7 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
             for key, value in model.module.state_dict(keep_vars=True).items():
                 # Trainable params come from the fp32 main params below; the rest as saved.
                 if isinstance(value, torch.Tensor) and id(value) not in trainable:
-                    state[f"model/{prefix}{key}"] = value.detach()
+                    state[f"model/{prefix}{global_name(model, key)}"] = value.detach()
 
         with torch.no_grad():
             dcp.load(state, ckpt_dir, group, metadata)

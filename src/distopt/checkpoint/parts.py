@@ -37,6 +37,7 @@ from .format import (
     Optimizer,
     buffer_keys,
     describe,
+    global_name,
     model_prefixes,
     owned_pieces,
 )
@@ -140,21 +141,34 @@ def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:
     """The entries of ``module.state_dict()`` this rank writes, under ``model/``."""
     entries: dict[str, Any] = {}
     dealt: dict[str, int] = {}
+    # An expert's entries, under their global names, dealt over the ranks holding the same
+    # experts; see [Note: expert checkpoints] in format.py.
+    dealt_experts: dict[str, int] = {}
+    expert_group = None
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         # Buffers from the first DP ranks only, so that DCP writes theirs, which the next
         # forward broadcasts; see [Note: buffer broadcasting] in ddp/module_buffers.py.
         buffers = buffer_keys(model.module)
+        expert = model.experts.is_expert_entry if model.experts is not None else None
         for key, value in model.module.state_dict().items():
-            fqn = f"model/{prefix}{key}"
+            fqn = f"model/{prefix}{global_name(model, key)}"
             if key in buffers:
                 if model.parallel.first_dp_rank:
                     entries[fqn] = value
             elif isinstance(value, torch.Tensor) and opt.parallel.tp is None:
-                dealt[fqn] = value.numel() * value.element_size()
+                to = dealt_experts if expert is not None and expert(key) else dealt
+                to[fqn] = value.numel() * value.element_size()
                 entries[fqn] = value
+                if to is dealt_experts:
+                    expert_group = model.experts.parallel.expert_dp_group
             else:
                 entries[fqn] = value  # DTensors and objects: DCP writes each once
-    for fqn, owner in deal(dealt, ranks).items():
-        if owner != rank:
-            del entries[fqn]
+    dealt_to = [(dealt, rank, ranks)]
+    if expert_group is not None:
+        dealt_to.append((dealt_experts, comm.group_rank(expert_group),
+                         comm.group_size(expert_group)))
+    for sizes, mine, count in dealt_to:
+        for fqn, owner in deal(sizes, count).items():
+            if owner != mine:
+                del entries[fqn]
     return entries

@@ -25,6 +25,7 @@ from .format import (
     group_class_paths,
     hyper_params,
     model_prefixes,
+    names_everywhere,
     scaler_state,
 )
 from .pipeline import WholeModel, check_unique_names, pipelined, whole_model
@@ -205,9 +206,11 @@ def _manifest(opt: Optimizer, sequence: int, name: str,
         module = model.module
         models.append({
             "prefix": prefix,
-            "parameters": [[n, list(p.shape), p.requires_grad]
-                           for n, p in module.named_parameters()],
-            "state_dict": [[k, *describe(v)] for k, v in module.state_dict().items()],
+            # Every EP rank's experts; see [Note: expert checkpoints] in format.py.
+            "parameters": [[n, list(p.shape), p.requires_grad] for n, p in names_everywhere(
+                model, list(module.named_parameters()))],
+            "state_dict": [[k, *describe(v)] for k, v in names_everywhere(
+                model, list(module.state_dict().items()))],
         })
     return {
         "format": files.FORMAT,

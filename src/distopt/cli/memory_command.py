@@ -8,6 +8,8 @@
         --state-dtype bf16
     distopt memory --model medium --dp 8 --dtype bf16 --grad-dtype bf16 \
         --store-param-remainders --shard-grads
+    distopt memory --params 47e9 --expert-params 45e9 --dp 16 --ep 8
+    distopt memory --model small --moe 8 --dp 8 --ep 4
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
@@ -35,6 +37,7 @@ from ..memory import (
 )
 from ..options import fp32_accumulation_problem, remainders_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
+from .memory_experts import add_expert_options, expert_problem, print_expert_table
 
 GIB = 2**30
 LABELS = {
@@ -98,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
                          help="bf16/fp16 grads summed in fp32 (the replicate stage gathers)")
     _add_whole_tensor_options(parser)
+    add_expert_options(parser)
     return parser
 
 
@@ -185,13 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         from ..train.model import GPT, gpt_config  # the preset's exact parameter count
 
         try:
-            config = gpt_config(args.model, seq_len=256)
+            config = gpt_config(args.model, seq_len=256, n_experts=args.moe or 0)
         except ValueError as error:
             print(f"distopt memory: {error}", file=sys.stderr)
             return 2
         with torch.device("meta"):
-            num_params = GPT(config).num_params()
-        label = f"--model {args.model}"
+            model = GPT(config)
+        num_params = model.num_params()
+        if args.moe:
+            args.expert_params = sum(p.numel() for e in model.expert_lists()
+                                     for p in e.parameters())
+        label = f"--model {args.model}" + (f" --moe {args.moe}" if args.moe else "")
     else:
         num_params, label = args.params, f"{args.params:.3g} params"
     param_dtype = DTYPES[args.dtype]
@@ -216,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes is not None:
         return _cluster(args, num_params, label, grad_dtype, ours, labels)
     dp = args.dp or 8
+    problem = expert_problem(args, num_params, dp)
+    if problem is not None:
+        print(f"distopt memory: {problem}", file=sys.stderr)
+        return 2
+    if args.expert_params is not None:
+        print_expert_table(args, ours, num_params, dp, labels,
+                           f"{label}, {args.dtype} params, {dtype_name(grad_dtype)} grads, "
+                           f"data-parallel size {dp}")
+        return 0
     replicated, distributed = theory.per_rank(dp, distributed=False), ours.per_rank(dp)
     rows = [(labels[name], replicated[name], distributed[name]) for name in COMPONENTS]
     rep_total = theory.total(dp, distributed=False)

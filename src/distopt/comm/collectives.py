@@ -119,7 +119,7 @@ def _reduce_scatter(shard, full, group, async_op: bool, stats: CommStats | None,
             shard.copy_(full)
         return DONE
     if stats is not None:
-        stats.record("reduce_scatter", full)
+        stats.record("reduce_scatter", full, group)
     implementation = on_gloo if is_gloo(group) else elsewhere
     call = lambda: implementation(shard, full, group, async_op=async_op)
     return timed(stats, "reduce_scatter", async_op, call)
@@ -143,7 +143,7 @@ def all_reduce_avg(
     if group_size(group) == 1:
         return DONE
     if stats is not None:
-        stats.record(op, full)
+        stats.record(op, full, group)
     call = lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     return timed(stats, op, async_op, call)
 
@@ -162,7 +162,7 @@ def all_gather(
             full.copy_(shard)
         return DONE
     if stats is not None:
-        stats.record("all_gather", full)
+        stats.record("all_gather", full, group)
     if is_gloo(group):
         call = lambda: gloo.all_gather(full, shard, group, async_op=async_op)
     else:
@@ -186,7 +186,7 @@ def all_reduce_avg_fp32_accum(
     if group_size(group) == 1:
         return DONE
     if stats is not None:
-        stats.record(op, full)
+        stats.record(op, full, group)
     implementation = gloo.all_reduce_avg_fp32 if is_gloo(group) else sums.all_gather_all_reduce_fp32
     call = lambda: implementation(full, group, async_op=async_op)
     return timed(stats, op, async_op, call)
@@ -228,7 +228,7 @@ def broadcast_coalesced(
                     else torch.cat([t.reshape(-1) for t in same_dtype]))
             for op, group in groups:
                 if stats is not None:
-                    stats.record(op, flat)
+                    stats.record(op, flat, group)
                 with failures_named("broadcast", f"{len(same_dtype)} {flat.dtype} tensors "
                                                  f"({flat.numel()} elements)"):
                     dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
@@ -248,7 +248,7 @@ def all_reduce_small(
     for group in groups:
         if group_size(group) > 1:
             if stats is not None:
-                stats.record("all_reduce_small", tensor)
+                stats.record("all_reduce_small", tensor, group)
             with failures_named("all_reduce", f"a control value ({tensor.numel()} elements)"):
                 dist.all_reduce(tensor, op=op, group=group)
     return tensor

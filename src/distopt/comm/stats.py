@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(slots=True)
@@ -27,17 +28,25 @@ class CommStats:
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=Counter)
+    calls_by_group: Counter = field(default_factory=Counter)
+    """Calls per (op, the group's global ranks): which group each collective ran over (the
+    dense data-parallel group or an expert-data-parallel one, say)."""
     timed: bool = False
     synchronize: Callable[[], Any] | None = None
 
-    def record(self, op: str, tensor: torch.Tensor) -> None:
+    def record(self, op: str, tensor: torch.Tensor,
+               group: dist.ProcessGroup | None = None) -> None:
         self.calls[op] += 1
         self.bytes[op] += tensor.numel() * tensor.element_size()
+        ranks = (tuple(range(dist.get_world_size())) if group is None
+                 else tuple(dist.get_process_group_ranks(group)))
+        self.calls_by_group[op, ranks] += 1
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
         self.seconds.clear()
+        self.calls_by_group.clear()
 
     def _stop_clock(self, op: str, start: float) -> None:
         if self.synchronize is not None:

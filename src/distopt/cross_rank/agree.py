@@ -63,7 +63,7 @@ def _digests_differ(digest: bytes, group: dist.ProcessGroup, device: torch.devic
     mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(device)  # [4]
     every = [torch.empty_like(mine) for _ in range(comm.group_size(group))]
     if stats is not None:
-        stats.record("model_check", mine)
+        stats.record("model_check", mine, group)
     dist.all_gather(every, mine, group=group)
     return any(not torch.equal(d, mine) for d in every)
 

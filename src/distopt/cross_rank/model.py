@@ -14,7 +14,10 @@ its first broadcast, compares what every rank is about to communicate:
 * the DDP options that change which collectives run (grad dtype, reduce-scatter or all-reduce,
   unused-param tracking, the nan check, fp32 accumulation, sharded grads and params, the
   broadcast of module buffers before each forward);
-* the bucket layout it plans: every buffer's buckets, their element ranges and params.
+* the bucket layout it plans: every buffer's buckets, their element ranges and params;
+* with experts, the expert mesh's sizes and which params are experts' (whose buffers the
+  layout plans for the expert-data-parallel size; see [Note: expert parallelism] in
+  parallel/experts.py).
 
 ``describe_model`` and ``first_difference`` are the pure part (they use no
 torch.distributed; the layout comes from the DDP's own planner, layout/model_layout.py). The
@@ -46,6 +49,7 @@ from ..layout.elementwise import BufferLayout
 from ..layout.model_layout import ParamSpec, plan_model_layout
 from ..options import GradSyncOptions
 from ..parallel.dtensor import is_dtensor, local_tensor
+from ..parallel.experts import ExpertParams
 from ..parallel.process_groups import ParallelGroups
 from .agree import compared_groups, raise_unless_same
 
@@ -117,13 +121,16 @@ class ModelDescription:
 
 def _element_wise_buffers(
     params: Sequence[nn.Parameter], grad_dtype: torch.dtype | None, *, bucket_size: int,
-    dp_size: int,
+    dp_size: int, experts: ExpertParams | None = None,
 ) -> list[tuple[torch.dtype, torch.dtype, tuple[int, ...], BufferLayout]]:
     """The DDP's own planner on ``params`` (trainable, registration order) with no owners of
     whole tensors: per buffer its dtypes, the indices into ``params`` and the layout."""
-    specs = [ParamSpec(tuple(local_tensor(p).shape), p.dtype) for p in params]
-    planned = plan_model_layout(specs, grad_dtype=grad_dtype, bucket_size=bucket_size,
-                                dp_size=dp_size)
+    expert = frozenset() if experts is None else experts.params
+    specs = [ParamSpec(tuple(local_tensor(p).shape), p.dtype, expert=p in expert)
+             for p in params]
+    planned = plan_model_layout(
+        specs, grad_dtype=grad_dtype, bucket_size=bucket_size, dp_size=dp_size,
+        expert_dp_size=None if experts is None else experts.parallel.expert_dp_size)
     return [(b.param_dtype, b.grad_dtype, b.param_indices, b.layout) for b in planned.buffers]
 
 
@@ -134,9 +141,11 @@ def describe_model(
     *,
     bucket_size: int,
     dp_size: int,
+    experts: ExpertParams | None = None,
 ) -> ModelDescription:
     """This rank's description of ``module`` wrapped with ``options``; ``trainable`` are the
-    (name, param) pairs the DDP lays out, in registration order."""
+    (name, param) pairs the DDP lays out, in registration order; ``experts``: which of them
+    are experts' and their mesh."""
     tensors = []
     for kind, named in (("parameter", module.named_parameters(remove_duplicate=False)),
                         ("buffer", module.named_buffers(remove_duplicate=False))):
@@ -167,15 +176,19 @@ def describe_model(
         )
         for dtype, grad_dtype, indices, layout in _element_wise_buffers(
             [p for _, p in trainable], options.grad_dtype, bucket_size=bucket_size,
-            dp_size=dp_size,
+            dp_size=dp_size, experts=experts,
         )
     )
     compared = ("grad_dtype", "use_distributed_optimizer", "find_unused_parameters",
                 "check_for_nan_in_grad", "reduce_scatter_with_fp32_accumulation", "shard_grads",
                 "shard_params", "reshard_after_forward", "broadcast_buffers")
+    described = [(name, str(getattr(options, name))) for name in compared]
+    expert_names = [] if experts is None else [n for n, p in trainable if p in experts.params]
+    described.append(("experts", "None" if experts is None else
+                      f"{experts.parallel.describe()} params={expert_names}"))
     return ModelDescription(
         tensors=tuple(tensors),
-        options=tuple((name, str(getattr(options, name))) for name in compared),
+        options=tuple(described),
         buffers=buffers,
         bucket_size=bucket_size,
     )
@@ -280,6 +293,7 @@ def check_same_model(
     bucket_size: int,
     parallel: ParallelGroups,
     stats: comm.CommStats | None = None,
+    experts: ExpertParams | None = None,
 ) -> None:
     """Raise the same ``ValueError`` on every rank of ``parallel``'s groups unless they all
     hold the same model and plan the same buckets; see [Note: one model on every rank].
@@ -288,7 +302,7 @@ def check_same_model(
     if not groups:
         return
     description = describe_model(module, trainable, options, bucket_size=bucket_size,
-                                 dp_size=parallel.dp_size)
+                                 dp_size=parallel.dp_size, experts=experts)
     raise_unless_same(
         [(name, group, description if full else description.global_view())
          for name, group, full in groups],

@@ -47,6 +47,7 @@ class Bucket:
         replicate_group: dist.ProcessGroup | None = None,
         fp32_accumulation: bool = False,
         check_local_grads: bool = False,
+        grad_scale: float = 1.0,
     ) -> None:
         self.layout = layout
         self.numel = layout.buffer_range.size  # padding included
@@ -62,6 +63,9 @@ class Bucket:
         self.reduce_scatter = reduce_scatter
         self.fp32_accumulation = fp32_accumulation
         self.stats = stats
+        # What the grads are multiplied by before their average over the group: 1/ep for an
+        # expert's; see [Note: expert parallelism] in parallel/experts.py.
+        self.grad_scale = grad_scale
         # The grads this rank holds reduced once the reduction is waited for, in bucket
         # coordinates.
         self.owned_range = shard if reduce_scatter else Range(0, layout.buffer_range.size)
@@ -183,6 +187,8 @@ class Bucket:
             # Sharded grads reduce each micro-batch: every one of the step counts.
             first = self.storage.copy_next or self._local_finite is None
             self._local_finite = finite if first else self._local_finite & finite
+        if self.grad_scale != 1.0:
+            self.grad_data.mul_(self.grad_scale)
         output = self.storage.reduction_output(self)
         self._start_reduction(output, replicate=replicate)
         self.launched_round = round_
@@ -248,6 +254,11 @@ class Bucket:
         if self.storage.unreplicated:
             self.replica_due = True
             self.advance_reduction(block=True)
+
+    @property
+    def reduction_completed(self) -> bool:
+        """Whether no reduction over the shard group is in flight, or it has completed."""
+        return self._reduction is None or self._reduction.is_completed()
 
     def finish_first_stage(self) -> None:
         """Wait for the reduction over the shard group, if one is in flight."""

@@ -44,17 +44,22 @@ class ParamAndGradBuffer:
         grad_pool: GradPool | None = None,
         param_pool: ParamPool | None = None,
         device: torch.device | None = None,
+        expert: bool = False,
+        grad_scale: float = 1.0,
     ) -> None:
         """``params`` in layout order, laid out by ``layout`` (from layout/model_layout.py). With a
         ``grad_pool`` the grads are sharded: no ``grad_data``, only ``grad_shards`` (this
         rank's reduced shard of every bucket) between steps; see [Note: sharded grads] in
         ddp/grad_pool.py. With a ``param_pool`` the params are sharded too: no ``param_data``,
         only ``param_shards``, and the params are placeholders between uses; see
-        [Note: sharded params] in ddp/param_storage.py."""
+        [Note: sharded params] in ddp/param_storage.py. ``expert``: it holds experts' params,
+        reduced over the expert-data-parallel ``group`` with their grads first multiplied by
+        ``grad_scale`` ([Note: expert parallelism] in parallel/experts.py)."""
         if not params:
             raise ValueError("a buffer needs at least one parameter")
         self.params = params  # layout order
         self.param_dtype = params[0].dtype
+        self.expert = expert
         self.grad_dtype = grad_dtype
         self.dp_size = layout.dp_size
         self.dp_rank = dp_rank
@@ -122,7 +127,7 @@ class ParamAndGradBuffer:
             options = dict(
                 dp_rank=dp_rank, group=group, reduce_scatter=reduce_scatter, stats=stats,
                 replicate_group=replicate_group, fp32_accumulation=fp32_accumulation,
-                check_local_grads=check_local_grads,
+                check_local_grads=check_local_grads, grad_scale=grad_scale,
             )
             # Where the bucket's grads live: the one place the sharding of grads matters.
             if grad_pool is None:

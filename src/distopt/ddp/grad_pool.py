@@ -27,9 +27,14 @@ backward but whose launch waits for buckets before it (a param registered early 
 in the forward) holds its buffer meanwhile, and a param that gets no grad in this backward (a
 branch not taken) holds back every bucket after it until backward ends, each with its buffer:
 at worst the full buffer, transiently. The peak during backward is the kept shards plus k
-buffers of the largest bucket. ``finish_grad_sync`` and ``zero_grad_buffer`` drop the buffers,
-so nothing transient is held between steps; on CUDA the caching allocator hands the same blocks
-back in the next step, without new device allocations.
+buffers of the largest bucket. A model whose backward itself communicates (the token
+all-to-all of experts, [Note: expert parallelism] in parallel/experts.py) must not wait for
+a reduction in a grad hook: a peer whose launches are held back (by an expert that got no
+token there) launches that reduction only when its backward ends, and may first wait in the
+all-to-all for this rank; its pool waits only for reductions already done and grows instead.
+``finish_grad_sync`` and ``zero_grad_buffer`` drop the buffers, so nothing transient is held
+between steps; on CUDA the caching allocator hands the same blocks back in the next step,
+without new device allocations.
 
 Every backward reduces, since there is no full buffer to accumulate micro-batches in. The first
 grad hook of a backward queues a callback on the autograd engine that, when backward ends,
@@ -69,15 +74,21 @@ class _Holder(Protocol):
 
     def finish_first_stage(self) -> None: ...
 
+    @property
+    def reduction_completed(self) -> bool: ...
+
 
 class GradPool:
     """Buffers of ``numel`` elements (the largest bucket of one grad dtype), lent to buckets
     from their first grad until their reduction is waited for; see [Note: sharded grads]."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *,
-                 in_flight: int) -> None:
+                 in_flight: int, blocking: bool = True) -> None:
         """``in_flight``: buffers the pool grows to before it waits for a reduction (2 to
-        overlap one with the next bucket's grads, 1 when nothing overlaps)."""
+        overlap one with the next bucket's grads, 1 when nothing overlaps); without
+        ``blocking`` it takes only the buffers of reductions already done, and grows instead
+        of waiting (a backward that communicates itself; see above)."""
+        self.blocking = blocking
         self.numel = numel
         self.min_buffers = in_flight  # grown to before it waits
         self.dtype = dtype
@@ -95,7 +106,10 @@ class GradPool:
         """A buffer [numel] of stale values: a free one, else a new one up to ``in_flight``,
         else the one the oldest reduction in flight frees when waited for, else a new one."""
         while not self._free and self.live_buffers >= self.min_buffers and self._in_flight:
-            holder = self._in_flight.popleft()
+            holder = self._in_flight[0]
+            if not self.blocking and holder.holds_buffer and not holder.reduction_completed:
+                break
+            self._in_flight.popleft()
             if holder.holds_buffer:  # else it was waited for already and gave its buffer back
                 holder.finish_first_stage()
         if not self._free:
@@ -122,12 +136,14 @@ class GradPool:
 
 
 def grad_pools_for(buffers: Iterable[PlannedBuffer], device: torch.device, *,
-                   overlaps: bool) -> dict[torch.dtype, GradPool]:
+                   overlaps: bool, blocking: bool = True) -> dict[torch.dtype, GradPool]:
     """One pool per grad dtype of ``buffers``, its buffers the size of the largest bucket of
-    that dtype; double-buffered when reductions ``overlaps`` backward, else one buffer."""
+    that dtype; double-buffered when reductions ``overlaps`` backward, else one buffer;
+    ``blocking``: whether it may wait for a reduction in flight (see GradPool)."""
     largest: dict[torch.dtype, int] = {}
     for buf in buffers:
         size = max(b.buffer_range.size for b in buf.layout.buckets)
         largest[buf.grad_dtype] = max(largest.get(buf.grad_dtype, 0), size)
-    return {dtype: GradPool(numel, dtype, device, in_flight=2 if overlaps else 1)
+    return {dtype: GradPool(numel, dtype, device, in_flight=2 if overlaps else 1,
+                            blocking=blocking)
             for dtype, numel in largest.items()}

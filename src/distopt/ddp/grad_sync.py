@@ -50,6 +50,7 @@ from torch import nn
 from ..comm import collectives as comm
 from ..options import GradSyncOptions
 from ..parallel.dtensor import local_grad
+from ..parallel.experts import ExpertParams, used_anywhere
 from ..parallel.process_groups import ParallelGroups
 from .bucket import Bucket
 from .grad_marker import GradInBuffer, GradMarkers
@@ -71,6 +72,8 @@ class GradSync:
         grad_pools: dict[torch.dtype, GradPool],
         stats: comm.CommStats,
         dtensor_params: frozenset[nn.Parameter],
+        *,
+        experts: ExpertParams | None = None,
     ) -> None:
         self.buckets = buckets  # in launch order
         self.bucket_of = {p: b for b in buckets for p in b.params}
@@ -82,6 +85,7 @@ class GradSync:
         self.grad_pools = grad_pools
         self.stats = stats
         self.dtensor_params = dtensor_params
+        self.experts = experts
         self.markers = GradMarkers(params, param_names)
         self.state = SyncState.IDLE
         self.sync_enabled = True  # False inside no_sync()
@@ -277,12 +281,8 @@ class GradSync:
         self._release_grad_pools()
         unused: frozenset[nn.Parameter] = frozenset()
         if self.options.find_unused_parameters:
-            used = torch.tensor(list(self._used), dtype=torch.int32,
-                                device=self.params[0].device)
-            # Over every data-parallel rank: replicas train on other data than their peers.
-            comm.all_reduce_small(used, dist.ReduceOp.MAX,
-                                  self.parallel.data_parallel_groups, self.stats)
-            unused = frozenset(p for p, u in zip(self.params, used.tolist(), strict=True) if not u)
+            unused = frozenset(p for p, u in zip(self.params, self._used_anywhere(), strict=True)
+                               if not u)
             self._used = bytearray(len(self.params))
         self.unused_params = unused
         self._next_launch = self._next_replica = 0
@@ -310,6 +310,19 @@ class GradSync:
             for bucket in self.buckets:
                 bucket.owned_grad.div_(self._grad_divisor)
         self._grad_divisor = 1.0
+
+    def _used_anywhere(self) -> list[int]:
+        """Per param, whether any rank that holds it computed a grad for it this step."""
+        device = self.params[0].device
+        if self.experts is not None:  # see [Note: expert parallelism]
+            return used_anywhere(self._used, [p in self.experts.params for p in self.params],
+                                 self.experts.parallel, self.parallel.dp_group, device,
+                                 self.stats)
+        used = torch.tensor(list(self._used), dtype=torch.int32, device=device)
+        # Over every data-parallel rank: replicas train on other data than their peers.
+        comm.all_reduce_small(used, dist.ReduceOp.MAX, self.parallel.data_parallel_groups,
+                              self.stats)
+        return used.tolist()
 
     def zero_grad_buffer(self) -> None:
         """Start a new step's grads ([Note: grads written, not zeroed])."""

@@ -1,11 +1,15 @@
-"""The trainable params of a module to be wrapped, checked before anything is built from them."""
+"""The trainable params of a module to be wrapped, checked before anything is built from them,
+and the first ranks' weights every replica starts from."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..comm import collectives as comm
 from ..parallel.dtensor import local_tensor
+from ..parallel.experts import ExpertParams
+from ..parallel.process_groups import ParallelGroups
 
 
 def trainable_named_params(
@@ -39,3 +43,20 @@ def trainable_named_params(
         if not p.is_floating_point():
             raise TypeError(f"parameter '{name}' has non-floating dtype {p.dtype}")
     return named
+
+
+def broadcast_initial_weights(module: nn.Module, parallel: ParallelGroups,
+                              experts: ExpertParams | None, with_buffers: bool) -> None:
+    """Torch DDP's rule: every replica starts from the first rank's params (and buffers,
+    unless ``broadcast_buffers=False``); an expert's params from the first rank holding the
+    same experts. Meta tensors have no values yet; see [Note: meta-device models]."""
+    synced = (*module.parameters(), *(module.buffers() if with_buffers else ()))
+    in_experts = set() if experts is None else {
+        id(p) for m in experts.parallel.modules for p in m.parameters()}
+    comm.broadcast_from_first_ranks(
+        [local_tensor(t.data) for t in synced if not t.is_meta and id(t) not in in_experts],
+        parallel.data_parallel_groups)
+    if experts is not None:
+        comm.broadcast_from_first_ranks(
+            [t.data for t in module.parameters() if id(t) in in_experts and not t.is_meta],
+            [experts.parallel.expert_dp_group])

@@ -27,6 +27,7 @@ from ..layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_s
 from ..optim.kinds import costs_of_classes
 from ..options import GradSyncOptions
 from ..parallel.dtensor import is_dtensor, local_tensor
+from ..parallel.experts import ExpertParallel, ExpertParams
 from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from ..parallel.tensor_parallel import TensorParallelMesh, check_params
 from ..sharding import Sharding
@@ -38,7 +39,7 @@ from .grad_pool import GradPool, grad_pools_for
 from .grad_sync import GradSync
 from .materialize import check_materializable, has_meta_tensors, materialize_shards, target_device
 from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
-from .module_params import trainable_named_params
+from .module_params import broadcast_initial_weights, trainable_named_params
 from .param_gather import register_param_wait_hooks
 from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
@@ -108,6 +109,12 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         tied_params: on a pipeline stage, ``{name: param}`` for its params that hold a weight
             of another stage too (embedding and head), named after it; see
             [Note: tied stage params] in optim/tied.py.
+        experts: a mixture of experts' experts and their mesh,
+            ``distopt.ExpertParallel(mesh, modules)``: their params go into buffers of their
+            own, reduce-scattered and gathered over the expert-data-parallel group
+            (``mesh["dp"]``) with grads averaged over every token of the batch; the dense params
+            are data-parallel over every rank of the mesh. See "Experts" in docs/design.md
+            and [Note: expert parallelism] in parallel/experts.py.
     """
 
     def __init__(
@@ -130,6 +137,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         sharding: str | Sharding | None = None,
         whole_tensor_params: Mapping[nn.Parameter, type[torch.optim.Optimizer]] | None = None,
         tied_params: Mapping[str, nn.Parameter] | None = None,
+        experts: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         named = trainable_named_params(
@@ -163,6 +171,11 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self.parallel = ParallelGroups.of(
             dp_group, check_params(named, dp_group), replicate_group, mesh=device_mesh
         )
+        # Raises, on every rank alike and before any collective, where experts cannot compose.
+        self.experts: ExpertParams | None = None if experts is None else experts.resolve(
+            module, named, dp_group, replicated=comm.group_size(replicate_group) > 1,
+            tensor_parallel=self.parallel.tp is not None,
+            reduce_scatter=self.options.grad_policy.reduce_scatter)
         self.comm_stats = comm.CommStats()
         self._target_device = (target_device(self.process_group) if meta
                                else named[0][1].device)
@@ -185,7 +198,8 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             # Every rank must hold the same model and plan the same buckets before the first
             # collective; see [Note: one model on every rank] in cross_rank/model.py.
             check_same_model(module, named, self.options, bucket_size=self.bucket_size,
-                             parallel=self.parallel, stats=self.comm_stats)
+                             parallel=self.parallel, stats=self.comm_stats,
+                             experts=self.experts)
         # A module wrapped before is taken over, its old wrapper released first (its gathers
         # may still write into the params); see [Note: one wrapper per param] in
         # ddp/param_owners.py.
@@ -195,11 +209,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                 f"a newer distopt.DistributedDataParallel wrapped its parameter "
                 f"'{older.param_names[param]}'"
             )
-        # Torch DDP semantics: every replica starts from rank 0's weights (and buffers, unless
-        # broadcast_buffers=False).
-        synced = (*module.parameters(), *(module.buffers() if broadcast_buffers else ()))
-        comm.broadcast_from_first_ranks([local_tensor(t.data) for t in synced if not t.is_meta],
-                                        self.parallel.data_parallel_groups)
+        broadcast_initial_weights(module, self.parallel, self.experts, broadcast_buffers)
         self._buffer_broadcast = BufferBroadcast(module, self.parallel, self.comm_stats,
                                                  enabled=broadcast_buffers)
 
@@ -225,8 +235,10 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         ]
 
     def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
+        experts = frozenset() if self.experts is None else self.experts.params
         return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p),
-                          alone=p in self.tied_params) for p in self.params]
+                          alone=p in self.tied_params, expert=p in experts)
+                for p in self.params]
 
     def _lay_out(self, whole_costs: dict[nn.Parameter, float]) -> None:
         """Lay the buffers out, each param in ``whole_costs`` owned whole by one rank (owners
@@ -236,12 +248,14 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         planned = plan_model_layout(
             self._param_specs(whole_costs), grad_dtype=self.options.grad_dtype,
             bucket_size=self.bucket_size, dp_size=self.dp_size,
+            expert_dp_size=None if self.experts is None else self.experts.parallel.expert_dp_size,
         )
         policy = self.options.grad_policy
         overlaps = self.dp_size > 1 and self.options.overlap_grad_reduce
         self.grad_pools: dict[torch.dtype, GradPool] = (
             {} if policy.full_grads
-            else grad_pools_for(planned.buffers, self._device, overlaps=overlaps))
+            else grad_pools_for(planned.buffers, self._device, overlaps=overlaps,
+                                blocking=self.experts is None))
         self.param_pools: dict[torch.dtype, ParamPool] = (
             {} if policy.full_params else param_pools_for(planned.buffers))
         self._whole_tensor_costs = dict(whole_costs)
@@ -250,8 +264,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                 [self.params[i] for i in buf.param_indices],
                 buf.layout,
                 grad_dtype=buf.grad_dtype,
-                dp_rank=self.dp_rank,
-                group=self.process_group,
+                **self._buffer_groups(buf.expert),
                 replicate_group=self.parallel.replicate_group,
                 reduce_scatter=policy.reduce_scatter,
                 stats=self.comm_stats,
@@ -269,7 +282,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self._buffer_of = {p: buf for buf in self._flat_buffers for p in buf.params}
         self._grad_sync = GradSync(buckets, self.params, self.param_names, self.options,
                                    self.parallel, self.grad_pools, self.comm_stats,
-                                   self._dtensor_params)
+                                   self._dtensor_params, experts=self.experts)
         for hook in self._param_wait_hooks:
             hook.remove()
         if self._unsharder is not None:
@@ -281,6 +294,14 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self._unsharder = ParamUnsharder(
                 self.module, self._grad_sync.bucket_of, buckets,
                 reshard_after_forward=self.options.reshard_after_forward)
+
+    def _buffer_groups(self, expert: bool) -> dict[str, Any]:
+        """The group a buffer's buckets reduce and gather over, this rank's place in it, and
+        the factor grads take first: the expert-DP group for experts' buffers (see
+        [Note: expert parallelism] in parallel/experts.py), else the data-parallel group."""
+        if expert and self.experts is not None:
+            return self.experts.parallel.buffer_options()
+        return dict(dp_rank=self.dp_rank, group=self.process_group)
 
     def lay_out_for(self, whole_tensor_costs: dict[nn.Parameter, float], *, by: str) -> None:
         """Make sure the buffers are laid out for these owners of whole tensors: the layout

@@ -44,6 +44,9 @@ class ParamSpec:
     """In a buffer of its own, so that its shards are the same in every model it is laid out
     in at this DP size (a param tied across pipeline stages; see [Note: tied stage params] in
     optim/tied.py)."""
+    expert: bool = False
+    """An expert's param: in a buffer of its own, sharded over the expert-data-parallel group
+    (see [Note: expert parallelism] in parallel/experts.py)."""
 
     @property
     def numel(self) -> int:
@@ -59,6 +62,8 @@ class PlannedBuffer:
     param_indices: tuple[int, ...]
     """Positions in the planner's ``specs`` (registration order), in layout order."""
     layout: BufferLayout
+    expert: bool = False
+    """Whether it holds experts' params, laid out for the expert-data-parallel size."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,22 +94,28 @@ def plan_model_layout(
     grad_dtype: torch.dtype | None,
     bucket_size: int,
     dp_size: int,
+    expert_dp_size: int | None = None,
 ) -> ModelLayout:
     """Lay a model's params out; see [Note: layout planned once]. ``grad_dtype`` None: each
-    buffer's grads in its params' dtype."""
-    by_dtype: dict[tuple[torch.dtype, int], list[int]] = {}
+    buffer's grads in its params' dtype. Experts' params (``ParamSpec.expert``) get buffers of
+    their own, laid out for ``expert_dp_size`` ranks, and so does each param tied across
+    pipeline stages (``ParamSpec.alone``)."""
+    # (dtype, expert, the tied param's own index or -1) -> its params' indices
+    by_dtype: dict[tuple[torch.dtype, bool, int], list[int]] = {}
     for index in reversed(range(len(specs))):  # reverse registration ~ the order backward runs
-        key = (specs[index].dtype, index if specs[index].alone else -1)
+        spec = specs[index]
+        key = (spec.dtype, spec.expert, index if spec.alone else -1)
         by_dtype.setdefault(key, []).append(index)
     buffers = []
-    for (dtype, _), indices in by_dtype.items():
+    for (dtype, expert, _), indices in by_dtype.items():
         layout = build_mixed_layout(
             [specs[i].numel for i in indices],
             [specs[i].whole_cost for i in indices],
             bucket_size=bucket_size,
-            dp_size=dp_size,
+            dp_size=(expert_dp_size or dp_size) if expert else dp_size,
         )
-        buffers.append(PlannedBuffer(dtype, grad_dtype or dtype, tuple(indices), layout))
+        buffers.append(PlannedBuffer(dtype, grad_dtype or dtype, tuple(indices), layout,
+                                     expert))
     # One launch order over the buckets of all dtypes: by the backward position of the param
     # that completes each bucket (its last), then of its first.
     def backward_position(buffer: PlannedBuffer, layout_index: int) -> int:

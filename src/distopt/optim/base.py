@@ -130,6 +130,11 @@ class BufferOptimizer(torch.optim.Optimizer):
         # The DP group and TP mesh every model chunk shares, checked once.
         self.parallel: ParallelGroups = common_groups([m.parallel for m in models])
         _check_model_parallel_group(model_parallel_group, self.parallel.dp_group)
+        if len(models) > 1 and any(m.experts is not None for m in models):
+            raise ValueError(  # checkpoints name experts by one model's global names
+                "a model with experts= takes an optimizer of its own: pass one DDP, not "
+                "several model chunks, when one holds experts"
+            )
         if self.parallel.tp is not None and model_parallel_group is not None:
             raise ValueError(
                 "the model has DTensor (tensor-parallel) params, whose mesh already gives the "

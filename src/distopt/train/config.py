@@ -120,6 +120,12 @@ class TrainConfig:
     """Keep only each rank's shard of the params too, gathered around the forward and backward
     that use them (ZeRO-3; implies --shard-grads). See [Note: sharded params] in
     distopt/ddp/param_storage.py."""
+    moe: int = 0
+    """Experts in each block's mixture of experts (top-2 routed, each the size of the dense
+    MLP); 0: the dense GPT."""
+    ep: int = 1
+    """Ranks the experts are split over (expert parallelism, tokens exchanged all-to-all);
+    their params shard over the ranks / ep that hold the same experts."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter each bucket while backward goes on."""
     overlap_param_gather: bool = True
@@ -212,6 +218,14 @@ class TrainConfig:
         if self.shard_params and self.no_shard:
             problems.append("--shard-params needs the sharded optimizer (the replicated one "
                             "steps whole params); drop --no-shard")
+        if self.moe < 0 or self.ep < 1:
+            problems.append(f"--moe must be >= 0 and --ep >= 1, got {self.moe} and {self.ep}")
+        elif self.ep > 1 and (not self.moe or self.moe % self.ep):
+            problems.append(f"--ep {self.ep} splits the experts of --moe N over ranks: pick N "
+                            f"a multiple of {self.ep} (e.g. --moe {2 * self.ep})")
+        if self.moe and (self.no_shard or self.shard_size is not None):
+            problems.append("--moe shards experts over their own data-parallel group with the "
+                            "sharded optimizer over every rank: drop --no-shard and --shard-size")
         if self.optimizer in OPTIMIZERS:
             problems += self._state_dtype_problems()
         if self.pp != 1:
@@ -264,7 +278,7 @@ class TrainConfig:
             problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got "
                             f"{self.schedule}")
         for flag, on in (("--no-shard", self.no_shard), ("--shard-size", self.shard_size),
-                         ("--dtype fp16", self.dtype == "fp16")):
+                         ("--dtype fp16", self.dtype == "fp16"), ("--moe", self.moe)):
             if on:
                 problems.append(f"--pp does not compose with {flag} in distopt train yet; drop "
                                 "one of them")
@@ -284,6 +298,9 @@ class TrainConfig:
                 f"--shard-size {self.shard_size} does not divide the {world_size} ranks; pick a "
                 "divisor of the rank count, such as the ranks of one node"
             )
+        if world_size % self.ep:
+            raise ValueError(f"--ep {self.ep} does not divide the {world_size} ranks; pick a "
+                             "divisor of --nproc")
         if self.batch_size % (world_size * self.grad_accum):
             raise ValueError(
                 f"--batch-size {self.batch_size} must be a multiple of ranks x --grad-accum "
@@ -372,6 +389,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-params", action="store_true",
                    help="keep only this rank's shard of the params too, gathered around the "
                    "forward and backward that use them (ZeRO-3); implies --shard-grads")
+    p.add_argument("--moe", type=int, default=defaults.moe, metavar="N",
+                   help="a mixture of N experts (top-2) in each block instead of its MLP")
+    p.add_argument("--ep", type=int, default=defaults.ep,
+                   help="expert-parallel size: ranks the --moe experts are split over")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     p.add_argument("--no-overlap-param-gather", dest="overlap_param_gather",
                    action="store_false")

@@ -8,6 +8,10 @@ accumulates the contributions of both uses before it is reduced.
 Init is a pure function of the torch RNG state at construction: build the model on CPU
 after `torch.manual_seed(seed)` on every rank and every rank starts from the same weights,
 then move it with `model.to(device, dtype)`.
+
+With `n_experts` each block's MLP is a mixture of that many experts (train/moe.py); built with
+an expert-parallel group (`GPT(config, ep_group=...)`) each rank keeps its share of them, with
+the values the model with every expert local has, whatever the EP size.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from .moe import MoE
 
 __all__ = ["GPT", "GPTConfig", "MODEL_PRESETS", "gpt_config"]
 
@@ -39,6 +46,11 @@ class GPTConfig:
     """Number of token ids; 256 for raw bytes."""
     dropout: float = 0.0
     """Dropout on embeddings, attention weights and residual branches, in [0, 1)."""
+    n_experts: int = 0
+    """Experts of each block's mixture of experts (each the size of the dense MLP); 0: a
+    dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to, with n_experts."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "n_layer", "n_head", "n_embd", "vocab_size"):
@@ -50,6 +62,9 @@ class GPTConfig:
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                 f"pick n_embd as a multiple of n_head"
             )
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"GPTConfig.top_k must be in [1, n_experts={self.n_experts}], "
+                             f"got {self.top_k!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -110,7 +125,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = (
+            MoE(config.n_embd, config.n_experts, config.top_k, lambda: MLP(config))
+            if config.n_experts else MLP(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -118,9 +135,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer over token ids in [0, vocab_size)."""
+    """Decoder-only transformer over token ids in [0, vocab_size); with ``n_experts``, a
+    mixture of experts whose experts are spread over ``ep_group`` (None: every one local)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -137,7 +155,20 @@ class GPT(nn.Module):
         proj_std = 0.02 / math.sqrt(2 * config.n_layer)
         for block in self.blocks:
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=proj_std)
-            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=proj_std)
+            for mlp in self.experts_of(block) or [block.mlp]:
+                nn.init.normal_(mlp.c_proj.weight, mean=0.0, std=proj_std)
+        if config.n_experts:  # every expert initialized: keep this EP rank's
+            for block in self.blocks:
+                block.mlp.keep_local(ep_group)
+
+    @staticmethod
+    def experts_of(block: nn.Module) -> nn.ModuleList | None:
+        """A block's list of (this rank's) experts; None for a dense block."""
+        return block.mlp.experts if isinstance(block.mlp, MoE) else None
+
+    def expert_lists(self) -> list[nn.ModuleList]:
+        """Every block's list of this rank's experts (what ``distopt.ExpertParallel`` takes)."""
+        return [e for e in map(self.experts_of, self.blocks) if e is not None]
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

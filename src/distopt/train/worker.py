@@ -75,19 +75,27 @@ class Trainer:
         ]
 
         torch.manual_seed(config.seed)
-        model = GPT(gpt_config(config.model, seq_len=config.seq_len))
+        experts, ep_group = self._expert_mesh()
+        model = GPT(gpt_config(config.model, seq_len=config.seq_len, n_experts=config.moe),
+                    ep_group=ep_group)
         model = model.to(self.device, DTYPES[config.dtype])
+        for block in model.blocks if config.moe else ():
+            # Sharded params: every rank runs the same modules (idle experts on no rows).
+            block.mlp.run_idle_experts = config.shard_params
         tied: dict[str, Any] = {}
         if mesh is not None:  # this rank's stage of the model; see train/stages.py
             model = GPTStage(model, pp_rank, config.pp)
             tied = model.tied_params()
         self.ddp = distopt.DistributedDataParallel(
             model, tied_params=tied,
+            experts=None if experts is None else distopt.ExpertParallel(
+                experts, model.expert_lists()),
             grad_dtype=DTYPES[config.grad_dtype],
             bucket_size=config.bucket_size,
             overlap_grad_reduce=config.overlap_grad_reduce,
             use_distributed_optimizer=not config.no_shard,
-            device_mesh=mesh if mesh is not None else self._data_parallel_mesh(),
+            device_mesh=mesh if mesh is not None else (
+                None if experts is not None else self._data_parallel_mesh()),
             reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
             shard_grads=config.shard_grads,
             shard_params=config.shard_params,
@@ -123,6 +131,18 @@ class Trainer:
 
         return init_device_mesh(self.device.type, (self.config.pp, self.world // self.config.pp),
                                 mesh_dim_names=("pp", "dp"))
+
+    def _expert_mesh(self) -> tuple[Any, dist.ProcessGroup | None]:
+        """With --moe, the ("dp", "ep") mesh of the experts and the group tokens are exchanged
+        over; see [Note: expert parallelism] in distopt/parallel/experts.py."""
+        if not self.config.moe:
+            return None, None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep = self.config.ep
+        mesh = init_device_mesh(self.device.type, (self.world // ep, ep),
+                                mesh_dim_names=("dp", "ep"))
+        return mesh, mesh["ep"].get_group()
 
     def _data_parallel_mesh(self) -> Any:
         """A ("dp_replicate", "dp_shard") mesh for --shard-size, or by default on several
