@@ -2,7 +2,9 @@
 same way: after 10 steps at d = 2 their params are equal, bitwise between distopt and
 Megatron-Core (the same arithmetic: grads averaged over the ranks, fp32 AdamW on each rank's
 shard) and within 1e-6 for DeepSpeed (its own averaging of the grads), and all of them within
-1e-6 of plain AdamW on the averaged grads in one process.
+1e-6 of plain AdamW on the averaged grads in one process. With the params sharded too,
+distopt's ``shard_params=True`` and DeepSpeed ZeRO-3 do the same, their params gathered to
+compare.
 
 The peers come from the ``peers`` extra (``make peers``). If one cannot be imported, its case
 fails with the install command: the comparison must not disappear silently.
@@ -29,6 +31,8 @@ SYSTEMS = {
     "megatron": ("megatron", None),
     "megatron-overlap": ("megatron-overlap", BUCKET),
     "deepspeed-z2": ("deepspeed-z2", BUCKET),
+    "distopt-shard-params": ("distopt-shard-params", BUCKET),
+    "deepspeed-z3": ("deepspeed-z3", None),
 }
 
 
@@ -56,8 +60,7 @@ def _train(name: str):
         system.backward(loss)
         system.sync()
         system.step()
-    system.finish_param_sync()
-    flat = torch.cat([p.detach().reshape(-1) for p in system.model.parameters()])
+    flat = torch.cat([p.reshape(-1) for p in system.full_params()])
     # As a numpy array: a tensor built in a peer's process can refer to the peer's modules
     # when unpickled, which the test process has not imported.
     return flat.numpy().copy(), sum(system.state_bytes().values()) / flat.numel()
@@ -121,6 +124,9 @@ def test_bytes_per_param_between_steps(trained, name):
     # after the step and keeps an fp32 master shard: 4 + (4 + 8)/d; distopt with sharded
     # grads keeps their reduced shard: 4 + (4 + 8)/d. Bucket padding only above.
     theory = system_bytes_per_param(SYSTEMS[name][0], D)
-    assert theory == {"deepspeed-z2": 10.0, "distopt-shard-grads": 10.0}.get(name, 12.0)
+    # With the params sharded too: distopt 16/d; DeepSpeed ZeRO-3 keeps the fp32 params and
+    # its fp32 master copy each partitioned, and its reduced grad partitions: (4 + 4 + 4 + 8)/d.
+    assert theory == {"deepspeed-z2": 10.0, "distopt-shard-grads": 10.0,
+                      "distopt-shard-params": 8.0, "deepspeed-z3": 10.0}.get(name, 12.0)
     for _, measured in trained[name]:
         assert theory <= measured <= theory * 1.01, name

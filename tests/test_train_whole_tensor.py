@@ -48,12 +48,13 @@ def _shapes() -> tuple[list[tuple[int, int]], int]:
 def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """Both runs as cases of the pool of two ranks (no launcher: what they test is the
     optimizers' work); rank 0's output."""
-    paths = {optimizer: tmp_path_factory.mktemp(optimizer) for optimizer in ("muon", "adafactor")}
-    printed = run_cases(2, [(optimizer, train_in_pool,
-                             (*NO_SAVE, "--optimizer", optimizer, "--out", str(path)))
-                            for optimizer, path in paths.items()])
-    return {optimizer: (path, case_result(printed, optimizer)[0])
-            for optimizer, path in paths.items()}
+    runs = {"muon": ("muon",), "adafactor": ("adafactor",),
+            "muon-shard-params": ("muon", "--shard-params")}
+    paths = {name: tmp_path_factory.mktemp(name) for name in runs}
+    printed = run_cases(2, [(name, train_in_pool,
+                             (*NO_SAVE, "--optimizer", *runs[name], "--out", str(path)))
+                            for name, path in paths.items()])
+    return {name: (path, case_result(printed, name)[0]) for name, path in paths.items()}
 
 
 def _summary(path: Path) -> dict:
@@ -98,6 +99,19 @@ def test_muon_bytes_per_param_follow_the_recipe(runs):
     # Two blocks of four matrices on two ranks: one block's worth of Newton-Schulz each.
     block = 192 * 64**2 + 64**3 + 2 * 256 * 64**2
     assert balance["cost"] == [block, block] and balance["imbalance"] == 1.0
+
+
+def test_muon_with_sharded_params_holds_its_shard_of_the_params(runs):
+    """The same layout with the params sharded too: each rank holds half of the params the
+    full-buffer run holds, what it measured is the layout's arithmetic to the byte, and the
+    run ends on the same bits (the same grads, the same whole-matrix steps)."""
+    path, _ = runs["muon-shard-params"]
+    summary, full = _summary(path), _summary(runs["muon"][0])
+    assert summary["whole_tensor"]["expected_per_rank"] == summary["memory_per_rank"]
+    for report, before in zip(summary["memory_per_rank"], full["memory_per_rank"], strict=True):
+        assert 2 * report["params"] == before["params"]
+        assert report["optimizer_state"] == before["optimizer_state"]
+    assert summary["heldout_loss_end"] == full["heldout_loss_end"]
 
 
 def test_adafactor_keeps_rows_and_columns(runs):

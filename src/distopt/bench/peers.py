@@ -63,7 +63,7 @@ from distopt.memory import storage_bytes
 from .systems import ADAMW, PEER_SYSTEMS, System, _state_tensors
 
 MEGATRON_SYSTEMS = ("megatron", "megatron-overlap")
-DEEPSPEED_SYSTEMS = ("deepspeed-z1", "deepspeed-z2", "deepspeed-z2-overlap")
+DEEPSPEED_SYSTEMS = ("deepspeed-z1", "deepspeed-z2", "deepspeed-z2-overlap", "deepspeed-z3")
 
 INSTALL_HINT = (
     f"install the peers with `{pip_install('peers')}`, then `pip install "
@@ -75,7 +75,7 @@ INSTALL_HINT = (
 
 def missing_peers(systems: list[str]) -> list[str]:
     """The packages that configurations ``systems`` need and this environment lacks."""
-    from distopt.extras import missing
+    from ..cli.needs import missing
 
     needs = {"megatron": MEGATRON_SYSTEMS, "deepspeed": DEEPSPEED_SYSTEMS}
     wanted = [package for package, names in needs.items() if set(systems) & set(names)]
@@ -298,7 +298,7 @@ def import_deepspeed() -> types.ModuleType:
 
 
 class DeepSpeedSystem(System):
-    """A DeepSpeed engine with ZeRO stage 1 or 2 and a client ``torch.optim.AdamW``."""
+    """A DeepSpeed engine with ZeRO stage 1, 2 or 3 and a client ``torch.optim.AdamW``."""
 
     def __init__(
         self, module: nn.Module, *, name: str, stage: int, overlap: bool,
@@ -328,6 +328,14 @@ class DeepSpeedSystem(System):
     def zero_grad(self) -> None:
         """The engine's ``step`` clears the grads."""
 
+    def full_params(self) -> list[torch.Tensor]:
+        params = list(self.model.module.parameters())
+        if not hasattr(self.optimizer, "fp32_partitioned_groups_flat"):
+            return [p.detach().clone() for p in params]
+        # ZeRO-3 keeps a partition of each param: gathered for the copy.
+        with import_deepspeed().zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+
     def backward(self, loss: torch.Tensor) -> None:
         self.model.backward(loss)
 
@@ -338,6 +346,17 @@ class DeepSpeedSystem(System):
         seen: set[int] = set()
         zero = self.optimizer
         params = list(self.model.module.parameters())
+        if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3: params partitioned too
+            return {
+                "params": storage_bytes(list(zero.fp16_partitioned_groups_flat)
+                                        + [p.ds_tensor for p in params], seen),
+                "main_params": storage_bytes(list(zero.fp32_partitioned_groups_flat), seen),
+                "grads": storage_bytes(
+                    [zero.grad_partitions_flat_buffer]
+                    + [m.grad for m in zero.fp32_partitioned_groups_flat]
+                    + _tensors_in(getattr(zero, "averaged_gradients", {})), seen),
+                "optimizer_state": storage_bytes(_state_tensors(zero.optimizer), seen),
+            }
         master = list(zero.single_partition_of_fp32_groups)
         grads = [p.grad for p in params] + [m.grad for m in master]
         grads += _tensors_in(getattr(zero, "averaged_gradients", {}))
@@ -372,7 +391,7 @@ def build_peer_system(
         return MegatronSystem(module, name=name, overlap=name == "megatron-overlap",
                               bucket_size=bucket_size)
     if name in DEEPSPEED_SYSTEMS:
-        stage = 1 if name == "deepspeed-z1" else 2
+        stage = {"deepspeed-z1": 1, "deepspeed-z3": 3}.get(name, 2)
         return DeepSpeedSystem(module, name=name, stage=stage,
                                overlap=name.endswith("overlap"), bucket_size=bucket_size)
     raise ValueError(f"unknown peer system {name!r}; choose from {', '.join(PEER_SYSTEMS)}")

@@ -223,7 +223,7 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
         "newton_schulz_calls": newton_schulz.calls,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "model_source": bench_model.source,
-        "checksum": float(sum(p.detach().double().sum() for p in _full_params(system))),
+        "checksum": float(sum(p.double().sum() for p in system.full_params())),
     }
     if is_distopt:
         result["distopt_comm"] = {
@@ -261,13 +261,6 @@ class NewtonSchulzCounter:
         import torch.optim._muon as torch_muon
 
         torch_muon._zeropower_via_newtonschulz = self._original
-
-
-def _full_params(system) -> list[torch.Tensor]:
-    params = list(system.model.parameters())
-    if params and hasattr(params[0], "full_tensor"):
-        return [p.full_tensor() for p in params]
-    return params
 
 
 def _summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ is FSDP2 keeping them)."""
 SPLIT_OVERLAP = ("distopt-overlap-reduce", "distopt-overlap-gather")
 """Configurations run only when asked for: one of distopt's two overlaps at a time."""
 PEER_SYSTEMS = ("megatron", "megatron-overlap", "deepspeed-z1", "deepspeed-z2",
-                "deepspeed-z2-overlap")
+                "deepspeed-z2-overlap", "deepspeed-z3")
 """Other projects' distributed optimizers, run only when asked for (the ``peers`` extra;
 ``peers.py``)."""
 PEERS = ("ddp", "zero", "fsdp2", "fsdp2-reshard") + PEER_SYSTEMS
@@ -55,6 +55,7 @@ LABELS = {
     "deepspeed-z1": "DeepSpeed ZeRO-1",
     "deepspeed-z2": "DeepSpeed ZeRO-2",
     "deepspeed-z2-overlap": "DeepSpeed ZeRO-2, overlap",
+    "deepspeed-z3": "DeepSpeed ZeRO-3",
 }
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}
@@ -163,6 +164,15 @@ class System:
     def finish_param_sync(self) -> None:
         """Wait for a param gather still in flight (an overlapped one), so params are whole."""
 
+    def full_params(self) -> list[torch.Tensor]:
+        """Every param whole, in registration order: copies (collective where params are
+        sharded between steps)."""
+        self.finish_param_sync()
+        params = list(self.model.parameters())
+        if params and hasattr(params[0], "full_tensor"):  # FSDP2's DTensor shards
+            return [p.full_tensor() for p in params]
+        return [p.detach().clone() for p in params]
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of persistent training state this rank holds: params, grads, optimizer
         state, each storage counted once (views are free)."""
@@ -268,6 +278,10 @@ class _Distopt(System):
     def finish_param_sync(self) -> None:
         self.model.finish_param_sync()
 
+    def full_params(self) -> list[torch.Tensor]:
+        with self.model.gathered_params():  # placeholders between uses with sharded params
+            return [p.detach().clone() for p in self.model.parameters()]
+
     def state_bytes(self) -> dict[str, int]:
         report = distopt.measure_state_bytes(self.optimizer)
         return {
@@ -340,6 +354,10 @@ def system_bytes_per_param(name: str, d: int, optimizer_state_bytes: float = 8) 
         return fp32.params + fp32.grads + fp32.optimizer_state / d
     if name in ("fsdp2", "fsdp2-reshard"):
         return fp32.total(d, distributed=False) / d  # between steps everything is sharded (ZeRO-3)
+    if name == "deepspeed-z3":
+        # Between steps everything is partitioned, the fp32 model's params and an fp32 master
+        # copy of them both, and its flat buffer of reduced grad partitions is kept.
+        return (2 * fp32.params + fp32.grads + fp32.optimizer_state) / d
     if name.startswith("deepspeed"):
         # Between steps: params replicated, an fp32 master copy and Adam's moments sharded; the
         # grads (whole with ZeRO-1, a shard with ZeRO-2) live only from backward to step.

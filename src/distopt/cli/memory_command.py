@@ -386,7 +386,8 @@ def _whole_tensor(args: argparse.Namespace) -> int:
                             bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
                             store_param_remainders=args.store_param_remainders,
                             state_dtype=STATE_DTYPES[args.state_dtype],
-                            shard_grads=args.shard_grads or args.shard_params)
+                            shard_grads=args.shard_grads or args.shard_params,
+                            shard_params=args.shard_params)
     except ValueError as error:
         print(f"distopt memory: --state-dtype {args.state_dtype}: {error}", file=sys.stderr)
         return 2

@@ -153,6 +153,7 @@ def _plan(
     store_param_remainders: bool,
     state_dtypes: StateDtypes | None = None,
     shard_grads: bool = False,
+    shard_params: bool = False,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> OwnershipPlan:
     num_params = sum(math.prod(shape) for buf in buffers for shape in buf.shapes)
@@ -170,9 +171,11 @@ def _plan(
         )
         for rank in range(dp_size):
             held = ranks[rank]
-            held["params"] += breakdown.params * layout.numel
+            # Sharded params: only this rank's shard of each bucket between uses.
+            held["params"] += breakdown.params * (shard if shard_params else layout.numel)
             # Sharded grads: only this rank's reduced shard of each bucket is kept.
-            held["grads"] += breakdown.grads * (shard if shard_grads else layout.numel)
+            held["grads"] += breakdown.grads * (
+                shard if shard_grads or shard_params else layout.numel)
             held["main_params"] += breakdown.main_params * shard
             held["main_grads"] += breakdown.main_grads * shard
             for piece in layout.shard_pieces(rank):
@@ -188,7 +191,8 @@ def _plan(
     first = buffers[0]
     table = bytes_per_param_breakdown(
         first.param_dtype, first.grad_dtype, store_param_remainders=store_param_remainders,
-        shard_grads=shard_grads, optimizer_state_bytes=mean_state_bytes(
+        shard_grads=shard_grads, shard_params=shard_params,
+        optimizer_state_bytes=mean_state_bytes(
             ((shape, stepper) for buf in buffers
              for shape, stepper in zip(buf.shapes, buf.steppers, strict=True)),
             state_dtypes, block_size),
@@ -239,7 +243,8 @@ def plan_of(optimizer: Any) -> OwnershipPlan:
                  store_param_remainders=optimizer.options.store_param_remainders,
                  state_dtypes=optimizer.state_precision.dtypes,
                  block_size=optimizer.state_precision.block_size,
-                 shard_grads=any(model.options.shard_grads for model in optimizer.models))
+                 shard_grads=any(model.options.shard_grads for model in optimizer.models),
+                 shard_params=any(model.options.shard_params for model in optimizer.models))
 
 
 def predict_plan(
@@ -256,9 +261,10 @@ def predict_plan(
     state_dtype: StateDtype = None,
     shard_grads: bool = False,
     state_block_size: int | None = None,
+    shard_params: bool = False,
 ) -> OwnershipPlan:
     """The plan ``DistributedDataParallel(module, grad_dtype=..., bucket_size=...,
-    shard_grads=...)`` and
+    shard_grads=..., shard_params=...)`` and
     ``DistributedOptimizer(ddp, optimizer_cls, params=..., **optimizer_kwargs)`` would give on
     ``dp_size`` ranks, without building either: the DDP's own planner on the module's local
     shapes (a module on the meta device will do). ``target_buckets``: the DDP's default
@@ -297,7 +303,7 @@ def predict_plan(
     return _plan(buffers, dp_size, store_param_remainders=store_param_remainders,
                  state_dtypes=state_dtypes,
                  block_size=resolve_block_size(state_block_size, state_dtypes),
-                 shard_grads=shard_grads)
+                 shard_grads=shard_grads, shard_params=shard_params)
 
 
 __all__ = [
