@@ -17,10 +17,10 @@ compares against one process training the whole batch with every expert local (f
   dense ones over every rank, and the norm is one all-reduce that counts every element once;
 * memory per rank: each element's main param and state on one rank, the dense ones over every
   rank, an expert's over its expert-DP group (``distopt memory --expert-params`` by part);
-* checkpoints: saved at (2, 2), resumed at (4, 1), (1, 4), (2, 2) and on the model with every
-  expert local; saved at (1, 2), resumed at (2, 1), (1, 2) and with every expert local; saved
-  with every expert local, resumed at (1, 2); exported to one plain torch file that one process
-  goes on from; each ending where the uninterrupted run ends;
+* checkpoints: saved at (2, 2), resumed at (4, 1), (1, 4), (2, 2), (1, 2), (2, 1) and on the
+  model with every expert local; saved at (1, 2), resumed at (2, 1), (1, 2) and with every
+  expert local; saved with every expert local, resumed at (1, 2); exported to one plain torch
+  file that one process goes on from; each ending where the uninterrupted run ends;
 * errors raised on every rank before any collective; ``distopt train --moe`` learns.
 """
 
@@ -268,6 +268,14 @@ def resume(saved_at: tuple[int, int] | None, loads_at: list[tuple[int, int] | No
     model, ddp, opt = build_any(saved_at, SEED)
     train(model, ddp, opt, range(half))
     distopt.save_checkpoint(path, ddp, opt, extra={"step": half})
+    return {**finish_from(path, loads_at), "path": path}
+
+
+def finish_from(path: str, loads_at: list[tuple[int, int] | None]) -> dict:
+    """For each of ``loads_at``, a model built from another seed loads the checkpoint at
+    ``path`` and trains the rest: the largest difference from one process that trained every
+    step, per layout."""
+    want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
     out = {}
     for layout in loads_at:
         model, ddp, opt = build_any(layout, SEED + 1)
@@ -567,14 +575,26 @@ def test_collectives_by_group_four_ranks(grid4) -> None:
 @pytest.mark.parametrize("name", ["resume-from-dp1-ep2", "resume-from-every-expert-local"])
 def test_checkpoint_resumes_at_other_layouts_two_ranks(grid2, name: str) -> None:
     # None: the model with every expert local, on plain data parallelism.
-    for diffs in case_result(grid2, name):
+    for result in case_result(grid2, name):
+        diffs = {k: v for k, v in result.items() if k != "path"}
         assert all(d < FP32_TOL for d in diffs.values()), diffs
 
 
 @pytest.mark.slow
 def test_checkpoint_resumes_at_other_layouts_four_ranks(grid4) -> None:
-    for diffs in case_result(grid4, "resume-from-dp2-ep2"):
+    for result in case_result(grid4, "resume-from-dp2-ep2"):
+        diffs = {k: v for k, v in result.items() if k != "path"}
         assert set(diffs) == {"(4, 1)", "(1, 4)", "(2, 2)", "None"}
+        assert all(d < FP32_TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_four_ranks_resumes_at_two(grid4) -> None:
+    """Saved at (dp, ep) = (2, 2), resumed on two ranks at (1, 2) and (2, 1)."""
+    path = case_result(grid4, "resume-from-dp2-ep2")[0]["path"]
+    resumed = run_cases(2, [("at-two", finish_from, (path, [(1, 2), (2, 1)]))])
+    for diffs in case_result(resumed, "at-two"):
+        assert set(diffs) == {"(1, 2)", "(2, 1)"}
         assert all(d < FP32_TOL for d in diffs.values()), diffs
 
 
