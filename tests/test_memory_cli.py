@@ -243,3 +243,55 @@ def test_async_staging_is_each_ranks_part_of_a_checkpoint(capsys, argv, per_para
     assert line, out
     assert float(line.group(1)) == pytest.approx(per_param, abs=1e-3)
     assert float(line.group(2)) == pytest.approx(per_param * 1e9 / 2**30, abs=0.01)
+
+
+def _stage_row(out: str, name: str) -> list[str]:
+    """The cells of a row of the per-stage table, one per stage."""
+    row = re.search(rf"^{name}\s+(.+)$", out, re.M).group(1)
+    return re.findall(r"[\d,.]+(?: MiB)?", row)
+
+
+@pytest.mark.parametrize("pp,dp,extra", [(2, 2, []), (4, 1, ["--shard-grads"]),
+                                         (1, 3, ["--dtype", "fp32"])])
+def test_pp_prints_each_stage_at_its_dp_size(capsys, pp, dp, extra):
+    from distopt.cli import main as distopt_main
+    from distopt.train.model import GPT, gpt_config
+    from distopt.train.stages import stage_param_counts
+
+    assert distopt_main(["memory", "--model", "small", "--pp", str(pp), "--dp", str(dp),
+                         *extra]) == 0
+    out = capsys.readouterr().out
+    with torch.device("meta"):
+        gpt = GPT(gpt_config("small", seq_len=256))
+    counts = stage_param_counts(gpt, pp)  # the stages distopt train --pp builds
+    # Each stage holds its blocks; the tied embedding/head is on the first and the last.
+    tie = gpt.wte.weight.numel() if pp > 1 else 0
+    assert sum(counts) == gpt.num_params() + tie
+    assert [int(c.replace(",", "")) for c in _stage_row(out, "params")] == counts
+    dtype = torch.float32 if "fp32" in extra else torch.bfloat16
+    table = bytes_per_param_breakdown(dtype, torch.float32, shard_grads="--shard-grads" in extra)
+    per_rank = table.per_rank(dp)
+    grads = "grads" if "--shard-grads" in extra else "grad buffer"
+    for label, name in [("model params", "params"), (grads, "grads"),
+                        ("optimizer state", "optimizer_state")]:
+        cells = [float(c.removesuffix(" MiB").replace(",", "")) for c in _stage_row(out, label)]
+        assert cells == [round(per_rank[name] * n / 2**20, 2) for n in counts], label
+    totals = [table.total(dp) * n for n in counts]
+    busiest = max(range(pp), key=totals.__getitem__)
+    assert f"busiest stage: {busiest}, {totals[busiest] / 2**20:,.2f} MiB per rank" in out
+    assert f"{pp} pipeline stages x data-parallel size {dp} ({pp * dp} ranks)" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "small", "--pp", "3"], "--pp 3 does not divide the 4 blocks of --model small; "
+                                        "pick a divisor of 4"),
+    (["--params", "7e9", "--pp", "2"], "--pp N splits a demo GPT preset's blocks into stages: "
+                                       "add --model"),
+    (["--model", "small", "--moe", "4", "--pp", "2"], "--pp does not compose with --moe"),
+    (["--model", "small", "--pp", "2", "--nodes", "2"], "--pp does not compose with --nodes"),
+    (["--model", "small", "--pp", "0"], "--pp must be >= 1"),
+])
+def test_pp_bad_options_give_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

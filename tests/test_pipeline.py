@@ -31,6 +31,7 @@ from torch.distributed.pipelining import (
 )
 
 import distopt
+from distopt.memory import bytes_per_param_breakdown
 from distopt.pipelining import PipelineStage
 from distopt.train.config import parse_args
 
@@ -235,6 +236,28 @@ def inf_on_one_stage_skips_every_stage() -> dict:
     return {"updated": updated, "changed": changed, "scale": scaler.scale}
 
 
+def stage_memory() -> dict:
+    """What each stage holds after a step at (pp, dp) = (2, 1): bf16 params, fp32 grads."""
+    mesh = DeviceMesh("cpu", torch.arange(2).reshape(2, 1), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    module, tied = stage_of(StagedLM(layers=2).to(torch.bfloat16), pp_rank, 2)
+    ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
+                                          tied_params=tied, grad_dtype=torch.float32)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+    sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, 2, torch.device("cpu")),
+                          n_microbatches=MICRO_BATCHES,
+                          loss_fn=lambda out, y: loss_fn(out.float(), y))
+    x, y = batch(0)
+    opt.zero_grad()
+    sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+    opt.step()  # the optimizer state exists from the first step on
+    return {"report": distopt.measure_state_bytes(opt),
+            "stage_params": sum(p.numel() for p in module.parameters()),
+            "padded": sum(buf.layout.numel for buf in ddp.flat_buffers),
+            "owned": sum(m.numel() for m in opt.main_params)}
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -297,7 +320,8 @@ def _name(config: tuple) -> str:
 def results_2():
     return run_cases(2, [(_name(c), parity, c) for c in PARITY_2]
                      + [("inf", inf_on_one_stage_skips_every_stage, ()),
-                        ("refusals", refusals_on_every_stage, ())])
+                        ("refusals", refusals_on_every_stage, ()),
+                        ("memory", stage_memory, ())])
 
 
 @pytest.fixture(scope="module")
@@ -341,6 +365,26 @@ def test_inf_on_one_stage_skips_the_step_on_every_stage(results_2):
     for rank in case_result(results_2, "inf"):
         assert rank["updated"] == [True, False, True]
         assert rank["changed"] == [True, False, True]
+
+
+def test_memory_per_rank_of_each_stage_is_the_table_for_its_params(results_2):
+    table = bytes_per_param_breakdown(torch.bfloat16, torch.float32).per_rank(1)
+    counts = []
+    for rank in case_result(results_2, "memory"):
+        report, padded = rank["report"], rank["padded"]
+        # The tied embedding/head is a param of both stages: each holds a copy.
+        assert report.num_params == rank["stage_params"] == rank["owned"]
+        counts.append(rank["stage_params"])
+        # The table times the stage's params plus the padding of its buckets, which the
+        # buffers hold; at dp = 1 the one rank owns (and keeps state for) every element.
+        assert padded >= report.num_params
+        assert report.params == table["params"] * padded
+        assert report.grads == table["grads"] * padded
+        assert report.main_params == table["main_params"] * padded
+        assert report.main_grads == table["main_grads"] == 0
+        assert report.optimizer_state == table["optimizer_state"] * rank["owned"]
+    whole = sum(p.numel() for p in StagedLM(layers=2).parameters())
+    assert sum(counts) == whole + VOCAB * DIM  # the tie, once on each end
 
 
 REFUSALS = {

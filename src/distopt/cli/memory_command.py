@@ -10,6 +10,7 @@
         --store-param-remainders --shard-grads
     distopt memory --params 47e9 --expert-params 45e9 --dp 16 --ep 8
     distopt memory --model small --moe 8 --dp 8 --ep 4
+    distopt memory --model small --pp 2 --dp 2
 
 The figures are the bytes-per-parameter table of docs/design.md (``bytes_per_param_breakdown``), by
 component; activations and padding are not included. With ``--nodes`` it prints a plan for a
@@ -17,7 +18,8 @@ cluster instead: memory per rank and the bytes each rank sends per step inside a
 across nodes, sharded within groups of ``--shard-size`` ranks beside the flat layout
 (``distopt.plan.cluster``; see [Note: cluster traffic model] there). With ``--optimizer muon``
 (or ``adafactor``) it shows what owning each matrix whole costs a model: the optimizer's work
-on each rank, the padding, and the bytes each rank holds (``distopt.plan.ownership``).
+on each rank, the padding, and the bytes each rank holds (``distopt.plan.ownership``). With
+``--pp N`` it prints each pipeline stage's params and bytes per rank (cli/memory_pipeline.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from ..memory import (
 from ..options import fp32_accumulation_problem, remainders_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
 from .memory_experts import add_expert_options, expert_problem, print_expert_table
+from .memory_pipeline import (
+    add_pipeline_options,
+    pipeline_problem,
+    print_stage_table,
+    stage_counts,
+)
 
 GIB = 2**30
 LABELS = {
@@ -102,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="bf16/fp16 grads summed in fp32 (the replicate stage gathers)")
     _add_whole_tensor_options(parser)
     add_expert_options(parser)
+    add_pipeline_options(parser)
     return parser
 
 
@@ -175,7 +184,7 @@ def _print_cluster_plan(plan: ClusterPlan, num_params: int, labels: dict[str, st
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    problem = _cluster_problem(args)
+    problem = _cluster_problem(args) or pipeline_problem(args)
     if problem is not None:
         print(f"distopt memory: {problem}", file=sys.stderr)
         return 2
@@ -224,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes is not None:
         return _cluster(args, num_params, label, grad_dtype, ours, labels)
     dp = args.dp or 8
+    if args.pp is not None:
+        return _pipeline(args, label, grad_dtype, ours, labels, dp)
     problem = expert_problem(args, num_params, dp)
     if problem is not None:
         print(f"distopt memory: {problem}", file=sys.stderr)
@@ -267,6 +278,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"with --state-dtype {args.state_dtype} the step expands one bucket's shard of "
               "the state to fp32 at a time; that transient is not included (the replicated "
               "column keeps torch's fp32 state)")
+    return 0
+
+
+def _pipeline(args: argparse.Namespace, label: str, grad_dtype: torch.dtype,
+              breakdown: BytesPerParam, labels: dict[str, str], dp: int) -> int:
+    counts = stage_counts(args.model, args.pp)
+    if isinstance(counts, str):
+        print(f"distopt memory: {counts}", file=sys.stderr)
+        return 2
+    print_stage_table(counts, breakdown, dp, labels,
+                      f"{label}, {args.dtype} params, {dtype_name(grad_dtype)} grads")
     return 0
 
 

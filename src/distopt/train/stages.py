@@ -51,6 +51,16 @@ class GPTStage(nn.Module):
         return self.lm_head(self.ln_f(x)) if self.last else x
 
 
+def stage_param_counts(gpt: GPT, count: int) -> list[int]:
+    """The trainable elements each of ``count`` stages holds, the tied embedding/head on the
+    first and on the last stage (each keeps a copy). Pass a meta-device GPT: only shapes are
+    read, and the stages are the ones ``distopt train --pp`` builds."""
+    if count < 1 or gpt.config.n_layer % count:
+        raise ValueError(f"{count} stages do not divide the GPT's {gpt.config.n_layer} blocks")
+    return [sum(p.numel() for p in GPTStage(gpt, index, count).parameters() if p.requires_grad)
+            for index in range(count)]
+
+
 def stage_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The GPT's loss on one micro-batch: mean cross-entropy in fp32."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
