@@ -607,6 +607,12 @@ def test_distopt_train_moe_learns(grid2) -> None:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["heldout_loss"] for r in records if "heldout_loss" in r]
     assert evals[-1] < evals[0]
+    # The theory weighs each rank's dense params (sharded over every rank) and its experts'
+    # (over their expert-DP group); what the ranks measured is that, plus bucket padding.
+    summary = json.loads((out / "summary.json").read_text())
+    theory = summary["theory_bytes_per_param"]["distopt"]
+    for report in summary["memory_per_rank"]:
+        assert theory <= report["bytes_per_param"] < theory * 1.05, (theory, report)
 
 
 def test_distopt_train_moe_options_checked() -> None:

@@ -25,12 +25,14 @@ def write_summary(
     optimizer_state_bytes: float,
     held_state_bytes: float | None = None,
     ownership: OwnershipPlan | None = None,
+    experts: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """``optimizer_state_bytes``: the model's mean state per param (from the table of
     optimizer classes), in fp32; ``held_state_bytes``: the same in the dtypes the run holds
     it in (``--state-dtype``; None: fp32); ``ownership``: the plan of a run whose params are
     owned whole, printed beside what the ranks measured (see [Note: memory of whole-tensor
-    ownership] in distopt/plan/ownership.py)."""
+    ownership] in distopt/plan/ownership.py); ``experts``: with --moe, this rank's expert
+    params and the size of the group their state is sharded over (the expert-DP group)."""
 
     def breakdown(remainders: bool, state_bytes: float, shard_grads: bool = False,
                   shard_params: bool = False):
@@ -43,9 +45,18 @@ def write_summary(
     # Optimizer state is sharded over the shard group only (replicated across groups); the
     # replicated figure is plain DDP's, which keeps fp32 masters and fp32 state.
     held = optimizer_state_bytes if held_state_bytes is None else held_state_bytes
+    table = breakdown(config.store_param_remainders, held, config.shard_grads,
+                      config.shard_params)
+    distopt_bytes = table.total(shard_size or world)
+    if experts is not None:
+        # An expert's share is sharded over its expert-DP group only: the rank's params
+        # weighted by where each kind is sharded.
+        expert_params, expert_dp = experts
+        local = reports[0]["num_params"]
+        distopt_bytes = ((local - expert_params) * distopt_bytes
+                         + expert_params * table.total(expert_dp)) / local
     theory = {
-        "distopt": breakdown(config.store_param_remainders, held, config.shard_grads,
-                             config.shard_params).total(shard_size or world),
+        "distopt": distopt_bytes,
         "replicated": breakdown(False, optimizer_state_bytes).total(world, distributed=False),
     }
     evals = [h for h in history if "heldout_loss" in h]

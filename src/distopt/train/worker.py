@@ -337,9 +337,17 @@ class Trainer:
                                     shard_size=self.ddp.dp_size,
                                     num_files=(self.corpus.num_files_train,
                                                self.corpus.num_files_heldout),
+                                    experts=self._expert_share(),
                                     **self._state_memory())
             write_loss_plot(self.out / "loss.png", self.history)
         return summary or {}
+
+    def _expert_share(self) -> tuple[int, int] | None:
+        """With --moe: this rank's expert params and their expert-DP size, for the theory."""
+        experts = self.ddp.experts
+        if experts is None:
+            return None
+        return (sum(p.numel() for p in experts.params), experts.parallel.expert_dp_size)
 
     def _state_memory(self) -> dict[str, Any]:
         """The model's mean optimizer state per param, from the table of optimizer classes,
