@@ -163,6 +163,23 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def numbers_by_name(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Every number the model and this rank's optimizer state hold, copied, by name (the
+    names of the optimizer's state dict: an order-free comparison across a save and load)."""
+    values = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    sd = opt.state_dict()
+    values |= {f"main/{k}": s.local.clone() for k, s in sd["main_params"].items()}
+    for name, entries in sd["state"].items():
+        values |= {f"state/{name}/{k}": v.local.clone() if hasattr(v, "local") else v.clone()
+                   for k, v in entries.items()}
+    return values
+
+
+def same_by_name(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Two ``numbers_by_name`` hold the same names and numbers, bit for bit."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def state_diff(opt, saved: dict) -> float:
     """The largest difference between this rank's main params and optimizer state and those of
     a merged state dict ``saved``; inf if their keys or shapes differ."""

@@ -30,6 +30,7 @@ from distopt.memory import checkpoint_bytes_per_param
 
 from checkpoint_index import untiled_keys, written_bytes
 from dist_harness import case_result, run_cases
+from helpers import numbers_by_name, same_by_name
 from models import AwkwardLM, batches, rank_slice
 
 WORLD = 2
@@ -52,21 +53,6 @@ def _train(ddp, opt, steps) -> None:
         ddp.module.loss(rank_slice(tokens, rank, world), rank_slice(targets, rank, world),
                         step).backward()
         opt.step()
-
-
-def _numbers(model, opt) -> dict[str, torch.Tensor]:
-    """Every number of the model and of this rank's optimizer state, copied."""
-    values = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    sd = opt.state_dict()
-    values |= {f"main/{k}": s.local.clone() for k, s in sd["main_params"].items()}
-    for name, entries in sd["state"].items():
-        values |= {f"state/{name}/{k}": v.local.clone() if hasattr(v, "local") else v.clone()
-                   for k, v in entries.items()}
-    return values
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 class _Gate:
@@ -96,7 +82,7 @@ def overlapped(root: str) -> dict:
         first = distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": SAVE_AT},
                                         async_save=True)
         returned = time.perf_counter() - began
-        at_save = _numbers(model, opt)
+        at_save = numbers_by_name(model, opt)
         buffer = staging.buffer.data_ptr()
         assert gate.reached.wait(60)  # the writer thread is at its write
         _train(ddp, opt, range(SAVE_AT, END))  # training goes on meanwhile
@@ -104,7 +90,7 @@ def overlapped(root: str) -> dict:
         latest_while_in_flight = files_module.latest_name(run_dir)
         gate.open.set()
         published = first.wait(60)
-    at_end = _numbers(model, opt)
+    at_end = numbers_by_name(model, opt)
 
     # A second save while one is in flight waits for it.
     gate = _Gate()
@@ -119,10 +105,10 @@ def overlapped(root: str) -> dict:
     reused = staging.buffer.data_ptr() == buffer
     # The latest after the two is loadable: the third save's state (no step between them).
     latest_extra = distopt.load_checkpoint(run_dir, ddp, opt)
-    latest_loads = latest_extra["step"] == END and _same(at_end, _numbers(model, opt))
+    latest_loads = latest_extra["step"] == END and same_by_name(at_end, numbers_by_name(model, opt))
 
     extra = distopt.load_checkpoint(published, ddp, opt)
-    restored = _same(at_save, _numbers(model, opt))
+    restored = same_by_name(at_save, numbers_by_name(model, opt))
     _train(ddp, opt, range(extra["step"], END))
     rank = dist.get_rank()
     num_params = sum(t.numel() for t in model.state_dict().values())
@@ -130,7 +116,7 @@ def overlapped(root: str) -> dict:
         "returned_s": returned, "stall_s": first.stall_s,
         "in_flight_while_training": in_flight_while_training,
         "latest_while_in_flight": latest_while_in_flight, "published": published.name,
-        "restored": restored, "resumed_to_end": _same(at_end, _numbers(model, opt)),
+        "restored": restored, "resumed_to_end": same_by_name(at_end, numbers_by_name(model, opt)),
         "second_done": second_done_when_third_returned, "waited_s": third.waited_s,
         "names": names, "latest": files_module.latest_name(run_dir), "latest_loads": latest_loads,
         "listing": sorted(p.name for p in run_dir.iterdir()),

@@ -29,6 +29,7 @@ from distopt.checkpoint import dcp as dcp_module
 from distopt.checkpoint import files as files_module
 
 from dist_harness import case_result, run_cases
+from helpers import numbers_by_name, same_by_name
 from models import AwkwardLM, batches, rank_slice
 
 WORLD = 2
@@ -114,21 +115,6 @@ CASES = {fault: (fault, False) for fault in FAULTS} | {
 # ---------------------------------------------------------------------- the case (in the ranks)
 
 
-def _numbers(model, opt) -> dict[str, torch.Tensor]:
-    """Every number the model and the optimizer hold on this rank, copied, by name."""
-    values = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    sd = opt.state_dict()
-    values |= {f"main/{k}": s.local.clone() for k, s in sd["main_params"].items()}
-    for name, entries in sd["state"].items():
-        values |= {f"state/{name}/{k}": v.local.clone() if hasattr(v, "local") else v.clone()
-                   for k, v in entries.items()}
-    return values
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _step(ddp, opt, step: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, targets = batches(step)
@@ -147,9 +133,9 @@ def failed_save(case: str, root: str) -> dict:
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
     _step(ddp, opt, 0)
     distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 1})
-    saved = _numbers(model, opt)
+    saved = numbers_by_name(model, opt)
     _step(ddp, opt, 1)
-    moved = _numbers(model, opt)
+    moved = numbers_by_name(model, opt)
 
     error = raised_by = None
     with FAULTS[fault][0](run_dir):
@@ -164,12 +150,12 @@ def failed_save(case: str, root: str) -> dict:
             error = str(exc)
     after_failure = sorted(os.listdir(run_dir))
     latest = files_module.latest_name(run_dir)
-    untouched = _same(moved, _numbers(model, opt))
+    untouched = same_by_name(moved, numbers_by_name(model, opt))
 
     extra = distopt.load_checkpoint(run_dir, ddp, opt)
-    restored = _same(saved, _numbers(model, opt))
+    restored = same_by_name(saved, numbers_by_name(model, opt))
     _step(ddp, opt, 1)  # the run goes on, to where the uninterrupted run was
-    resumed = _same(moved, _numbers(model, opt))
+    resumed = same_by_name(moved, numbers_by_name(model, opt))
     again = distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 2},
                                     async_save=async_save)
     again = again.wait(60) if async_save else again
