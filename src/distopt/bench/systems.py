@@ -10,6 +10,7 @@ recommend for speed: DDP with ``gradient_as_bucket_view``, ZeroRedundancyOptimiz
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -74,9 +75,10 @@ _WIRE_FACTOR = {
 
 
 def wire_bytes(op: str, payload: float, d: int) -> float:
-    """Bytes one rank sends for a collective over ``payload`` bytes, by a bandwidth-optimal
-    algorithm (small control all-reduces are counted like large ones)."""
-    base = op.removesuffix("_small")
+    """Bytes one rank sends for a collective over ``payload`` bytes among ``d`` ranks, by a
+    bandwidth-optimal algorithm (small control all-reduces are counted like large ones; the
+    pipeline's ``stage_`` ops like the others)."""
+    base = op.removeprefix("stage_").removesuffix("_small")
     return _WIRE_FACTOR[base](d) * payload if base in _WIRE_FACTOR else 0.0
 
 
@@ -86,6 +88,10 @@ class CollectiveCounter:
     Wraps the module-level functions, so it sees what peers (DDP comm hooks, ZeRO's
     broadcasts, FSDP2's gathers and reductions) and distopt issue from Python. Records the
     payload: the bytes of the full (unsharded) tensor each collective covers.
+
+    Ops on one of ``stage_groups`` (the pipeline's groups) are counted apart, under a
+    ``stage_`` prefix: the activations sent between stages and the tie's all-reduce are not
+    data-parallel traffic.
     """
 
     _FUNCS = {
@@ -105,19 +111,32 @@ class CollectiveCounter:
     def __init__(self) -> None:
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.stage_groups: list[dist.ProcessGroup] = []
         self._saved: dict[str, Any] = {}
 
     def install(self) -> None:
+        from torch.distributed import distributed_c10d
+
         for name, (op, position, keyword, times_group) in self._FUNCS.items():
             original = getattr(dist, name, None)
             if original is None:
                 continue
             self._saved[name] = original
-            setattr(dist, name, self._wrap(original, op, position, keyword, times_group))
+            counted = self._wrap(original, op, position, keyword, times_group)
+            setattr(dist, name, counted)
+            if name == "isend":
+                # P2POp accepts only the function c10d itself calls isend, and
+                # batch_isend_irecv tells sends from receives by identity with it: the
+                # pipeline's sends are counted only if c10d's name is the counted one too.
+                distributed_c10d.isend = counted
 
     def uninstall(self) -> None:
+        from torch.distributed import distributed_c10d
+
         for name, original in self._saved.items():
             setattr(dist, name, original)
+            if name == "isend":
+                distributed_c10d.isend = original
         self._saved.clear()
 
     def reset(self) -> None:
@@ -132,8 +151,10 @@ class CollectiveCounter:
                 if times_group:
                     nbytes *= dist.get_world_size(kwargs.get("group"))
                 small = "_small" if tensor.numel() <= 16 else ""
-                self.calls[op + small] += 1
-                self.bytes[op + small] += nbytes
+                group = kwargs.get("group")
+                stage = "stage_" if any(group is g for g in self.stage_groups) else ""
+                self.calls[stage + op + small] += 1
+                self.bytes[stage + op + small] += nbytes
             return fn(*args, **kwargs)
 
         return counted
@@ -232,12 +253,14 @@ class _Zero(_TorchDDP):
 
 class _FSDP2(System):
     def __init__(self, module: nn.Module, device: torch.device, *,
-                 reshard_after_forward: bool = False) -> None:
+                 reshard_after_forward: bool = False, mesh: Any = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         self.name = "fsdp2-reshard" if reshard_after_forward else "fsdp2"
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # A pipeline stage is sharded over its own data-parallel ranks, the mesh's "dp" row.
+        mesh = (init_device_mesh(device.type, (dist.get_world_size(),)) if mesh is None
+                else mesh["dp"])
         # One FSDP unit per block and one at the root: the layout FSDP2's docs recommend,
         # so each block's gather and reduction overlap with its neighbours' compute.
         for child in _block_modules(module):
@@ -250,6 +273,8 @@ def _block_modules(module: nn.Module) -> list[nn.Module]:
     blocks = getattr(module, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
         return list(blocks)
+    if isinstance(blocks, nn.ModuleDict):  # a pipeline stage's blocks, by their whole-model index
+        return list(blocks.values())
     return [m for m in module.children() if any(True for _ in m.parameters())]
 
 
@@ -257,13 +282,17 @@ class _Distopt(System):
     def __init__(
         self, module: nn.Module, *, name: str, reduce: bool, gather: bool,
         bucket_size: int | None, shard_grads: bool = False, shard_params: bool = False,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool = True, mesh: Any = None,
+        tied_params: Mapping[str, nn.Parameter] | None = None,
     ) -> None:
         self.name = name
+        # On a (pp, dp) mesh the module is a pipeline stage: reduced over "dp", its verdicts
+        # and the tie's grads over "pp" (see distopt/pipelining.py).
         self.model = distopt.DistributedDataParallel(
             module, bucket_size=bucket_size, overlap_grad_reduce=reduce,
             shard_grads=shard_grads, shard_params=shard_params,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=reshard_after_forward, device_mesh=mesh,
+            tied_params=tied_params,
         )
         self.optimizer = distopt.DistributedOptimizer(
             self.model, torch.optim.AdamW, overlap_param_gather=gather, **ADAMW
@@ -303,21 +332,31 @@ class _Basic(_Distopt):
 
 
 def build_system(
-    name: str, module: nn.Module, device: torch.device, *, bucket_size: int | None = None
+    name: str, module: nn.Module, device: torch.device, *, bucket_size: int | None = None,
+    mesh: Any = None, tied_params: Mapping[str, nn.Parameter] | None = None,
 ) -> System:
-    """Wrap ``module`` (already on ``device``) as configuration ``name`` of ``SYSTEMS``."""
+    """Wrap ``module`` (already on ``device``) as configuration ``name`` of ``SYSTEMS``.
+
+    With ``mesh``, a (pp, dp) ``DeviceMesh``, ``module`` is one pipeline stage, sharded over
+    the mesh's "dp" dimension (FSDP2 and distopt only; see ``stages.py``); distopt sums the
+    grads of ``tied_params`` across the stages that hold them.
+    """
+    if mesh is not None and name not in STAGE_SYSTEMS:
+        raise ValueError(f"{name} has no pipeline-stage mode; choose from "
+                         f"{', '.join(STAGE_SYSTEMS)}")
     if name == "ddp":
         return _TorchDDP(module, device)
     if name == "zero":
         return _Zero(module, device)
     if name in ("fsdp2", "fsdp2-reshard"):
-        return _FSDP2(module, device, reshard_after_forward=name == "fsdp2-reshard")
+        return _FSDP2(module, device, reshard_after_forward=name == "fsdp2-reshard", mesh=mesh)
     if name in _DISTOPT_OVERLAPS:
         reduce, gather = _DISTOPT_OVERLAPS[name]
         return _Distopt(module, name=name, reduce=reduce, gather=gather, bucket_size=bucket_size,
                         shard_grads=name == "distopt-shard-grads",
                         shard_params=name.startswith("distopt-shard-params"),
-                        reshard_after_forward=name != "distopt-shard-params-keep")
+                        reshard_after_forward=name != "distopt-shard-params-keep",
+                        mesh=mesh, tied_params=tied_params)
     if name == "basic":
         return _Basic(module, bucket_size=bucket_size)
     raise ValueError(
@@ -337,6 +376,9 @@ _DISTOPT_OVERLAPS = {
     "distopt-shard-params": (True, True),
     "distopt-shard-params-keep": (True, True),
 }
+
+STAGE_SYSTEMS = ("fsdp2", "fsdp2-reshard", *_DISTOPT_OVERLAPS)
+"""The configurations with a pipeline-stage mode (``distopt bench --pp``)."""
 
 
 def system_bytes_per_param(name: str, d: int, optimizer_state_bytes: float = 8) -> float:
