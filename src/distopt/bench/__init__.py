@@ -10,6 +10,10 @@ the bytes per parameter a rank holds (measured, and the theory), peak RSS, the c
 issued per step with their payloads (counted) and a per-phase breakdown. It prints a table and
 writes ``bench.json`` and ``bench.png`` into ``--out``.
 
+``distopt bench --pp 2 --nproc 4`` runs the gpt model in pipeline stages instead, each sharded
+over its row of a (pp, dp) mesh, distopt's stages beside FSDP2's under the same torch schedule
+(``stages.py``, reported by ``stage_report.py``).
+
 ``distopt bench --host-overhead`` runs the host-overhead microbenchmark instead
 (see ``host_overhead.py``), and ``distopt bench --collectives`` times distopt's collectives
 against the backend's own (see ``comm/collectives.py``).
@@ -30,10 +34,12 @@ from .models import MODELS, build_model
 from .muon import MUON_SYSTEMS
 from .peers import INSTALL_HINT
 from .runner import RunConfig, merge_rounds, run_config
+from .stages import SCHEDULES, STAGE_DEFAULT_SYSTEMS
 from .systems import (
     PEER_SYSTEMS,
     SHARDED_PARAMS,
     SPLIT_OVERLAP,
+    STAGE_SYSTEMS,
     SYSTEMS,
     system_bytes_per_param,
 )
@@ -48,20 +54,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4],
                    help="data-parallel sizes to run (default: 2 4)")
-    p.add_argument("--model", nargs="+", choices=MODELS, default=["gpt", "mlp"],
-                   help="models to run (default: gpt mlp)")
+    p.add_argument("--model", nargs="+", choices=MODELS, default=None,
+                   help="models to run (default: gpt mlp; with --pp: gpt)")
     p.add_argument("--systems", nargs="+",
                    choices=SYSTEMS + SPLIT_OVERLAP + SHARDED_PARAMS + MUON_SYSTEMS
                    + PEER_SYSTEMS,
-                   default=list(SYSTEMS),
+                   default=None,
                    help="configurations to run (default: all but the split-overlap, the "
                         "Muon and the other projects' ones: Megatron-Core and DeepSpeed, "
-                        "which need the peers extra)")
+                        "which need the peers extra; with --pp: "
+                        f"{' '.join(STAGE_DEFAULT_SYSTEMS)})")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of every configuration, interleaved (default 3)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank (default 1)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per rank (default 1); with --pp, per pipeline, split into "
+                        "the micro-batches (default: --microbatches)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=None,
@@ -69,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-size", type=int, default=None,
                    help="elements per bucket of distopt, Megatron-Core (with overlap) and "
                         "DeepSpeed (default: each one's own choice)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: run the gpt model split into this many stages, "
+                        "each sharded over --nproc / --pp ranks (default 1: no stages)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step of the --pp schedule (default 4)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="torch schedule of the --pp stages (default 1f1b)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.png")
     p.add_argument("--host-overhead", action="store_true",
                    help="run the step()+zero_grad() host-overhead microbenchmark instead")
@@ -91,7 +107,8 @@ def muon_state_bytes(model: str, seq_len: int) -> float:
 def _check(args: argparse.Namespace) -> None:
     """Refuse bad options before anything is spawned."""
     for name in (
-        "nproc", "steps", "repeat", "batch_size", "seq_len", "threads", "bucket_size", "numel"
+        "nproc", "steps", "repeat", "batch_size", "seq_len", "threads", "bucket_size", "numel",
+        "pp", "microbatches",
     ):
         value = getattr(args, name)
         values = value if isinstance(value, list) else [value]
@@ -100,6 +117,47 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 1, got {value}; pass a positive number")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.pp > 1:
+        _check_pipeline(args)
+    elif args.microbatches is not None or args.schedule is not None:
+        raise ValueError("--microbatches and --schedule set the pipeline of --pp: pass "
+                         "--pp 2 (or more) with them, or drop them")
+    args.model = args.model or (["gpt"] if args.pp > 1 else ["gpt", "mlp"])
+    args.systems = args.systems or list(STAGE_DEFAULT_SYSTEMS if args.pp > 1 else SYSTEMS)
+    args.batch_size = args.batch_size or (args.microbatches if args.pp > 1 else 1)
+
+
+def _check_pipeline(args: argparse.Namespace) -> None:
+    """Refuse a ``--pp`` run that cannot be laid out, naming the fix; fill in its defaults."""
+    pp = args.pp
+    if args.host_overhead or args.collectives:
+        raise ValueError("--pp runs the training benchmark in stages: drop --host-overhead "
+                         "and --collectives, or drop --pp")
+    bad = [n for n in args.nproc if n % pp]
+    if bad:
+        raise ValueError(f"--pp {pp} does not divide --nproc {' '.join(map(str, bad))}: each "
+                         f"stage needs the same number of ranks; pass --nproc multiples of "
+                         f"{pp} (e.g. --nproc {2 * pp} for (pp, dp) = ({pp}, 2))")
+    no_stages = [s for s in args.systems or [] if s not in STAGE_SYSTEMS]
+    if no_stages:
+        raise ValueError(f"--pp: no pipeline-stage mode in {', '.join(no_stages)}; pass "
+                         f"--systems from {', '.join(STAGE_SYSTEMS)} (default: "
+                         f"{' '.join(STAGE_DEFAULT_SYSTEMS)})")
+    for model in args.model or ["gpt"]:
+        if model == "mlp":
+            raise ValueError("--pp: the mlp model has no pipeline stages; pass --model gpt "
+                             "(or gpt-tiny)")
+        with torch.device("meta"):  # shapes only
+            layers = build_model(model, args.seq_len).module.config.n_layer
+        if layers % pp:
+            raise ValueError(f"--pp {pp} does not divide the {layers} blocks of --model "
+                             f"{model}: pass a --pp that divides {layers}")
+    args.microbatches = args.microbatches or 4
+    args.schedule = args.schedule or "1f1b"
+    batch = args.batch_size or args.microbatches
+    if batch % args.microbatches:
+        raise ValueError(f"--batch-size {batch} does not split into --microbatches "
+                         f"{args.microbatches}: pass a --batch-size that is a multiple of it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,15 +204,19 @@ def main(argv: list[str] | None = None) -> int:
                         system=system, model=model, nproc=nproc, steps=args.steps,
                         warmup=args.warmup, batch_size=args.batch_size, seq_len=args.seq_len,
                         device=args.device, threads=threads, bucket_size=args.bucket_size,
+                        pp=args.pp, microbatches=args.microbatches or 1,
+                        schedule=args.schedule or "1f1b",
                     )
-                    print(f"round {round_index + 1}/{args.repeat}: {model} d={nproc} {system}",
+                    layout = f"pp={args.pp} d={nproc // args.pp}" if args.pp > 1 else f"d={nproc}"
+                    print(f"round {round_index + 1}/{args.repeat}: {model} {layout} {system}",
                           file=sys.stderr, flush=True)
                     rounds[system].append(run_config(config))
             for system in args.systems:
                 result = merge_rounds(rounds[system])
                 state = muon_state_bytes(model, args.seq_len) if system in MUON_SYSTEMS else 8
+                # With stages, per param of a stage, sharded over the stage's DP ranks.
                 result["theory_bytes_per_param"] = system_bytes_per_param(
-                    system, nproc, optimizer_state_bytes=state)
+                    system, nproc // args.pp, optimizer_state_bytes=state)
                 results.append(result)
 
     from . import report

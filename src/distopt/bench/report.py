@@ -9,17 +9,23 @@ from typing import Any
 
 from .muon import MUON_BASELINES, MUON_SYSTEMS
 from .runner import PHASES
+from .stage_report import add_stage_ratios, format_stage_table
+from .stage_runs import PIPELINE_PHASES
 from .systems import LABELS, PEERS
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """Give each result its step time relative to DDP and to the fastest peer of its group.
+    """Give each result its step time relative to DDP and to the fastest peer of its group
+    (pipeline groups: relative to the FSDP2 stages, ``stage_report.add_stage_ratios``).
 
     Runs of one round are paired: the ratio is the median over rounds of the ratio of the two
     configurations' medians in that round, so drifts of the machine's speed between rounds
     cancel out.
     """
-    for group in _groups(results).values():
+    for key, group in _groups(results).items():
+        if key[3] > 1:
+            add_stage_ratios(group, _paired_ratio)
+            continue
         ok = [r for r in group if "error" not in r]
         by_name = {r["config"]["system"]: r for r in ok}
         peers = [r for r in ok if r["config"]["system"] in PEERS]
@@ -43,10 +49,12 @@ def _paired_ratio(r: dict[str, Any], base: dict[str, Any] | None) -> float | Non
 
 
 def _groups(results: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Results by (model, nproc, device, pp): the configurations compared with each other."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
         c = r["config"]
-        groups.setdefault((c["model"], c["nproc"], c["device"]), []).append(r)
+        key = (c["model"], c["nproc"], c["device"], c.get("pp", 1))
+        groups.setdefault(key, []).append(r)
     return groups
 
 
@@ -56,7 +64,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
         f"{'configuration':<32}{'step ms':>9}{'tok/s':>9}{'/DDP':>7}{'/best':>7}"
         f"{'B/param':>9}{'theory':>8}{'RSS MiB':>9}{'wire MB':>9}  collectives per step"
     )
-    for (model, nproc, device), group in _groups(results).items():
+    for (model, nproc, device, pp), group in _groups(results).items():
+        if pp > 1:
+            lines.append(format_stage_table(group))
+            continue
         first = next((r for r in group if "error" not in r), group[0])
         params = first.get("num_params", 0)
         lines.append(
@@ -83,15 +94,21 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def format_phases(results: list[dict[str, Any]]) -> str:
-    lines = [f"\n{'per-phase ms (median, mean over ranks)':<44}" + "".join(
-        f"{p:>12}" for p in PHASES)]
-    for r in results:
-        if "error" in r:
+    lines = []
+    # Pipeline stages time the schedule (every micro-batch's forward and backward) as one.
+    for pipelined, phases in ((False, PHASES), (True, PIPELINE_PHASES)):
+        rows = [r for r in results if "error" not in r
+                and (r["config"].get("pp", 1) > 1) == pipelined]
+        if not rows:
             continue
-        c = r["config"]
-        name = f"{c['model']} d={c['nproc']} {LABELS[c['system']]}"
-        lines.append(f"{name:<44}" + "".join(
-            f"{r['phases_s'][p] * 1e3:>12.1f}" for p in PHASES))
+        lines.append(f"\n{'per-phase ms (median, mean over ranks)':<44}" + "".join(
+            f"{p:>12}" for p in phases))
+        for r in rows:
+            c = r["config"]
+            layout = f"pp={c['pp']} d={c['nproc'] // c['pp']}" if pipelined else f"d={c['nproc']}"
+            name = f"{c['model']} {layout} {LABELS[c['system']]}"
+            lines.append(f"{name:<44}" + "".join(
+                f"{r['phases_s'][p] * 1e3:>12.1f}" for p in phases))
     return "\n".join(lines)
 
 
@@ -133,7 +150,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
     groups = list(_groups(results).items())
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.8), squeeze=False)
-    for ax, ((model, nproc, device), group) in zip(axes[0], groups, strict=True):
+    for ax, ((model, nproc, device, pp), group) in zip(axes[0], groups, strict=True):
         ok = [r for r in group if "error" not in r]
         names = [LABELS[r["config"]["system"]].replace(", ", "\n") for r in ok]
         values = [r["median_step_s"] * 1e3 for r in ok]
@@ -141,14 +158,16 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
                   for r in ok]
         bars = ax.barh(range(len(ok)), values, color=colors)
         for bar, r in zip(bars, ok, strict=True):
-            ratio = r.get("ratio_to_ddp")
+            ratio = r.get("ratio_to_ddp") or r.get("ratio_to_fsdp2")
             text = f" {bar.get_width():.0f}" + (f" ({ratio:.2f}x)" if ratio else "")
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text,
                     va="center", fontsize=7)
         ax.set_yticks(range(len(ok)), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("median step time, ms (ratio to DDP)")
-        ax.set_title(f"{model}, d = {nproc}, {device}", fontsize=9)
+        base = "FSDP2 stages" if pp > 1 else "DDP"
+        ax.set_xlabel(f"median step time, ms (ratio to {base})")
+        layout = f"(pp, dp) = ({pp}, {nproc // pp})" if pp > 1 else f"d = {nproc}"
+        ax.set_title(f"{model}, {layout}, {device}", fontsize=9)
         ax.set_xlim(0, max(values, default=1) * 1.35)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

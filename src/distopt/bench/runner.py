@@ -32,6 +32,7 @@ import distopt
 from .models import build_model
 from .muon import MUON_SYSTEMS, build_muon_system
 from .peers import build_peer_system
+from .stage_runs import measure_stages, summarize_stages
 from .systems import PEER_SYSTEMS, CollectiveCounter, build_system, wire_bytes
 
 PHASES = ("forward", "backward", "wait_reduce", "step", "wait_gather")
@@ -61,11 +62,26 @@ class RunConfig:
     """torch intra-op threads per rank."""
     bucket_size: int | None = None
     """distopt elements per bucket; None = distopt's default."""
+    pp: int = 1
+    """Pipeline stages: above 1, the ``nproc`` ranks form a (pp, nproc / pp) mesh and each
+    stage is sharded over its row (``stages.py``)."""
+    microbatches: int = 1
+    """Micro-batches per step of the pipeline schedule (``pp > 1``); they split
+    ``batch_size``."""
+    schedule: str = "1f1b"
+    """The torch schedule of the stages: ``1f1b`` or ``gpipe``."""
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.nproc < 1 or self.steps < 1 or self.warmup < 0:
             raise ValueError("nproc and steps must be >= 1 and warmup >= 0")
+        if self.pp < 1 or self.nproc % self.pp:
+            raise ValueError(f"pp ({self.pp}) must be at least 1 and divide nproc ({self.nproc})")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(f"microbatches ({self.microbatches}) must be at least 1 and "
+                             f"divide batch_size ({self.batch_size})")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.batch_size < 1 or self.seq_len < 1 or self.threads < 1:
             raise ValueError("batch_size, seq_len and threads must be >= 1")
         if self.device not in ("cpu", "cuda"):
@@ -118,11 +134,11 @@ def _worker(rank: int, config: RunConfig, tmp: str) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     device = init_rank(rank, config.nproc, config.device, config.threads, tmp)
     try:
-        result = _measure(rank, config, device)
+        result = measure_rank(rank, config, device)
         gathered: list[Any] = [None] * config.nproc
         dist.all_gather_object(gathered, result)
         if rank == 0:
-            summary = _summarize(config, gathered)
+            summary = summarize(config, gathered)
             with open(os.path.join(tmp, "result.json.tmp"), "w") as f:
                 json.dump(summary, f)
             os.replace(os.path.join(tmp, "result.json.tmp"), os.path.join(tmp, "result.json"))
@@ -132,6 +148,20 @@ def _worker(rank: int, config: RunConfig, tmp: str) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def measure_rank(rank: int, config: RunConfig, device: torch.device) -> dict[str, Any]:
+    """Run ``config`` on this rank of an initialized process group of ``config.nproc`` ranks;
+    this rank's timings, losses, state bytes and collectives (``summarize`` joins them)."""
+    if config.pp > 1:
+        return measure_stages(rank, config, device)
+    return _measure(rank, config, device)
+
+
+def summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The configuration's result from every rank's ``measure_rank``."""
+    summary = _summarize(config, per_rank)
+    return summarize_stages(config, per_rank, summary) if config.pp > 1 else summary
 
 
 def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, Any]:
@@ -265,18 +295,20 @@ class NewtonSchulzCounter:
 
 def _summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     steps = len(per_rank[0]["rows"])
+    names = [name for name in per_rank[0]["rows"][0] if name != "total"]  # the phases
     # A step ends when the slowest rank ends it: take the max over ranks, then the median.
     totals = [max(r["rows"][i]["total"] for r in per_rank) for i in range(steps)]
     phases = {
         name: statistics.median(
             statistics.mean(r["rows"][i][name] for r in per_rank) for i in range(steps)
         )
-        for name in PHASES
+        for name in names
     }
     median = statistics.median(totals)
-    tokens = config.nproc * config.batch_size * config.seq_len
+    # A pipeline's stages share their batch: the ranks of one stage train the step's tokens.
+    d = config.nproc // config.pp
+    tokens = d * config.batch_size * config.seq_len
     first = per_rank[0]
-    d = config.nproc
     state = first["state_bytes"]
     payload = {op: b / steps for op, b in first["bytes"].items()}
     summary = {
@@ -288,7 +320,7 @@ def _summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         "tokens_per_s": tokens / median,
         "phases_s": phases,
         "phases_by_rank_s": [
-            {name: statistics.median(row[name] for row in r["rows"]) for name in PHASES}
+            {name: statistics.median(row[name] for row in r["rows"]) for name in names}
             for r in per_rank
         ],
         "bytes_per_param": max(sum(r["state_bytes"].values()) for r in per_rank)
@@ -299,7 +331,7 @@ def _summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         "payload_bytes_per_step": payload,
         "wire_bytes_per_step": sum(wire_bytes(op, b, d) for op, b in payload.items()),
         "newton_schulz_per_step": [r["newton_schulz_calls"] / steps for r in per_rank],
-        "final_loss": first["losses"][-1],
+        "final_loss": first["losses"][-1] if first["losses"] else None,
         "checksum": first["checksum"],
     }
     if "distopt_comm" in first:
@@ -330,7 +362,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     merged["median_step_s"] = median
     merged["tokens_per_s"] = ok[0]["tokens_per_s"] * ok[0]["median_step_s"] / median
     merged["phases_s"] = {
-        name: statistics.median(r["phases_s"][name] for r in ok) for name in PHASES
+        name: statistics.median(r["phases_s"][name] for r in ok) for name in ok[0]["phases_s"]
     }
     merged["max_rss_bytes"] = max(r["max_rss_bytes"] for r in ok)
     merged["failed_rounds"] = len(rounds) - len(ok)
