@@ -1,18 +1,25 @@
 """`distopt bench` end to end on a tiny run: every configuration trains the same model on the
-same data, and the collectives and bytes it reports are the exact expected numbers."""
+same data, and the collectives and bytes it reports are the exact expected numbers. The
+``--pp`` stages run their ranks in the 4-rank pool of dist_harness, summarized as the bench
+summarizes its spawned ranks."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from distopt.bench import main
+from distopt.bench import main, report
 from distopt.bench.collective_timings import OPS
 from distopt.bench.host_overhead import measure_host_overhead
-from distopt.bench.systems import wire_bytes
+from distopt.bench.runner import RunConfig, measure_rank, merge_rounds, summarize
+from distopt.bench.systems import system_bytes_per_param, wire_bytes
+
+from dist_harness import case_result, run_cases
 
 D = 2
 # BasicOptimizer is left out to keep the test short; test_parity covers its numbers.
@@ -177,3 +184,105 @@ def test_distopt_configurations_set_the_overlaps_they_name(name, reduce, gather)
     assert system.name == name and name in LABELS
     assert system.model.options.overlap_grad_reduce is reduce
     assert system.optimizer.options.overlap_param_gather is gather
+
+
+# ------------------------------------------------------------------ --pp: pipeline stages
+
+# (pp, dp) = (2, 2): the tiny GPT's two blocks one per stage, 2 micro-batches of one sequence.
+STAGE_RUN = {"model": "gpt-tiny", "nproc": 4, "pp": 2, "microbatches": 2, "batch_size": 2,
+             "seq_len": 8, "steps": 2, "warmup": 1}
+STAGE_SYSTEMS = ["fsdp2", "distopt", "distopt-shard-params"]
+
+
+def stage_rank(system: str) -> dict:
+    """One rank of a --pp run of ``system``, in the 4-rank pool's group (no spawn)."""
+    config = RunConfig(system=system, **STAGE_RUN)
+    return measure_rank(dist.get_rank(), config, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def stage_bench():
+    """The three configurations' results as ``distopt bench --pp 2 --nproc 4`` makes them
+    from its ranks' measurements, with the ratios and the table."""
+    out = run_cases(4, [(system, stage_rank, (system,)) for system in STAGE_SYSTEMS])
+    results = []
+    for system in STAGE_SYSTEMS:
+        config = RunConfig(system=system, **STAGE_RUN)
+        result = merge_rounds([summarize(config, case_result(out, system))])
+        result["theory_bytes_per_param"] = system_bytes_per_param(system, 2)
+        results.append(result)
+    report.add_ratios(results)
+    return {r["config"]["system"]: r for r in results}, report.format_table(results)
+
+
+def test_stages_train_the_same_math_as_fsdp2_stages(stage_bench):
+    results, _ = stage_bench
+    fsdp2 = results["fsdp2"]
+    assert len(fsdp2["losses"]) == 3 and fsdp2["final_loss"] > 0
+    for name in ("distopt", "distopt-shard-params"):
+        r = results[name]
+        # The tie summed across the stages by distopt, by hand for FSDP2: the same steps.
+        assert r["losses"] == pytest.approx(fsdp2["losses"], rel=1e-5), name
+        assert r["checksum"] == pytest.approx(fsdp2["checksum"], rel=1e-5), name
+    assert all(r["median_step_s"] > 0 and len(r["stages"]) == 2 for r in results.values())
+
+
+def test_stage_traffic_and_bytes(stage_bench):
+    results, table = stage_bench
+    width, vocab = 64, 256  # gpt-tiny
+    for name, r in results.items():
+        for stage in r["stages"]:
+            sent = stage["payload_bytes_per_step"]
+            calls = stage["calls_per_step"]
+            # Each micro-batch's activations forward or their grads back, fp32.
+            assert sent["stage_send"] == 2 * 8 * width * 4 and calls["stage_send"] == 2, name
+            # The tie's grads summed across the two stages: this rank's half of the embedding.
+            assert sent["stage_all_reduce"] == vocab * width * 4 / 2, name
+            n_bytes = 4 * stage["num_params"]
+            if name == "fsdp2":  # one gather and one reduction per step, not per micro-batch
+                assert sent["all_gather"] == sent["reduce_scatter"] == n_bytes
+                assert stage["bytes_per_param"] == 16 / 2
+            else:
+                # One reduction per step from the full grad buffer; sharded params keep none,
+                # so each micro-batch's backward reduces its grads into the shard.
+                times = 2 if name == "distopt-shard-params" else 1
+                reduced = stage["distopt_comm"]["payload_bytes_per_step"]["reduce_scatter"]
+                assert times * n_bytes <= reduced < 1.01 * times * n_bytes, name
+        theory = r["theory_bytes_per_param"]
+        assert theory <= r["bytes_per_param"] < 1.01 * theory, name
+    assert results["distopt"]["theory_bytes_per_param"] == 8 + 8 / 2
+    assert results["distopt"]["state_ratio_to_fsdp2"] == pytest.approx(1.5, rel=0.01)
+    assert results["distopt-shard-params"]["state_ratio_to_fsdp2"] == pytest.approx(1, rel=0.01)
+    assert results["fsdp2"]["ratio_to_fsdp2"] == 1.0
+    assert all(r["ratio_to_fsdp2"] > 0 and r["rss_ratio_to_fsdp2"] > 0 for r in results.values())
+    assert "(pp, dp) = (2, 2)" in table and "distopt, sharded params" in table
+    assert "pp=2 d=2" in report.format_phases(list(results.values()))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "2", "--nproc", "3"], "--pp 2 does not divide --nproc 3"),
+    (["--pp", "2", "--nproc", "4", "--systems", "ddp", "distopt"],
+     "no pipeline-stage mode in ddp"),
+    (["--pp", "2", "--nproc", "4", "--model", "mlp"], "mlp model has no pipeline stages"),
+    (["--pp", "3", "--nproc", "6", "--model", "gpt"], "does not divide the 4 blocks"),
+    (["--pp", "2", "--nproc", "4", "--batch-size", "3"], "does not split into --microbatches 4"),
+    (["--pp", "2", "--nproc", "4", "--collectives"], "drop --host-overhead"),
+    (["--microbatches", "2"], "pass --pp 2"),
+    (["--pp", "0"], "--pp must be at least 1"),
+])
+def test_bad_pipeline_arguments_fail_before_launching(tmp_path, argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main([*argv, "--out", str(tmp_path)])
+
+
+def test_stage_configurations_refuse_what_has_no_stages():
+    with pytest.raises(ValueError, match="must be at least 1 and divide nproc"):
+        RunConfig(system="distopt", model="gpt", nproc=4, pp=3)
+    with pytest.raises(ValueError, match="divide batch_size"):
+        RunConfig(system="distopt", model="gpt", nproc=4, pp=2, microbatches=4, batch_size=2)
+    from torch import nn
+
+    from distopt.bench.systems import build_system
+
+    with pytest.raises(ValueError, match="ddp has no pipeline-stage mode"):
+        build_system("ddp", nn.Linear(2, 2), torch.device("cpu"), mesh=object())
