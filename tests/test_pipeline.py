@@ -6,7 +6,9 @@ group (the "dp" dimension of a (pp, dp) mesh) inside ``distopt.pipelining.Pipeli
 torch's schedules run 4 micro-batches per step. In the same process a plain copy of the whole
 model trains on the whole batch with torch.optim.AdamW and clip_grad_norm_. The cases compare
 every stage's params after every step, count the collectives, and check that the tie's two
-copies stay identical. The 2-rank pool runs (pp, dp) = (2, 1); the 4-rank pool (2, 2) and (4, 1).
+copies stay identical. The 2-rank pool runs (pp, dp) = (2, 1); the 4-rank pool (2, 2), (4, 1),
+bf16 params at (2, 2) against fp32 master weights, and (pp, dp, tp) = (2, 1, 2), each stage's
+layers tensor-parallel (DTensor) over its two TP ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 import distopt
 from distopt.memory import bytes_per_param_breakdown
@@ -36,7 +44,7 @@ from distopt.pipelining import PipelineStage
 from distopt.train.config import parse_args
 
 from dist_harness import case_result, run_cases
-from helpers import SMALL_TRAIN, train_in_pool
+from helpers import BF16_TOL, SMALL_TRAIN, fp32_master_step, full, train_in_pool
 
 VOCAB, DIM, SEQ, BATCH = 16, 8, 3, 8
 MICRO_BATCHES = 4
@@ -88,7 +96,8 @@ def stage_of(whole: StagedLM, stage: int, stages: int) -> tuple[StagedLM, dict]:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    # In fp32 whatever the model's dtype, as a bf16 run computes its loss.
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +109,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 MUON = {"lr": 0.02, "momentum": 0.9}
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 VARIANTS = {"": {}, "shard_grads": {"shard_grads": True}, "shard_params": {"shard_params": True},
-            "muon": {}}
+            "muon": {}, "bf16": {"grad_dtype": torch.bfloat16}, "tp": {}}
+# bf16 params and grads: the grads of 4 micro-batches are summed in bf16 (and reduced over DP
+# in bf16), the reference's are of the whole batch: rounded once per micro-batch and per sum,
+# as test_mixed_precision.py bounds bf16 grads (a wrong micro-batch scale is a factor of 4).
+BF16_NORM_RTOL = 2**-6
 
 
 def muon_groups(module: StagedLM) -> list[dict]:
@@ -118,17 +131,34 @@ def held_params(modules: list[StagedLM], ddps: list) -> list[tuple[str, torch.Te
     with contextlib.ExitStack() as gathered:
         for ddp in ddps:
             gathered.enter_context(ddp.gathered_params())
-        return [(n, p.detach().clone()) for m in modules for n, p in m.named_parameters()]
+        # full(): a tensor-parallel layer's DTensor gathered over its stage's TP ranks.
+        return [(n, full(p).clone()) for m in modules for n, p in m.named_parameters()]
+
+
+def tensor_parallel(module: StagedLM, mesh: DeviceMesh) -> None:
+    """The stage's layers over the mesh's "tp" dimension, in pairs: column-wise (each TP rank
+    a slice of the outputs, tanh on its slice), then row-wise (the partial sums all-reduced)."""
+    names = sorted(module.layers, key=int)
+    parallelize_module(module, mesh["tp"], {
+        f"layers.{name}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+        for i, name in enumerate(names)})
 
 
 def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") -> dict:
     """STEPS steps of AdamW + clip (or Muon and AdamW, ``variant="muon"``; or with sharded
-    grads or params) on a (pp, dp) mesh with ``chunks`` stages per rank."""
-    mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh.get_coordinate()
+    grads or params; or bf16 params and grads, against fp32 master weights) on a (pp, dp) mesh
+    with ``chunks`` stages per rank; ``variant="tp"``: a (pp, dp, tp) mesh over every rank, each
+    stage's layers tensor-parallel over its "tp" dimension."""
+    tp = dist.get_world_size() // (pp * dp) if variant == "tp" else 1
+    shape, names = ((pp, dp, tp), ("pp", "dp", "tp")) if variant == "tp" else ((pp, dp),
+                                                                                ("pp", "dp"))
+    mesh = DeviceMesh("cpu", torch.arange(pp * dp * tp).reshape(shape), mesh_dim_names=names)
+    pp_rank, dp_rank = mesh.get_coordinate()[:2]
     stages = pp * chunks
+    dtype = torch.bfloat16 if variant == "bf16" else torch.float32
     torch.manual_seed(0)
-    whole = StagedLM(layers=stages)
+    # Tensor parallel: two layers per stage, a column-wise and a row-wise one.
+    whole = StagedLM(layers=stages * (2 if tp > 1 else 1)).to(dtype)
     ref = copy.deepcopy(whole)
     # Interleaved: rank r runs stages r, r + pp, ...; V-shaped: r and 2 pp - 1 - r.
     indices = ([pp_rank, 2 * pp - 1 - pp_rank] if schedule == "zbv"
@@ -136,6 +166,8 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
     modules, ddps, pipeline_stages = [], [], []
     for index in indices:
         module, tied = stage_of(whole, index, stages)
+        if tp > 1:
+            tensor_parallel(module, mesh)
         ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
                                               tied_params=tied, **VARIANTS[variant])
         modules.append(module)
@@ -156,6 +188,10 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
         opt = distopt.DistributedOptimizer(models, torch.optim.AdamW, clip_grad=CLIP,
                                            log_num_zeros=True, **ADAMW)
         ref_opts = [torch.optim.AdamW(ref.parameters(), **ADAMW)]
+    masters = None
+    if dtype != torch.float32:  # the reference steps fp32 masters and casts them into ref
+        masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
+        ref_opts = [torch.optim.AdamW(masters, **ADAMW)]
     cls = SCHEDULES[schedule]
     sched = cls(pipeline_stages if chunks > 1 else pipeline_stages[0],
                 n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
@@ -177,20 +213,24 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
         result = opt.step()
         calls.append([dict(ddp.comm_stats.calls) for ddp in ddps])
 
-        ref.zero_grad()
-        loss_fn(ref(x), y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        if masters is not None:
+            ref_norm = fp32_master_step(list(ref.parameters()), masters, ref_opts[0],
+                                        loss_fn(ref(x), y), clip=CLIP).item()
+        else:
+            ref.zero_grad()
+            loss_fn(ref(x), y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+            for ref_opt in ref_opts:
+                ref_opt.step()
         zeros.append((result.num_zeros,
                       sum(int((p.grad == 0).sum()) for p in ref.parameters())))
-        for ref_opt in ref_opts:
-            ref_opt.step()
 
         for ddp in ddps:
             ddp.finish_param_sync()
         ref_params = dict(ref.named_parameters())
         for name, value in held_params(modules, ddps):
             target = ref_params["wte.weight" if name == "head.weight" else name]
-            worst = max(worst, (value - target.detach()).abs().max().item())
+            worst = max(worst, (value.float() - target.detach().float()).abs().max().item())
         worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm - 1))
     tie = [v for n, v in held_params(modules, ddps) if n in ("wte.weight", "head.weight")]
     gathered = [None] * dist.get_world_size()
@@ -205,6 +245,9 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
         "tie_equal": tie_equal,
         "tie_copies": len(copies),
         "zeros": zeros,
+        "dtypes": {p.dtype for m in modules for p in m.parameters()},
+        "tensor_parallel": sorted(n for m in modules for n, p in m.named_parameters()
+                                  if isinstance(p, DTensor)),
     }
 
 
@@ -309,7 +352,8 @@ PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
             (2, 1, "zero-bubble", 2), (2, 1, "zbv", 2), (2, 1, "1f1b", 1, "muon")]
 PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2),
             (2, 2, "1f1b", 1, "muon"), (2, 2, "1f1b", 1, "shard_grads"),
-            (2, 2, "1f1b", 1, "shard_params")]
+            (2, 2, "1f1b", 1, "shard_params"), (2, 2, "1f1b", 1, "bf16"),
+            (2, 1, "1f1b", 1, "tp")]  # (pp, dp, tp) = (2, 1, 2)
 
 
 def _name(config: tuple) -> str:
@@ -329,23 +373,34 @@ def results_4():
     return run_cases(4, [(_name(c), parity, c) for c in PARITY_4])
 
 
-def _check_parity(ranks: list[dict]) -> None:
+# variant -> (param tolerance, grad-norm tolerance); fp32 otherwise. In bf16, a wrong tie moves
+# the params by several bf16 ulps (and breaks the copies' equality); a wrong micro-batch scale
+# leaves clipped AdamW's params nearly unchanged but multiplies the grad norm by 4.
+TOLERANCES = {"bf16": (BF16_TOL, BF16_NORM_RTOL)}
+
+
+def _check_parity(ranks: list[dict], config: tuple) -> None:
+    variant = config[4] if len(config) > 4 else ""
+    tol, norm_tol = TOLERANCES.get(variant, (FP32_TOL, FP32_TOL))
     for rank in ranks:
-        assert rank["max_diff"] < FP32_TOL, rank["max_diff"]
-        assert rank["norm_diff"] < FP32_TOL, rank["norm_diff"]
+        assert rank["max_diff"] < tol, rank["max_diff"]
+        assert rank["norm_diff"] < norm_tol, rank["norm_diff"]
         assert rank["tie_equal"] and rank["tie_copies"] >= 2
         assert all(got == want > 0 for got, want in rank["zeros"]), rank["zeros"]
+        assert rank["dtypes"] == {torch.bfloat16 if variant == "bf16" else torch.float32}
+        # Every rank's stage holds a column-wise and a row-wise tensor-parallel layer.
+        assert len(rank["tensor_parallel"]) == (4 if variant == "tp" else 0)
 
 
 @pytest.mark.parametrize("config", PARITY_2, ids=_name)
 def test_two_stages_train_like_one_process(results_2, config):
-    _check_parity(case_result(results_2, _name(config)))
+    _check_parity(case_result(results_2, _name(config)), config)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", PARITY_4, ids=_name)
 def test_four_ranks_train_like_one_process(results_4, config):
-    _check_parity(case_result(results_4, _name(config)))
+    _check_parity(case_result(results_4, _name(config)), config)
 
 
 @pytest.mark.slow
