@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import distopt
+from distopt.checkpoint import AsyncCheckpoint
 from distopt.memory import bytes_per_param_breakdown
 from distopt.pipelining import PipelineStage
 from distopt.train.config import parse_args
@@ -460,10 +461,12 @@ def test_a_refusal_on_one_stage_is_raised_on_every_stage(results_2, name):
 # ---------------------------------------------------------------- checkpoints
 
 def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None,
-                save: str | None = None) -> dict[str, torch.Tensor]:
+                save: str | None = None, save_after: int | None = None
+                ) -> dict[str, torch.Tensor]:
     """Steps ``start`` to ``stop`` on a (pp, dp) mesh (pp = 1: the whole model under a plain
-    DDP), from the checkpoint ``load`` if given, saving into ``save`` at the end; the params
-    this rank holds, by the whole model's names."""
+    DDP), from the checkpoint ``load`` if given, saving into ``save`` at the end, or
+    asynchronously after step ``save_after`` while the later steps train (waited for at the
+    end); the params this rank holds, by the whole model's names."""
     if pp == 1:
         mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
         pp_rank, dp_rank = 0, mesh.get_local_rank()
@@ -484,6 +487,7 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
         sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, pp, torch.device("cpu")),
                               n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
     per = BATCH // dp
+    pending = None
     for step in range(start, stop):
         x, y = batch(step)
         mine = slice(dp_rank * per, (dp_rank + 1) * per)
@@ -494,7 +498,13 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
             sched.step(*((x[mine],) if pp_rank == 0 else ()),
                        **({"target": y[mine]} if pp_rank == pp - 1 else {}))
         opt.step()
-    if save is not None:
+        if save is not None and step + 1 == save_after:
+            # The steps after it change the params while the save writes what it staged.
+            pending = distopt.save_checkpoint(save, ddp, opt, async_save=True)
+            assert isinstance(pending, AsyncCheckpoint), pending
+    if pending is not None:
+        pending.wait()
+    elif save is not None:
         distopt.save_checkpoint(save, ddp, opt)
     ddp.finish_param_sync()
     return {("wte.weight" if n == "head.weight" else n): p.detach().clone()
@@ -502,9 +512,10 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
 
 
 def saved_at_2x2(directory: str) -> dict:
-    """Two steps at (2, 2), saved; two more: the uninterrupted run's end."""
-    train_steps(2, 2, 0, 2, save=directory)
-    return train_steps(2, 2, 0, 4)
+    """Four steps at (2, 2), saved asynchronously after the second while the others train; and
+    four uninterrupted steps, without a save: where each run ends."""
+    return {"saving": train_steps(2, 2, 0, 4, save=directory, save_after=2),
+            "uninterrupted": train_steps(2, 2, 0, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -520,11 +531,22 @@ def checkpoint_runs(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["2x1", "1x2"])
 def test_a_2x2_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
     saved, resumed = checkpoint_runs
-    uninterrupted = {n: p for rank in case_result(saved, "saved") for n, p in rank.items()}
+    uninterrupted = {n: p for rank in case_result(saved, "saved")
+                     for n, p in rank["uninterrupted"].items()}
     ended = {n: p for rank in case_result(resumed, f"resumed-{layout}") for n, p in rank.items()}
     assert sorted(ended) == sorted(uninterrupted)
     worst = max((ended[n] - uninterrupted[n]).abs().max().item() for n in ended)
     assert worst < FP32_TOL, worst
+
+
+@pytest.mark.slow
+def test_an_async_save_of_the_stages_leaves_their_run_unchanged(checkpoint_runs):
+    # The save staged its copy of every stage's part: the steps after it are the same steps.
+    saved, _ = checkpoint_runs
+    for rank in case_result(saved, "saved"):
+        assert sorted(rank["saving"]) == sorted(rank["uninterrupted"])
+        for name, value in rank["saving"].items():
+            assert torch.equal(value, rank["uninterrupted"][name]), name
 
 
 # ---------------------------------------------------------------- distopt train --pp
