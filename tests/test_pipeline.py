@@ -17,6 +17,8 @@ import contextlib
 import copy
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -521,15 +523,21 @@ def saved_at_2x2(directory: str) -> dict:
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("pipeline-ckpt"))
+    unpipelined = str(tmp_path_factory.mktemp("pipeline-ckpt-1x2"))
     saved = run_cases(4, [("saved", saved_at_2x2, (directory,))])
     resumed = run_cases(2, [(f"resumed-{pp}x{dp}", train_steps, (pp, dp, 2, 4, directory))
-                            for pp, dp in [(2, 1), (1, 2)]])
+                            for pp, dp in [(2, 1), (1, 2)]]
+                        # and the other way: two unpipelined steps, saved, resumed in stages
+                        + [("saved-1x2", train_steps, (1, 2, 0, 2, None, unpipelined)),
+                           ("resumed-2x1-from-1x2", train_steps, (2, 1, 2, 4, unpipelined))])
     return saved, resumed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["2x1", "1x2"])
-def test_a_2x2_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
+@pytest.mark.parametrize("layout", ["2x1", "1x2", "2x1-from-1x2"])
+def test_a_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
+    """A checkpoint of (pp, dp) = (2, 2) resumed at (2, 1) and at (1, 2), unpipelined; and one
+    of (1, 2) resumed at (2, 1), in stages: each ends where the uninterrupted run ends."""
     saved, resumed = checkpoint_runs
     uninterrupted = {n: p for rank in case_result(saved, "saved")
                      for n, p in rank["uninterrupted"].items()}
@@ -551,23 +559,66 @@ def test_an_async_save_of_the_stages_leaves_their_run_unchanged(checkpoint_runs)
 
 # ---------------------------------------------------------------- distopt train --pp
 
+def train_resumed_from(checkpoint: str, out: str, *args: str) -> str:
+    """``distopt train ARGS --out OUT --resume`` from ``checkpoint``, another run's, copied
+    into OUT's checkpoints as the latest; what this rank printed."""
+    if dist.get_rank() == 0:
+        run_dir = Path(out) / "checkpoints"
+        shutil.copytree(checkpoint, run_dir / Path(checkpoint).name)
+        (run_dir / "latest").write_text(Path(checkpoint).name)
+    dist.barrier()  # the copy is complete before any rank looks for it
+    return train_in_pool(*args, "--out", out, "--resume")
+
+
+# The checkpoint of step 4 of 8 (--save-every 4): the first a run writes.
+HALFWAY = "ckpt-000001"
+# Each resumed run -> the run whose step-4 checkpoint it starts from, and its own flags. (An
+# unpipelined checkpoint loaded into stages: test_a_checkpoint_resumes_at_another_layout.)
+RESUMED = {"flat-from-pp": ("pp", ())}
+
+
 @pytest.fixture(scope="module")
-def train_runs(tmp_path_factory) -> dict[str, float]:
+def train_runs(tmp_path_factory) -> dict[str, dict]:
     """distopt train at 4 ranks, 2 micro-batches per step: 2 stages x 2 DP ranks, and the
-    unpipelined run with the same global batch; each run's final held-out loss."""
+    unpipelined run with the same global batch; then the unpipelined run resumed at step 4
+    from the pipelined run's checkpoint. Each run's final held-out loss, and the step it
+    resumed at (None: it did not)."""
     runs = {"pp": ("--pp", "2"), "flat": ()}
-    outs = {name: tmp_path_factory.mktemp(f"train-{name}") for name in runs}
+    outs = {name: tmp_path_factory.mktemp(f"train-{name}") for name in [*runs, *RESUMED]}
     run_cases(4, [(name, train_in_pool, (*SMALL_TRAIN, "--out", str(outs[name]),
                                          "--grad-accum", "2", *extra))
-                  for name, extra in runs.items()])
-    return {name: json.loads((outs[name] / "summary.json").read_text())["heldout_loss_end"]
-            for name in runs}
+                  for name, extra in runs.items()]
+              + [(name, train_resumed_from, (str(outs[source] / "checkpoints" / HALFWAY),
+                                             str(outs[name]), *SMALL_TRAIN, "--grad-accum",
+                                             "2", *extra))
+                 for name, (source, extra) in RESUMED.items()])
+    ended = {}
+    for name in [*runs, *RESUMED]:
+        records = [json.loads(line)
+                   for line in (outs[name] / "metrics.jsonl").read_text().splitlines()]
+        ended[name] = {
+            "heldout": json.loads((outs[name] / "summary.json").read_text())["heldout_loss_end"],
+            "resumed_at": next((r["step"] for r in records if r.get("resumed")), None)}
+    return ended
 
 
 @pytest.mark.slow
 def test_train_pp_2_learns_what_the_unpipelined_run_learns(train_runs):
     # fp32 and the same global batch: equal up to the order of the sums.
-    assert train_runs["pp"] == pytest.approx(train_runs["flat"], rel=1e-5)
+    assert train_runs["pp"]["heldout"] == pytest.approx(train_runs["flat"]["heldout"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", sorted(RESUMED))
+def test_train_resumed_at_another_pp_ends_where_the_uninterrupted_run_ends(train_runs, resumed):
+    # The pipelined run's checkpoint is the whole model's, and loads without --pp. fp32:
+    # equal up to the order of the sums.
+    source = RESUMED[resumed][0]
+    assert train_runs[source]["resumed_at"] is None
+    assert train_runs[resumed]["resumed_at"] == 4
+    for uninterrupted in ("pp", "flat"):
+        assert train_runs[resumed]["heldout"] == pytest.approx(
+            train_runs[uninterrupted]["heldout"], rel=1e-5)
 
 
 @pytest.mark.parametrize(("args", "message"), [
