@@ -477,7 +477,7 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
                           mesh_dim_names=("pp", "dp"))
         pp_rank, dp_rank = mesh.get_coordinate()
     torch.manual_seed(0)
-    module, tied = stage_of(StagedLM(layers=2), pp_rank, pp)
+    module, tied = stage_of(StagedLM(layers=max(pp, 2)), pp_rank, pp)
     ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
                                           tied_params=tied)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2,
@@ -524,7 +524,11 @@ def saved_at_2x2(directory: str) -> dict:
 def checkpoint_runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("pipeline-ckpt"))
     unpipelined = str(tmp_path_factory.mktemp("pipeline-ckpt-1x2"))
-    saved = run_cases(4, [("saved", saved_at_2x2, (directory,))])
+    four = str(tmp_path_factory.mktemp("pipeline-ckpt-4x1"))
+    # First at (4, 1): the tie's group holds ranks 0 and 3 only, so the ranks belong to
+    # different numbers of groups when the async saves make their writer group.
+    saved = run_cases(4, [("saved-4x1", train_steps, (4, 1, 0, 2, None, four, 1)),
+                          ("saved", saved_at_2x2, (directory,))])
     resumed = run_cases(2, [(f"resumed-{pp}x{dp}", train_steps, (pp, dp, 2, 4, directory))
                             for pp, dp in [(2, 1), (1, 2)]]
                         # and the other way: two unpipelined steps, saved, resumed in stages
@@ -551,6 +555,7 @@ def test_a_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
 def test_an_async_save_of_the_stages_leaves_their_run_unchanged(checkpoint_runs):
     # The save staged its copy of every stage's part: the steps after it are the same steps.
     saved, _ = checkpoint_runs
+    case_result(saved, "saved-4x1")  # four stages, the tie over two ranks of four: saved
     for rank in case_result(saved, "saved"):
         assert sorted(rank["saving"]) == sorted(rank["uninterrupted"])
         for name, value in rank["saving"].items():
