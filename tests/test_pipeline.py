@@ -6,7 +6,9 @@ group (the "dp" dimension of a (pp, dp) mesh) inside ``distopt.pipelining.Pipeli
 torch's schedules run 4 micro-batches per step. In the same process a plain copy of the whole
 model trains on the whole batch with torch.optim.AdamW and clip_grad_norm_. The cases compare
 every stage's params after every step, count the collectives, and check that the tie's two
-copies stay identical. The 2-rank pool runs (pp, dp) = (2, 1); the 4-rank pool (2, 2) and (4, 1).
+copies stay identical. The 2-rank pool runs (pp, dp) = (2, 1); the 4-rank pool (2, 2), (4, 1),
+bf16 params at (2, 2) against fp32 master weights, and (pp, dp, tp) = (2, 1, 2), each stage's
+layers tensor-parallel (DTensor) over its two TP ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import contextlib
 import copy
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +33,21 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 import distopt
+from distopt.checkpoint import AsyncCheckpoint
 from distopt.memory import bytes_per_param_breakdown
 from distopt.pipelining import PipelineStage
 from distopt.train.config import parse_args
 
 from dist_harness import case_result, run_cases
-from helpers import SMALL_TRAIN, train_in_pool
+from helpers import BF16_TOL, SMALL_TRAIN, fp32_master_step, full, train_in_pool
 
 VOCAB, DIM, SEQ, BATCH = 16, 8, 3, 8
 MICRO_BATCHES = 4
@@ -88,7 +99,8 @@ def stage_of(whole: StagedLM, stage: int, stages: int) -> tuple[StagedLM, dict]:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    # In fp32 whatever the model's dtype, as a bf16 run computes its loss.
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +112,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 MUON = {"lr": 0.02, "momentum": 0.9}
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 VARIANTS = {"": {}, "shard_grads": {"shard_grads": True}, "shard_params": {"shard_params": True},
-            "muon": {}}
+            "muon": {}, "bf16": {"grad_dtype": torch.bfloat16}, "tp": {}}
+# bf16 params and grads: the grads of 4 micro-batches are summed in bf16 (and reduced over DP
+# in bf16), the reference's are of the whole batch: rounded once per micro-batch and per sum,
+# as test_mixed_precision.py bounds bf16 grads (a wrong micro-batch scale is a factor of 4).
+BF16_NORM_RTOL = 2**-6
 
 
 def muon_groups(module: StagedLM) -> list[dict]:
@@ -118,17 +134,34 @@ def held_params(modules: list[StagedLM], ddps: list) -> list[tuple[str, torch.Te
     with contextlib.ExitStack() as gathered:
         for ddp in ddps:
             gathered.enter_context(ddp.gathered_params())
-        return [(n, p.detach().clone()) for m in modules for n, p in m.named_parameters()]
+        # full(): a tensor-parallel layer's DTensor gathered over its stage's TP ranks.
+        return [(n, full(p).clone()) for m in modules for n, p in m.named_parameters()]
+
+
+def tensor_parallel(module: StagedLM, mesh: DeviceMesh) -> None:
+    """The stage's layers over the mesh's "tp" dimension, in pairs: column-wise (each TP rank
+    a slice of the outputs, tanh on its slice), then row-wise (the partial sums all-reduced)."""
+    names = sorted(module.layers, key=int)
+    parallelize_module(module, mesh["tp"], {
+        f"layers.{name}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+        for i, name in enumerate(names)})
 
 
 def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") -> dict:
     """STEPS steps of AdamW + clip (or Muon and AdamW, ``variant="muon"``; or with sharded
-    grads or params) on a (pp, dp) mesh with ``chunks`` stages per rank."""
-    mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh.get_coordinate()
+    grads or params; or bf16 params and grads, against fp32 master weights) on a (pp, dp) mesh
+    with ``chunks`` stages per rank; ``variant="tp"``: a (pp, dp, tp) mesh over every rank, each
+    stage's layers tensor-parallel over its "tp" dimension."""
+    tp = dist.get_world_size() // (pp * dp) if variant == "tp" else 1
+    shape, names = ((pp, dp, tp), ("pp", "dp", "tp")) if variant == "tp" else ((pp, dp),
+                                                                                ("pp", "dp"))
+    mesh = DeviceMesh("cpu", torch.arange(pp * dp * tp).reshape(shape), mesh_dim_names=names)
+    pp_rank, dp_rank = mesh.get_coordinate()[:2]
     stages = pp * chunks
+    dtype = torch.bfloat16 if variant == "bf16" else torch.float32
     torch.manual_seed(0)
-    whole = StagedLM(layers=stages)
+    # Tensor parallel: two layers per stage, a column-wise and a row-wise one.
+    whole = StagedLM(layers=stages * (2 if tp > 1 else 1)).to(dtype)
     ref = copy.deepcopy(whole)
     # Interleaved: rank r runs stages r, r + pp, ...; V-shaped: r and 2 pp - 1 - r.
     indices = ([pp_rank, 2 * pp - 1 - pp_rank] if schedule == "zbv"
@@ -136,6 +169,8 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
     modules, ddps, pipeline_stages = [], [], []
     for index in indices:
         module, tied = stage_of(whole, index, stages)
+        if tp > 1:
+            tensor_parallel(module, mesh)
         ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
                                               tied_params=tied, **VARIANTS[variant])
         modules.append(module)
@@ -156,6 +191,10 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
         opt = distopt.DistributedOptimizer(models, torch.optim.AdamW, clip_grad=CLIP,
                                            log_num_zeros=True, **ADAMW)
         ref_opts = [torch.optim.AdamW(ref.parameters(), **ADAMW)]
+    masters = None
+    if dtype != torch.float32:  # the reference steps fp32 masters and casts them into ref
+        masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
+        ref_opts = [torch.optim.AdamW(masters, **ADAMW)]
     cls = SCHEDULES[schedule]
     sched = cls(pipeline_stages if chunks > 1 else pipeline_stages[0],
                 n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
@@ -177,20 +216,24 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
         result = opt.step()
         calls.append([dict(ddp.comm_stats.calls) for ddp in ddps])
 
-        ref.zero_grad()
-        loss_fn(ref(x), y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        if masters is not None:
+            ref_norm = fp32_master_step(list(ref.parameters()), masters, ref_opts[0],
+                                        loss_fn(ref(x), y), clip=CLIP).item()
+        else:
+            ref.zero_grad()
+            loss_fn(ref(x), y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+            for ref_opt in ref_opts:
+                ref_opt.step()
         zeros.append((result.num_zeros,
                       sum(int((p.grad == 0).sum()) for p in ref.parameters())))
-        for ref_opt in ref_opts:
-            ref_opt.step()
 
         for ddp in ddps:
             ddp.finish_param_sync()
         ref_params = dict(ref.named_parameters())
         for name, value in held_params(modules, ddps):
             target = ref_params["wte.weight" if name == "head.weight" else name]
-            worst = max(worst, (value - target.detach()).abs().max().item())
+            worst = max(worst, (value.float() - target.detach().float()).abs().max().item())
         worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm - 1))
     tie = [v for n, v in held_params(modules, ddps) if n in ("wte.weight", "head.weight")]
     gathered = [None] * dist.get_world_size()
@@ -205,6 +248,9 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
         "tie_equal": tie_equal,
         "tie_copies": len(copies),
         "zeros": zeros,
+        "dtypes": {p.dtype for m in modules for p in m.parameters()},
+        "tensor_parallel": sorted(n for m in modules for n, p in m.named_parameters()
+                                  if isinstance(p, DTensor)),
     }
 
 
@@ -309,7 +355,8 @@ PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
             (2, 1, "zero-bubble", 2), (2, 1, "zbv", 2), (2, 1, "1f1b", 1, "muon")]
 PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2),
             (2, 2, "1f1b", 1, "muon"), (2, 2, "1f1b", 1, "shard_grads"),
-            (2, 2, "1f1b", 1, "shard_params")]
+            (2, 2, "1f1b", 1, "shard_params"), (2, 2, "1f1b", 1, "bf16"),
+            (2, 1, "1f1b", 1, "tp")]  # (pp, dp, tp) = (2, 1, 2)
 
 
 def _name(config: tuple) -> str:
@@ -329,23 +376,34 @@ def results_4():
     return run_cases(4, [(_name(c), parity, c) for c in PARITY_4])
 
 
-def _check_parity(ranks: list[dict]) -> None:
+# variant -> (param tolerance, grad-norm tolerance); fp32 otherwise. In bf16, a wrong tie moves
+# the params by several bf16 ulps (and breaks the copies' equality); a wrong micro-batch scale
+# leaves clipped AdamW's params nearly unchanged but multiplies the grad norm by 4.
+TOLERANCES = {"bf16": (BF16_TOL, BF16_NORM_RTOL)}
+
+
+def _check_parity(ranks: list[dict], config: tuple) -> None:
+    variant = config[4] if len(config) > 4 else ""
+    tol, norm_tol = TOLERANCES.get(variant, (FP32_TOL, FP32_TOL))
     for rank in ranks:
-        assert rank["max_diff"] < FP32_TOL, rank["max_diff"]
-        assert rank["norm_diff"] < FP32_TOL, rank["norm_diff"]
+        assert rank["max_diff"] < tol, rank["max_diff"]
+        assert rank["norm_diff"] < norm_tol, rank["norm_diff"]
         assert rank["tie_equal"] and rank["tie_copies"] >= 2
         assert all(got == want > 0 for got, want in rank["zeros"]), rank["zeros"]
+        assert rank["dtypes"] == {torch.bfloat16 if variant == "bf16" else torch.float32}
+        # Every rank's stage holds a column-wise and a row-wise tensor-parallel layer.
+        assert len(rank["tensor_parallel"]) == (4 if variant == "tp" else 0)
 
 
 @pytest.mark.parametrize("config", PARITY_2, ids=_name)
 def test_two_stages_train_like_one_process(results_2, config):
-    _check_parity(case_result(results_2, _name(config)))
+    _check_parity(case_result(results_2, _name(config)), config)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", PARITY_4, ids=_name)
 def test_four_ranks_train_like_one_process(results_4, config):
-    _check_parity(case_result(results_4, _name(config)))
+    _check_parity(case_result(results_4, _name(config)), config)
 
 
 @pytest.mark.slow
@@ -405,10 +463,12 @@ def test_a_refusal_on_one_stage_is_raised_on_every_stage(results_2, name):
 # ---------------------------------------------------------------- checkpoints
 
 def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None,
-                save: str | None = None) -> dict[str, torch.Tensor]:
+                save: str | None = None, save_after: int | None = None
+                ) -> dict[str, torch.Tensor]:
     """Steps ``start`` to ``stop`` on a (pp, dp) mesh (pp = 1: the whole model under a plain
-    DDP), from the checkpoint ``load`` if given, saving into ``save`` at the end; the params
-    this rank holds, by the whole model's names."""
+    DDP), from the checkpoint ``load`` if given, saving into ``save`` at the end, or
+    asynchronously after step ``save_after`` while the later steps train (waited for at the
+    end); the params this rank holds, by the whole model's names."""
     if pp == 1:
         mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
         pp_rank, dp_rank = 0, mesh.get_local_rank()
@@ -417,7 +477,7 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
                           mesh_dim_names=("pp", "dp"))
         pp_rank, dp_rank = mesh.get_coordinate()
     torch.manual_seed(0)
-    module, tied = stage_of(StagedLM(layers=2), pp_rank, pp)
+    module, tied = stage_of(StagedLM(layers=max(pp, 2)), pp_rank, pp)
     ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
                                           tied_params=tied)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, lr=1e-2,
@@ -429,6 +489,7 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
         sched = ScheduleGPipe(PipelineStage(ddp, pp_rank, pp, torch.device("cpu")),
                               n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
     per = BATCH // dp
+    pending = None
     for step in range(start, stop):
         x, y = batch(step)
         mine = slice(dp_rank * per, (dp_rank + 1) * per)
@@ -439,7 +500,13 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
             sched.step(*((x[mine],) if pp_rank == 0 else ()),
                        **({"target": y[mine]} if pp_rank == pp - 1 else {}))
         opt.step()
-    if save is not None:
+        if save is not None and step + 1 == save_after:
+            # The steps after it change the params while the save writes what it staged.
+            pending = distopt.save_checkpoint(save, ddp, opt, async_save=True)
+            assert isinstance(pending, AsyncCheckpoint), pending
+    if pending is not None:
+        pending.wait()
+    elif save is not None:
         distopt.save_checkpoint(save, ddp, opt)
     ddp.finish_param_sync()
     return {("wte.weight" if n == "head.weight" else n): p.detach().clone()
@@ -447,50 +514,116 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
 
 
 def saved_at_2x2(directory: str) -> dict:
-    """Two steps at (2, 2), saved; two more: the uninterrupted run's end."""
-    train_steps(2, 2, 0, 2, save=directory)
-    return train_steps(2, 2, 0, 4)
+    """Four steps at (2, 2), saved asynchronously after the second while the others train; and
+    four uninterrupted steps, without a save: where each run ends."""
+    return {"saving": train_steps(2, 2, 0, 4, save=directory, save_after=2),
+            "uninterrupted": train_steps(2, 2, 0, 4)}
 
 
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("pipeline-ckpt"))
-    saved = run_cases(4, [("saved", saved_at_2x2, (directory,))])
+    unpipelined = str(tmp_path_factory.mktemp("pipeline-ckpt-1x2"))
+    four = str(tmp_path_factory.mktemp("pipeline-ckpt-4x1"))
+    # First at (4, 1): the tie's group holds ranks 0 and 3 only, so the ranks belong to
+    # different numbers of groups when the async saves make their writer group.
+    saved = run_cases(4, [("saved-4x1", train_steps, (4, 1, 0, 2, None, four, 1)),
+                          ("saved", saved_at_2x2, (directory,))])
     resumed = run_cases(2, [(f"resumed-{pp}x{dp}", train_steps, (pp, dp, 2, 4, directory))
-                            for pp, dp in [(2, 1), (1, 2)]])
+                            for pp, dp in [(2, 1), (1, 2)]]
+                        # and the other way: two unpipelined steps, saved, resumed in stages
+                        + [("saved-1x2", train_steps, (1, 2, 0, 2, None, unpipelined)),
+                           ("resumed-2x1-from-1x2", train_steps, (2, 1, 2, 4, unpipelined))])
     return saved, resumed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["2x1", "1x2"])
-def test_a_2x2_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
+@pytest.mark.parametrize("layout", ["2x1", "1x2", "2x1-from-1x2"])
+def test_a_checkpoint_resumes_at_another_layout(checkpoint_runs, layout):
+    """A checkpoint of (pp, dp) = (2, 2) resumed at (2, 1) and at (1, 2), unpipelined; and one
+    of (1, 2) resumed at (2, 1), in stages: each ends where the uninterrupted run ends."""
     saved, resumed = checkpoint_runs
-    uninterrupted = {n: p for rank in case_result(saved, "saved") for n, p in rank.items()}
+    uninterrupted = {n: p for rank in case_result(saved, "saved")
+                     for n, p in rank["uninterrupted"].items()}
     ended = {n: p for rank in case_result(resumed, f"resumed-{layout}") for n, p in rank.items()}
     assert sorted(ended) == sorted(uninterrupted)
     worst = max((ended[n] - uninterrupted[n]).abs().max().item() for n in ended)
     assert worst < FP32_TOL, worst
 
 
+@pytest.mark.slow
+def test_an_async_save_of_the_stages_leaves_their_run_unchanged(checkpoint_runs):
+    # The save staged its copy of every stage's part: the steps after it are the same steps.
+    saved, _ = checkpoint_runs
+    case_result(saved, "saved-4x1")  # four stages, the tie over two ranks of four: saved
+    for rank in case_result(saved, "saved"):
+        assert sorted(rank["saving"]) == sorted(rank["uninterrupted"])
+        for name, value in rank["saving"].items():
+            assert torch.equal(value, rank["uninterrupted"][name]), name
+
+
 # ---------------------------------------------------------------- distopt train --pp
 
+def train_resumed_from(checkpoint: str, out: str, *args: str) -> str:
+    """``distopt train ARGS --out OUT --resume`` from ``checkpoint``, another run's, copied
+    into OUT's checkpoints as the latest; what this rank printed."""
+    if dist.get_rank() == 0:
+        run_dir = Path(out) / "checkpoints"
+        shutil.copytree(checkpoint, run_dir / Path(checkpoint).name)
+        (run_dir / "latest").write_text(Path(checkpoint).name)
+    dist.barrier()  # the copy is complete before any rank looks for it
+    return train_in_pool(*args, "--out", out, "--resume")
+
+
+# The checkpoint of step 4 of 8 (--save-every 4): the first a run writes.
+HALFWAY = "ckpt-000001"
+# Each resumed run -> the run whose step-4 checkpoint it starts from, and its own flags. (An
+# unpipelined checkpoint loaded into stages: test_a_checkpoint_resumes_at_another_layout.)
+RESUMED = {"flat-from-pp": ("pp", ())}
+
+
 @pytest.fixture(scope="module")
-def train_runs(tmp_path_factory) -> dict[str, float]:
+def train_runs(tmp_path_factory) -> dict[str, dict]:
     """distopt train at 4 ranks, 2 micro-batches per step: 2 stages x 2 DP ranks, and the
-    unpipelined run with the same global batch; each run's final held-out loss."""
+    unpipelined run with the same global batch; then the unpipelined run resumed at step 4
+    from the pipelined run's checkpoint. Each run's final held-out loss, and the step it
+    resumed at (None: it did not)."""
     runs = {"pp": ("--pp", "2"), "flat": ()}
-    outs = {name: tmp_path_factory.mktemp(f"train-{name}") for name in runs}
+    outs = {name: tmp_path_factory.mktemp(f"train-{name}") for name in [*runs, *RESUMED]}
     run_cases(4, [(name, train_in_pool, (*SMALL_TRAIN, "--out", str(outs[name]),
                                          "--grad-accum", "2", *extra))
-                  for name, extra in runs.items()])
-    return {name: json.loads((outs[name] / "summary.json").read_text())["heldout_loss_end"]
-            for name in runs}
+                  for name, extra in runs.items()]
+              + [(name, train_resumed_from, (str(outs[source] / "checkpoints" / HALFWAY),
+                                             str(outs[name]), *SMALL_TRAIN, "--grad-accum",
+                                             "2", *extra))
+                 for name, (source, extra) in RESUMED.items()])
+    ended = {}
+    for name in [*runs, *RESUMED]:
+        records = [json.loads(line)
+                   for line in (outs[name] / "metrics.jsonl").read_text().splitlines()]
+        ended[name] = {
+            "heldout": json.loads((outs[name] / "summary.json").read_text())["heldout_loss_end"],
+            "resumed_at": next((r["step"] for r in records if r.get("resumed")), None)}
+    return ended
 
 
 @pytest.mark.slow
 def test_train_pp_2_learns_what_the_unpipelined_run_learns(train_runs):
     # fp32 and the same global batch: equal up to the order of the sums.
-    assert train_runs["pp"] == pytest.approx(train_runs["flat"], rel=1e-5)
+    assert train_runs["pp"]["heldout"] == pytest.approx(train_runs["flat"]["heldout"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", sorted(RESUMED))
+def test_train_resumed_at_another_pp_ends_where_the_uninterrupted_run_ends(train_runs, resumed):
+    # The pipelined run's checkpoint is the whole model's, and loads without --pp. fp32:
+    # equal up to the order of the sums.
+    source = RESUMED[resumed][0]
+    assert train_runs[source]["resumed_at"] is None
+    assert train_runs[resumed]["resumed_at"] == 4
+    for uninterrupted in ("pp", "flat"):
+        assert train_runs[resumed]["heldout"] == pytest.approx(
+            train_runs[uninterrupted]["heldout"], rel=1e-5)
 
 
 @pytest.mark.parametrize(("args", "message"), [

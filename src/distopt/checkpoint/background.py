@@ -25,6 +25,17 @@ The thread's collectives go over a process group of their own, gloo over the sam
 group could pair differently on different ranks, and the training loop keeps using its groups
 meanwhile. With NCCL training, gloo is also the CPU backend DCP's planning needs.
 
+[Note: writer groups]
+A writer group over every rank (pipelined, tensor-parallel and hierarchical models, and a DP
+group that is the world) is made by every rank, as any ``new_group``: torch names it after the
+count of groups made so far, which every rank advances alike, members or not. A writer group
+over a proper subset (the DP group of a model-parallel layout) is made by its ranks alone
+(``use_local_synchronization``), and torch names such a group after its ranks and the number
+of groups the rank belongs to. That number differs between ranks that joined different
+subgroups before, as the group of a tie held by some pipeline stages only (the first and last
+of four: [Note: tied stage params] in optim/tied.py), and ranks with different names for one
+group wait for each other until the timeout: over every rank, the local path is not taken.
+
 At most one save is in flight in a process. A save (or a load) that finds one waits for it
 before it starts: skipping would silently drop a checkpoint the caller asked for (the last one
 of a run, or the one before a preemption), and waiting keeps one staging buffer's worth of
@@ -119,10 +130,12 @@ def writer_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     ranks = tuple(dist.get_process_group_ranks(group))
     key = (id(world), ranks)
     if key not in _writer_groups:
+        # Over every rank, every rank makes it and all name it alike: [Note: writer groups].
+        local = len(ranks) < dist.get_world_size()
         # The world is kept with its group, so that its id names it while the entry exists.
         _writer_groups[key] = (world, dist.new_group(
             list(ranks), timeout=_timeout_of(group), backend="gloo",
-            use_local_synchronization=True))
+            use_local_synchronization=local))
     return _writer_groups[key][1]
 
 
