@@ -92,9 +92,11 @@ def context() -> Any:
     modules (which import pytest), on the session's sys.path.
     """
     ctx = mp.get_context("forkserver")
-    # torch._dynamo: torch's optimizers import it (and DTensor with it) when first built.
+    # torch._dynamo: torch's optimizers import it (and DTensor with it) when first built. The
+    # integrations' frameworks take seconds each to import, in every worker that runs their
+    # cases; the server skips any that is not installed.
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "distopt",
-                                "pytest"])
+                                "pytest", "transformers.trainer", "lightning"])
     return ctx
 
 

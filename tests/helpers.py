@@ -290,6 +290,29 @@ def train_in_pool(*args: str) -> str:
     return printed.getvalue()
 
 
+def train_in_pool_streams(*args: str) -> tuple[str, str]:
+    """``train_in_pool`` that also returns what this rank wrote to stderr (warnings)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        out = train_in_pool(*args)
+    return out, printed.getvalue()
+
+
+def train_in_pool_killed(step: int, rank: int, *args: str) -> str:
+    """``train_in_pool`` whose rank ``rank`` kills itself (SIGKILL) when it reaches step
+    ``step``: the crash of a run, with nothing to catch it. The pool sees its worker die, fails
+    the case on every rank and starts fresh workers for the next case, which can resume the
+    run from its checkpoints as a relaunched ``distopt train --resume`` would."""
+    from distopt.train import elastic
+
+    os.environ[elastic.FAIL_AT_STEP_ENV] = str(step)
+    os.environ[elastic.FAIL_RANK_ENV] = str(rank)
+    try:
+        return train_in_pool(*args)
+    finally:  # the ranks that survive go back to the pool
+        del os.environ[elastic.FAIL_AT_STEP_ENV], os.environ[elastic.FAIL_RANK_ENV]
+
+
 class BackgroundRun:
     """``python -m distopt ARGS`` started now and waited for later, so that a run that spends
     most of its time waiting (for a timeout, for the launcher to give up on a rank) waits while

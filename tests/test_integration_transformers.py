@@ -641,41 +641,69 @@ def result(results: list[dict[str, Any]], name: str) -> list[Any]:
     return values
 
 
+def _sharded_cases() -> list:
+    return [(f"sharded-{name}-{reentrant}", sharded_params_parity, (name, reentrant))
+            for name, reentrant in SHARDED_CASES]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("hf")
-    variants = [(f"{v}-{plain}", train_variant, (root, v, plain))
-                for v in VARIANTS for plain in (False, True) if not (v in DISTOPT_ONLY and plain)]
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.fixture(scope="module")
+def runs(root) -> dict[str, Any]:
+    """The three-way comparison, the refusals, resumes and the Trainer patterns distopt must
+    honour, on 2 ranks and on one process."""
     turns = [(f"{name}-{plain}", fn, (root, plain)) for plain in (False, True)
              for name, fn in (("smoothing", train_label_smoothing), ("turns", train_in_turn))]
-    sharded = [(f"sharded-{name}-{reentrant}", sharded_params_parity, (name, reentrant))
-               for name, reentrant in SHARDED_CASES]
     two = launch(2, [("refused", refused_arguments, (root,)),
                      ("broadcast_buffers", broadcast_buffers_argument, (root,)),
                      ("distopt", train_distopt, (root,)),
                      ("plain-resumed", resume_plain, (root,)),
-                     ("ddp", train_plain, (root,)),
-                     ("fp16-skip", train_fp16_overflowing, (root,)), *variants, *turns,
-                     *sharded, ("experts", experts_per_module, ())])
-    one = launch(1, [("single", train_plain, (root,)), ("resumed", resume, (root,)),
-                     ("muon", train_variant, (root, "muon", False))])
-    four = launch(4, [("resumed", resume, (root,)), *sharded])
+                     ("ddp", train_plain, (root,)), *turns])
+    one = launch(1, [("single", train_plain, (root,)), ("resumed", resume, (root,))])
     return {
-        "variants": {name: result(two, name)[0] for name, _, _ in variants},
         "turns": {name: result(two, name) for name, _, _ in turns},
         "plain-resumed": result(two, "plain-resumed"),
-        "fp16-skip": result(two, "fp16-skip"),
-        "muon1": result(one, "muon")[0],
         "refused": result(two, "refused"),
         "broadcast_buffers": result(two, "broadcast_buffers"),
         "distopt": result(two, "distopt"),
         "ddp": result(two, "ddp"),
         "single": result(one, "single")[0],
         "resumed1": result(one, "resumed")[0],
-        "resumed4": result(four, "resumed"),
+    }
+
+
+@pytest.fixture(scope="module")
+def more(root, runs) -> dict[str, Any]:
+    """The slow rest on 2 ranks and one process: the Trainer's other optimizers and
+    precisions, fp16's skipped steps, sharded params on HF models and experts; with ``runs``."""
+    variants = [(f"{v}-{plain}", train_variant, (root, v, plain))
+                for v in VARIANTS for plain in (False, True) if not (v in DISTOPT_ONLY and plain)]
+    two = launch(2, [("fp16-skip", train_fp16_overflowing, (root,)), *variants,
+                     *_sharded_cases(), ("experts", experts_per_module, ())])
+    one = launch(1, [("muon", train_variant, (root, "muon", False))])
+    return {
+        **runs,
+        "variants": {name: result(two, name)[0] for name, _, _ in variants},
+        "fp16-skip": result(two, "fp16-skip"),
+        "muon1": result(one, "muon")[0],
         "experts": result(two, "experts"),
-        "sharded": {(name, reentrant, d): result(launched, f"sharded-{name}-{reentrant}")
-                    for name, reentrant in SHARDED_CASES for d, launched in ((2, two), (4, four))},
+        "sharded": {(name, reentrant, 2): result(two, f"sharded-{name}-{reentrant}")
+                    for name, reentrant in SHARDED_CASES},
+    }
+
+
+@pytest.fixture(scope="module")
+def four(root, runs) -> dict[str, Any]:
+    """The four-rank runs (slow): the resume of the two-rank run's checkpoint (``runs``
+    saved it) and the sharded-params cases."""
+    launched = launch(4, [("resumed", resume, (root,)), *_sharded_cases()])
+    return {
+        "resumed4": result(launched, "resumed"),
+        "sharded": {(name, reentrant, 4): result(launched, f"sharded-{name}-{reentrant}")
+                    for name, reentrant in SHARDED_CASES},
     }
 
 
@@ -767,11 +795,16 @@ def test_training_state_per_rank_is_distopts_table_against_ddps_16_bytes(runs):
           f"(table {table}; {padding} padded elements), the Trainer's DDP 16.0; {n} params")
 
 
-def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_4(runs):
+def test_checkpoint_saved_on_2_ranks_resumes_on_1(runs):
     uninterrupted = runs["distopt"][0]
     assert uninterrupted["checkpoints"] == ["checkpoint-20", "checkpoint-30"]  # save_total_limit
-    for run in [runs["resumed1"], *runs["resumed4"]]:
-        assert_same_run(run, uninterrupted, first_step=SAVE_AT + 1)
+    assert_same_run(runs["resumed1"], uninterrupted, first_step=SAVE_AT + 1)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_on_2_ranks_resumes_on_4(runs, four):
+    for run in four["resumed4"]:
+        assert_same_run(run, runs["distopt"][0], first_step=SAVE_AT + 1)
 
 
 def test_arguments_distopt_cannot_honour_raise_on_every_rank(runs):
@@ -786,8 +819,9 @@ def test_arguments_distopt_cannot_honour_raise_on_every_rank(runs):
     assert "pass the model it wraps (ddp.module)" in first["model"]
 
 
-def test_optim_names_and_precisions_match_the_trainers_ddp(runs):
-    variants = runs["variants"]
+@pytest.mark.slow
+def test_optim_names_and_precisions_match_the_trainers_ddp(more):
+    variants = more["variants"]
     expected = {"sgd": ["SGD"], "adafactor": ["Adafactor"], "bf16": ["AdamW"], "fp16": ["AdamW"]}
     for name, classes in expected.items():
         mine, theirs = variants[f"{name}-False"], variants[f"{name}-True"]
@@ -799,8 +833,9 @@ def test_optim_names_and_precisions_match_the_trainers_ddp(runs):
         assert_same_run(mine, theirs, steps=VARIANT_STEPS, tol=1e-4 if name == "fp16" else TOL)
 
 
-def test_shard_grads_trains_as_the_trainers_ddp_and_keeps_a_shard_of_the_grads(runs):
-    mine, theirs = runs["variants"]["shard-grads-False"], runs["variants"]["shard-grads-True"]
+@pytest.mark.slow
+def test_shard_grads_trains_as_the_trainers_ddp_and_keeps_a_shard_of_the_grads(more):
+    mine, theirs = more["variants"]["shard-grads-False"], more["variants"]["shard-grads-True"]
     # Each of the ACCUMULATION micro-batches is reduced and added to the kept shard, where
     # torch DDP adds the micro-batches' grads and reduces once: the same sum, other roundings.
     assert_same_run(mine, theirs, steps=VARIANT_STEPS)
@@ -808,25 +843,27 @@ def test_shard_grads_trains_as_the_trainers_ddp_and_keeps_a_shard_of_the_grads(r
     # fp32 grads: this rank's shard of every bucket (padding included), not the whole model.
     assert memory["grads"] == 4 * mine["grad_shard_elements"]
     assert memory["grads"] < 4 * memory["num_params"] / 2 * 1.01
-    full = runs["variants"]["sgd-False"]["memory"]  # the same model with the full grad buffer
+    full = more["variants"]["sgd-False"]["memory"]  # the same model with the full grad buffer
     assert full["grads"] >= 4 * full["num_params"]
 
 
-def test_muon_for_hidden_matrices_is_the_same_on_2_ranks_as_on_one(runs):
-    two, one = runs["variants"]["muon-False"], runs["muon1"]
+@pytest.mark.slow
+def test_muon_for_hidden_matrices_is_the_same_on_2_ranks_as_on_one(more):
+    two, one = more["variants"]["muon-False"], more["muon1"]
     assert two["classes"] == ["AdamW", "Muon"]
     # torch's Muon runs Newton-Schulz in bf16: grads that differ in their last fp32 bits (the
     # 2-rank average against one process's sum) can round one bf16 ulp apart (2**-8 relative)
     # in an orthogonalized update, so after 6 steps at lr 3e-3 the weights agree to 1e-4.
     assert_same_run(two, one, steps=VARIANT_STEPS, weights_tol=1e-4)
     # The same warm-up as the AdamW run for these steps, and other losses: Muon stepped.
-    adamw = runs["distopt"][0]
+    adamw = more["distopt"][0]
     assert two["lr"] == adamw["lr"][:VARIANT_STEPS]
     assert abs(two["loss"][-1] - adamw["loss"][VARIANT_STEPS - 1]) > 1e-3
 
 
-def test_fp16_overflow_skips_the_step_and_the_schedule_on_every_rank(runs):
-    first, second = runs["fp16-skip"]
+@pytest.mark.slow
+def test_fp16_overflow_skips_the_step_and_the_schedule_on_every_rank(more):
+    first, second = more["fp16-skip"]
     skipped = [math.isnan(norm) for norm in first["grad_norm"]]
     assert skipped[:2] == [True, True] and not skipped[-1]  # backed off to a usable scale
     assert first["scale"] < 2.0**24
@@ -838,10 +875,11 @@ def test_fp16_overflow_skips_the_step_and_the_schedule_on_every_rank(runs):
     assert max_weight_diff(first["weights"], second["weights"]) == 0
 
 
-def test_a_model_loaded_in_bf16_trains_on_fp32_main_params(runs):
+@pytest.mark.slow
+def test_a_model_loaded_in_bf16_trains_on_fp32_main_params(more):
     import distopt
 
-    run, fp32 = runs["variants"]["bf16-params-False"], runs["distopt"][0]
+    run, fp32 = more["variants"]["bf16-params-False"], more["distopt"][0]
     memory = run["memory"]
     assert 2 * memory["params"] == memory["grads"]  # bf16 params, fp32 grads, the same layout
     assert memory["main_params"] > 0 and memory["main_grads"] == 0
@@ -900,13 +938,15 @@ def test_optimizer_pt_keeps_the_trainers_empty_param_groups():
     assert state["state"] == {0: {"step": 1}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "reentrant"), SHARDED_CASES)
 @pytest.mark.parametrize("d", [2, 4])
-def test_sharded_params_train_hf_models_as_one_plain_process(runs, name, reentrant, d):
+def test_sharded_params_train_hf_models_as_one_plain_process(request, name, reentrant, d):
     """HF Llama under activation checkpointing (reentrant and not) and HF Mixtral with idle
     experts, under shard_params=True: within 1e-5 of one process's torch.optim.AdamW (clipped at
     1.0) on the same global batches, and bit for bit sharded grads' numbers (only where the
     params live between uses differs)."""
+    runs = request.getfixturevalue("more" if d == 2 else "four")
     for per_rank in runs["sharded"][(name, reentrant, d)]:
         plain, params, grads = per_rank["plain"], per_rank["params"], per_rank["grads"]
         worst = max(abs(a - b) for a, b in zip(params["loss"], plain["loss"], strict=True))
@@ -932,9 +972,10 @@ def test_sharded_params_train_hf_models_as_one_plain_process(runs, name, reentra
         assert any(len(layer) < experts for step in global_hit for layer in step)
 
 
-def test_sharded_params_train_experts_idle_on_some_ranks_run_on_empty_batches(runs):
+@pytest.mark.slow
+def test_sharded_params_train_experts_idle_on_some_ranks_run_on_empty_batches(more):
     """An MoE with an nn.Module per expert whose ranks route to different experts: the idle
     experts run on empty batches keep every rank's gathers in step, and the run trains as one
     plain process does."""
-    for diff in runs["experts"]:
+    for diff in more["experts"]:
         assert diff <= TOL

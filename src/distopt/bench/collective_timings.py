@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..comm import collectives as comm
-from .runner import init_rank
+from .runner import init_rank, rank_start_method
 
 OPS = (
     "torch all_reduce",
@@ -44,7 +44,7 @@ def measure_collectives(
     with tempfile.TemporaryDirectory(prefix="distopt-collectives-") as tmp:
         context = mp.start_processes(
             _worker, args=(nproc, numel, iters, warmup, device, threads, tmp),
-            nprocs=nproc, start_method="spawn", join=False,
+            nprocs=nproc, start_method=rank_start_method(), join=False,
         )
         for process in context.processes:
             process.join()

@@ -88,10 +88,20 @@ class RunConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
 
+def rank_start_method() -> str:
+    """How the benchmark starts its ranks: forked from one server that imported torch and
+    distopt once. Each configuration's ranks are still fresh processes (their memory and
+    timings their own), without seconds of imports each; the server runs no torch op, so no
+    rank inherits a CUDA context or a thread pool."""
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "distopt",
+                               "distopt.bench.runner"])
+    return "forkserver"
+
+
 def run_config(config: RunConfig, timeout_s: float = 600.0) -> dict[str, Any]:
     """Spawn the configuration's process group, run it, and return rank 0's summary."""
     with tempfile.TemporaryDirectory(prefix="distopt-bench-") as tmp:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(rank_start_method())
         procs = [
             ctx.Process(target=_worker, args=(rank, config, tmp), daemon=False)
             for rank in range(config.nproc)

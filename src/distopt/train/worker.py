@@ -55,6 +55,9 @@ class Trainer:
         self.device = _device(config.device_type())
         self.out = Path(config.out)
         self.ckpt_dir = self.out / "checkpoints"
+        # The copies of the optimizer state over the data-parallel ranks (1: every rank
+        # shards; see _data_parallel_mesh), logged with the start of every attempt.
+        self.dp_replicas = self.world if config.no_shard else 1
         mesh = self._pipeline_mesh()
         # With --pp each stage's ranks are one data-parallel group of world / pp ranks.
         pp_rank, self.dp_rank = mesh.get_coordinate() if mesh is not None else (0, self.rank)
@@ -156,6 +159,7 @@ class Trainer:
             shard = default_shard_size(nodes)
         if shard is None or shard == self.world:
             return None
+        self.dp_replicas = self.world // shard
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(self.device.type, (self.world // shard, shard),
@@ -287,9 +291,11 @@ class Trainer:
                 metrics_path.unlink(missing_ok=True)
         log = _MetricsLog(metrics_path if self.rank == 0 else None)
         if resumed:
-            log.write({"step": self.step, "resumed": True, "world_size": self.world})
+            log.write({"step": self.step, "resumed": True, "world_size": self.world,
+                       "dp_replicas": self.dp_replicas})
         else:
-            self._record(log, {"step": 0, "heldout_loss": self.evaluate()})
+            self._record(log, {"step": 0, "heldout_loss": self.evaluate(),
+                               "world_size": self.world, "dp_replicas": self.dp_replicas})
         fail_step, fail = elastic.failure_injection(self.rank)
 
         tokens_per_step = config.batch_size * config.seq_len
