@@ -38,6 +38,9 @@ from helpers import (
 )
 from models import AwkwardLM, TinyTransformer, batches, rank_slice
 
+# Every case runs on four ranks: the quick loop (-m "not slow") keeps to two.
+pytestmark = pytest.mark.slow
+
 WORLD = 4
 FP32_ACCUMULATION_LAYOUTS = [(2, 2), (4, 1)]
 

@@ -34,6 +34,7 @@ from distopt.memory import storage_bytes
 from distopt.train.model import GPT, GPTConfig
 
 from dist_harness import case_result, run_cases
+from helpers import world_params
 
 CONFIG = dict(seq_len=16, n_layer=2, n_head=2, n_embd=32, vocab_size=64)
 GLOBAL_BATCH = 12  # sequences per micro-batch over all ranks: divides at 1, 2 and 3 ranks
@@ -696,7 +697,7 @@ def test_ddp_strategy_resumes_a_distopt_checkpoint(two_ranks):
             assert (result["params"][name] - value).abs().max().item() < TOL, name
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("world_size", world_params([1, 3]))
 def test_resume_at_another_number_of_devices(two_ranks, ckpt_root, world_size):
     full = case_result(two_ranks, "distopt")
     resumed = case_result(run_cases(world_size, [("resume", resume_run,

@@ -105,6 +105,7 @@ def _tp_prediction_case() -> dict:
     }
 
 
+@pytest.mark.slow  # four ranks
 def test_prediction_counts_dtensor_local_shards():
     results = run_cases(WORLD, [("tp", _tp_prediction_case, ())])
     for r in case_result(results, "tp"):

@@ -27,6 +27,7 @@ from distopt.cross_rank.optimizer import first_difference as first_optimizer_dif
 from distopt.options import GradSyncOptions
 
 from dist_harness import case_result, run_cases
+from helpers import world_params
 
 SECONDS = 10.0  # an error, not a hang: the harness' group timeout is 120 s
 
@@ -317,7 +318,7 @@ def _cases() -> list:
 WORLDS = [2, 3]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 

@@ -29,6 +29,9 @@ import distopt
 from dist_harness import case_result, run_cases
 from models import TinyTransformer, markov_batch, rank_slice
 
+# Every case runs on four ranks: the quick loop (-m "not slow") keeps to two.
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 MICRO = 2  # micro-batches per step, all but the last under no_sync
 CLIP = 0.5

@@ -25,6 +25,7 @@ from distopt.parallel.dtensor import local_tensor
 from distopt.plan.ownership import plan_of, predict_plan
 
 from dist_harness import case_result, run_cases
+from helpers import world_params
 from models import mlp
 
 WORLDS = [1, 2, 4]
@@ -350,7 +351,7 @@ def _cases() -> list:
     return cases
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import distopt
 
 from dist_harness import case_result, run_cases
-from helpers import StrictCollectives, fp32_average, shared_tmpdir
+from helpers import StrictCollectives, fp32_average, shared_tmpdir, world_params
 from models import Block, tp_plan
 from test_state_dtype import (
     ADAMW,
@@ -311,44 +311,58 @@ def _flat_cases() -> list:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[int, list]:
-    """Both groups' results; the checkpoints go 2 -> 4 and 4 -> 2 ranks."""
+def results() -> dict:
+    """The group of two's results (key 2), and the path of the checkpoints its ranks saved."""
     path = case_result(run_cases(2, [("path", checkpoint_path, ())]), "path")[0]
     out = {2: run_cases(2, [*_flat_cases(), *[(f"save-{k}", save_after, (path, k))
                                                 for k in KINDS]])}
+    return {"path": path, **out}
+
+
+@pytest.fixture(scope="module")
+def results_four(results) -> dict[int, list]:
+    """With the group of four's results (slow); the checkpoints go 2 -> 4 and 4 -> 2 ranks."""
+    path = results["path"]
     four = [*_flat_cases(),
             ("tp", tensor_parallel, ()),
             *[(f"hierarchical-{k}", hierarchical, (k,)) for k in KINDS],
             *[(f"resume-{k}", resume, (path, k, 2)) for k in KINDS],
             *[(f"save-{k}", save_after, (path, k)) for k in KINDS]]
-    out[4] = run_cases(4, four)
+    out = {2: [dict(per_rank) for per_rank in results[2]], 4: run_cases(4, four)}
     resumed = run_cases(2, [(f"resume-{k}", resume, (path, k, 4)) for k in KINDS])
     for rank, per_rank in enumerate(resumed):
         out[2][rank].update(per_rank)
     return out
 
 
-def test_tensor_parallel(results):
-    values = case_result(results[4], "tp")
+def _of(request, d: int) -> list:
+    """The results of the group of ``d`` ranks (the group of four only when asked for)."""
+    return request.getfixturevalue("results" if d == 2 else "results_four")[d]
+
+
+@pytest.mark.slow
+def test_tensor_parallel(results_four):
+    values = case_result(results_four[4], "tp")
     assert _held_in_bf16(values)
     for value in values:
         assert value["dp_size"] == 2 and value["dtensor_pieces"] > 0
         assert value["steps"] == [EXACT] * STEPS, value["steps"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_hierarchical_mesh(results, kind):
-    values = case_result(results[4], f"hierarchical-{kind}")
+def test_hierarchical_mesh(results_four, kind):
+    values = case_result(results_four[4], f"hierarchical-{kind}")
     assert _held_in_bf16(values)
     for value in values:
         assert value["dp_size"] == 2
         assert value["steps"] == [EXACT] * STEPS, value["steps"]
 
 
-@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("d", world_params([2, 4]))
 @pytest.mark.parametrize("kind", KINDS)
-def test_overlapped_param_gathers(results, d, kind):
-    values = case_result(results[d], f"overlap-{kind}")
+def test_overlapped_param_gathers(request, d, kind):
+    values = case_result(_of(request, d), f"overlap-{kind}")
     assert _held_in_bf16(values)
     for value in values:
         assert value["buckets"] >= 2 and value["violations"] == []
@@ -357,9 +371,9 @@ def test_overlapped_param_gathers(results, d, kind):
         assert value["steps"] == [EXACT] * STEPS, value["steps"]
 
 
-@pytest.mark.parametrize("d", [2, 4])
-def test_fp32_accumulated_reduce_scatter(results, d):
-    values = case_result(results[d], "fp32-accumulation")
+@pytest.mark.parametrize("d", world_params([2, 4]))
+def test_fp32_accumulated_reduce_scatter(request, d):
+    values = case_result(_of(request, d), "fp32-accumulation")
     assert _held_in_bf16(values)
     for value in values:
         assert value["fp32_buckets"] and all(value["fp32_buckets"])
@@ -368,12 +382,13 @@ def test_fp32_accumulated_reduce_scatter(results, d):
         assert value["steps"] == [EXACT] * STEPS, value["steps"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved, resumed", [(2, 4), (4, 2)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_checkpoint_resumes_at_another_dp_size(results, kind, saved, resumed):
-    for value in case_result(results[saved], f"save-{kind}"):
+def test_checkpoint_resumes_at_another_dp_size(results_four, kind, saved, resumed):
+    for value in case_result(results_four[saved], f"save-{kind}"):
         assert value == EXACT
-    values = case_result(results[resumed], f"resume-{kind}")
+    values = case_result(results_four[resumed], f"resume-{kind}")
     assert _held_in_bf16(values, "loaded_dtypes")
     for value in values:
         assert value["loaded"] == EXACT

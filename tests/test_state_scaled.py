@@ -23,6 +23,7 @@ import distopt
 from distopt.plan.ownership import plan_of, predict_plan
 
 from dist_harness import case_result, run_cases
+from helpers import world_params
 from models import mlp
 from test_state_dtype import (
     ADAMW,
@@ -362,7 +363,7 @@ def _cases() -> list:
     ]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"d{w}" for w in WORLDS])
+@pytest.fixture(scope="module", params=world_params(WORLDS))
 def world(request):
     return request.param, run_cases(request.param, _cases())
 

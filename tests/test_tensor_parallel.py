@@ -30,6 +30,9 @@ from dist_harness import case_result, run_cases
 from helpers import full, max_diff
 from models import TP_BATCH, TP_DIM, TP_FFN, TP_HEAD_DIM, TP_HEADS, TP_SEQ, Block, batch, tp_plan
 
+# Every case runs on four ranks: the quick loop (-m "not slow") keeps to two.
+pytestmark = pytest.mark.slow
+
 WORLD = 4
 STEPS = 10
 FP32_TOL = 1e-5

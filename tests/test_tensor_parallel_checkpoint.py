@@ -27,6 +27,9 @@ from dist_harness import case_result, run_cases
 from helpers import full
 from models import TP_BATCH, Block, batch, tp_plan
 
+# Every case runs on four ranks: the quick loop (-m "not slow") keeps to two.
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 FP32_TOL = 1e-5
 LR, WD = 1e-2, 0.1
