@@ -208,9 +208,6 @@ def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT,
     for name, fn, args in cases:
         if world_size not in _POOLS:
             _POOLS[world_size] = WorkerPool(world_size)
-        if os.environ.get("DEBUG_POOLS"):
-            with open(os.environ["DEBUG_POOLS"], "a") as f:
-                f.write(f"{world_size} {os.environ.get('PYTEST_CURRENT_TEST')}\n")
         outcomes, fit = _POOLS[world_size].run(name, fn, args, timeout)
         if not fit:
             _discard(world_size, kill=True)

@@ -215,6 +215,7 @@ def stage_bench():
     return {r["config"]["system"]: r for r in results}, report.format_table(results)
 
 
+@pytest.mark.slow  # four ranks
 def test_stages_train_the_same_math_as_fsdp2_stages(stage_bench):
     results, _ = stage_bench
     fsdp2 = results["fsdp2"]
@@ -227,6 +228,7 @@ def test_stages_train_the_same_math_as_fsdp2_stages(stage_bench):
     assert all(r["median_step_s"] > 0 and len(r["stages"]) == 2 for r in results.values())
 
 
+@pytest.mark.slow  # four ranks
 def test_stage_traffic_and_bytes(stage_bench):
     results, table = stage_bench
     width, vocab = 64, 256  # gpt-tiny
