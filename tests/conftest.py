@@ -6,7 +6,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from dist_harness import close_pools
+from dist_harness import close_pools, context
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the test processes' fork server now, so that its imports (torch, distopt, the
+    integrations' frameworks: seconds of CPU) run while pytest collects, on the other core."""
+    from multiprocessing import forkserver
+
+    context()  # sets the modules the server preloads
+    forkserver.ensure_running()
 
 
 @pytest.fixture(scope="session", autouse=True)

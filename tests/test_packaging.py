@@ -48,6 +48,7 @@ def _run_module(module: str, *args: str, blocked: tuple[str, ...]) -> subprocess
     return _python(code, *args, blocked=blocked)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_distopt_loads_no_application_package():
     # torch itself imports numpy and tqdm when they are installed: count only what distopt adds.
     proc = _python(
@@ -64,6 +65,7 @@ def test_import_distopt_loads_no_application_package():
     assert matplotlib_loaded == "False"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_library_and_memory_command_work_without_the_extra():
     # distopt imported first, as the distopt command does: torch's warning that numpy is
     # missing is not printed, so a command's one-line message is the whole of stderr.
@@ -83,6 +85,7 @@ def _one_line(command: str, needs: str) -> str:
     return f"{command}: needs {needs} (not installed): pip install 'torch-distopt[train]'"
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize(
     "entry,args",
     [("distopt", ["train", "--nproc", "0"]), ("distopt.train", ["--nproc", "0"])],
@@ -192,6 +195,7 @@ def _package_files() -> set[str]:
     }
 
 
+@pytest.mark.slow  # builds the wheel
 def test_wheel_holds_every_file_of_the_package(wheel):
     in_wheel = {name for name in wheel.namelist() if name.startswith("distopt/")}
     source = _package_files()
@@ -202,6 +206,7 @@ def test_wheel_holds_every_file_of_the_package(wheel):
     assert sorted(in_wheel - source) == [], "in the wheel but not in src/distopt"
 
 
+@pytest.mark.slow  # builds the wheel
 def test_wheel_installs_distopt_and_its_metadata_only(wheel):
     # pip install torch-distopt puts these top-level names into site-packages and no other.
     version = distopt.__version__
@@ -212,6 +217,7 @@ def test_wheel_installs_distopt_and_its_metadata_only(wheel):
     assert "distopt = distopt.cli:main" in entry_points.splitlines()
 
 
+@pytest.mark.slow  # builds the wheel
 def test_one_version_in_the_wheel_the_package_and_the_command(wheel, capsys):
     name = next(name for name in wheel.namelist() if name.endswith(".dist-info/METADATA"))
     metadata = email.message_from_bytes(wheel.read(name))  # the core metadata's format

@@ -329,6 +329,7 @@ def test_bad_options_give_one_line(tmp_path, capsys, args, message):
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_bad_option_exits_2_with_one_line_from_the_shell():
     proc = run_distopt(["train", "--nproc", "0"], timeout=60)
     assert proc.returncode == 2
