@@ -1,5 +1,9 @@
 """Sharded grads (``shard_grads=True``) and sharded params (``shard_params=True``) at d = 1..4.
 
+The whole grid runs at d = 1, 2 and 3 (3: shards that do not divide evenly); at d = 4 the flat
+group runs the trajectories against torch (fp32, bf16, micro-batches, fp32-accumulated bf16
+reductions) beside the meshes and tensor parallelism, which need four ranks.
+
 Against single-process torch.optim (the parity grid's trajectory, and micro-batches summed to
 the whole batch), and bit for bit against the full grad buffer wherever the arithmetic is the
 same (one backward per step): with bf16, remainders, fp32-accumulated reductions, fp16 loss
@@ -552,7 +556,10 @@ def _cases(world: int) -> list:
     return cases
 
 
-WORLDS = [1, 2, 3, 4]
+WORLDS = [1, 2, 3]
+# The flat group of four runs these beside its meshes (``four``): what d = 2 and 3 do not show is
+# more ranks summed, which the trajectories do.
+FLAT_FOUR = [*FLAT_PARITY, *SAME_MULTI, "accumulate"]
 
 
 @pytest.fixture(scope="module", params=world_params(WORLDS))
@@ -565,7 +572,11 @@ def world(request):
 def test_fp32_parity_with_torch(world, case):
     """AdamW, two groups and a schedule, clipping, a tied embedding, a branch used on even steps
     only (find_unused_parameters), within 1e-5 of single-process torch.optim."""
-    for value in case_result(world[1], case):
+    check_fp32_parity(case_result(world[1], case), case)
+
+
+def check_fp32_parity(values: list, case: str) -> None:
+    for value in values:
         assert value["max_diff"] <= FP32_TOL, value
         assert value["norm_diff"] <= NORM_RTOL, value
         assert value["moved"] > 1e-2
@@ -575,7 +586,11 @@ def test_fp32_parity_with_torch(world, case):
 
 
 def test_bf16_parity_with_torch(world):
-    for value in case_result(world[1], "parity-bf16"):
+    check_bf16_parity(case_result(world[1], "parity-bf16"))
+
+
+def check_bf16_parity(values: list) -> None:
+    for value in values:
         assert value["dtypes"] == {torch.bfloat16}
         assert value["max_diff"] <= BF16_TOL, value
 
@@ -588,7 +603,11 @@ def test_bitwise_equal_to_the_full_buffer(world, case):
     d, results = world
     if case in SAME_MULTI and d == 1:
         pytest.skip("a reduction needs two ranks")
-    for value in case_result(results, case):
+    check_bitwise_equal(case_result(results, case), case)
+
+
+def check_bitwise_equal(values: list, case: str) -> None:
+    for value in values:
         assert value["same"], value["norms"]
         assert value["norms"][0] == value["norms"][1]
         assert value["calls"][0] == value["calls"][1]
@@ -601,7 +620,10 @@ def test_bitwise_equal_to_the_full_buffer(world, case):
 def test_accumulation_reduces_every_micro_batch_and_matches_torch(world):
     """4 micro-batches, 3 under no_sync: each reduce-scatters and adds into the kept shard (the
     sum of averages is the average of the sum, not bit for bit: within 1e-5 of torch)."""
-    d, results = world
+    check_accumulation(*world)
+
+
+def check_accumulation(d: int, results: list) -> None:
     for value in case_result(results, "accumulate"):
         assert value["max_diff"] <= FP32_TOL, value
         n = value["buckets"]
@@ -792,7 +814,30 @@ def four():
              ("mesh-accumulate-all-no-sync", accumulation,
               (MESH["mesh-accumulate-all-no-sync"],)),
              ("tp", tp_same_as_full_buffer, ())]
+    cases += [case for case in _cases(4) if case[0] in FLAT_FOUR]
     return run_cases(4, cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in FLAT_PARITY if c != "parity-bf16"])
+def test_fp32_parity_with_torch_on_four_flat_ranks(four, case):
+    check_fp32_parity(case_result(four, case), case)
+
+
+@pytest.mark.slow
+def test_bf16_parity_with_torch_on_four_flat_ranks(four):
+    check_bf16_parity(case_result(four, "parity-bf16"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SAME_MULTI))
+def test_fp32_accumulated_reduction_bitwise_on_four_flat_ranks(four, case):
+    check_bitwise_equal(case_result(four, case), case)
+
+
+@pytest.mark.slow
+def test_accumulation_reduces_every_micro_batch_on_four_flat_ranks(four):
+    check_accumulation(4, four)
 
 
 @pytest.mark.slow
