@@ -11,7 +11,7 @@ from .muon import MUON_BASELINES, MUON_SYSTEMS
 from .runner import PHASES
 from .stage_report import add_stage_ratios, format_stage_table
 from .stage_runs import PIPELINE_PHASES
-from .systems import LABELS, PEERS
+from .systems import LABELS, PEERS, collectives_text
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
@@ -80,10 +80,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             if "error" in r:
                 lines.append(f"{name:<32}  failed: {r['error'].strip().splitlines()[-1]}")
                 continue
-            colls = ", ".join(
-                f"{op} {r['calls_per_step'][op]:g}x {b / 2**20:.1f}MiB"
-                for op, b in sorted(r["payload_bytes_per_step"].items())
-            )
+            colls = collectives_text(r, digits=1)
             lines.append(
                 f"{name:<32}{r['median_step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}"
                 f"{_ratio(r.get('ratio_to_ddp')):>7}{_ratio(r.get('ratio_to_fastest_peer')):>7}"

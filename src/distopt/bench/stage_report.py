@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .systems import LABELS
+from .systems import LABELS, collectives_text
 
 BASELINES = ("fsdp2", "fsdp2-reshard")
 """The configurations the pipeline ratios are taken to, the first that ran."""
@@ -62,10 +62,7 @@ def format_stage_table(group: list[dict[str, Any]]) -> str:
             lines.append(f"{name:<32}  failed: {r['error'].strip().splitlines()[-1]}")
             continue
         by_stage = "/".join(f"{s['state_bytes'] / 2**20:.1f}" for s in r["stages"])
-        colls = ", ".join(
-            f"{op} {r['calls_per_step'][op]:g}x {b / 2**20:.2f}MiB"
-            for op, b in sorted(r["payload_bytes_per_step"].items())
-        )
+        colls = collectives_text(r, digits=2)
         lines.append(
             f"{name:<32}{r['median_step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>9.0f}"
             f"{_ratio(r.get('ratio_to_fsdp2')):>8}{r['bytes_per_param']:>9.2f}"

@@ -82,6 +82,14 @@ def wire_bytes(op: str, payload: float, d: int) -> float:
     return _WIRE_FACTOR[base](d) * payload if base in _WIRE_FACTOR else 0.0
 
 
+def collectives_text(r: dict[str, Any], digits: int) -> str:
+    """A result's collectives per step: each op's count and payload."""
+    return ", ".join(
+        f"{op} {r['calls_per_step'][op]:g}x {b / 2**20:.{digits}f}MiB"
+        for op, b in sorted(r["payload_bytes_per_step"].items())
+    )
+
+
 class CollectiveCounter:
     """Counts every collective issued through ``torch.distributed`` while installed.
 
