@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import resource
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from .models import build_model
+from .phases import PhaseClock
 from .stages import build_staged_system, stage_mesh, stage_param_count
 from .systems import CollectiveCounter, wire_bytes
 
@@ -46,18 +46,7 @@ def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, An
         stats.timed = True
         stats.synchronize = sync
 
-    def waits() -> dict[str, float]:
-        if stats is None:
-            return {"reduce": 0.0, "gather": 0.0}
-        return {"reduce": stats.seconds["reduce_scatter"] + stats.seconds["all_reduce"],
-                "gather": stats.seconds["all_gather"]}
-
-    def mark() -> tuple[float, float]:
-        sync()
-        return time.perf_counter(), sum(waits().values())
-
-    def compute(a: tuple[float, float], b: tuple[float, float]) -> float:
-        return (b[0] - a[0]) - (b[1] - a[1])
+    clock = PhaseClock(stats, sync)
 
     dp_rank = mesh.get_coordinate()[1]
     rows, losses = [], []
@@ -69,25 +58,21 @@ def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, An
         # Every stage of a pipeline makes the same batch; the first feeds the inputs, the last
         # the targets.
         x, y = bench_model.batch(step, dp_rank, config.batch_size, device)
-        before = waits()
-        m0 = mark()
+        before = clock.waits()
+        m0 = clock.mark()
         staged.zero_grad()
         loss = staged.run(x, y)
-        m1 = mark()
+        m1 = clock.mark()
         staged.sync()
-        m2 = mark()
+        m2 = clock.mark()
         staged.step()
-        m3 = mark()
+        m3 = clock.mark()
         if loss is not None:
             losses.append(float(loss))
         if step >= config.warmup:
-            rows.append({
-                "total": m3[0] - m0[0],
-                "schedule": compute(m0, m1),
-                "wait_reduce": waits()["reduce"] - before["reduce"],
-                "step": compute(m1, m2) + compute(m2, m3),
-                "wait_gather": waits()["gather"] - before["gather"],
-            })
+            compute = clock.compute
+            rows.append(clock.row(m0, m3, before, schedule=compute(m0, m1),
+                                  step=compute(m1, m2) + compute(m2, m3)))
     counter.uninstall()
     calls, sent = dict(counter.calls), dict(counter.bytes)
     staged.finish_param_sync()
