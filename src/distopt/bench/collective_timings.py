@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .._forkserver import forkserver_preloading
 from ..comm import collectives as comm
-from .runner import init_rank, rank_start_method
+from .runner import init_rank
 
 OPS = (
     "torch all_reduce",
@@ -44,7 +45,8 @@ def measure_collectives(
     with tempfile.TemporaryDirectory(prefix="distopt-collectives-") as tmp:
         context = mp.start_processes(
             _worker, args=(nproc, numel, iters, warmup, device, threads, tmp),
-            nprocs=nproc, start_method=rank_start_method(), join=False,
+            nprocs=nproc, join=False,
+            start_method=forkserver_preloading("distopt.bench.collective_timings"),
         )
         for process in context.processes:
             process.join()

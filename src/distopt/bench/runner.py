@@ -29,9 +29,11 @@ import torch.multiprocessing as mp
 
 import distopt
 
+from .._forkserver import forkserver_preloading
 from .models import build_model
 from .muon import MUON_SYSTEMS, build_muon_system
 from .peers import build_peer_system
+from .phases import PhaseClock
 from .stage_runs import measure_stages, summarize_stages
 from .systems import PEER_SYSTEMS, CollectiveCounter, build_system, wire_bytes
 
@@ -88,20 +90,10 @@ class RunConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
 
-def rank_start_method() -> str:
-    """How the benchmark starts its ranks: forked from one server that imported torch and
-    distopt once. Each configuration's ranks are still fresh processes (their memory and
-    timings their own), without seconds of imports each; the server runs no torch op, so no
-    rank inherits a CUDA context or a thread pool."""
-    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "distopt",
-                               "distopt.bench.runner"])
-    return "forkserver"
-
-
 def run_config(config: RunConfig, timeout_s: float = 600.0) -> dict[str, Any]:
     """Spawn the configuration's process group, run it, and return rank 0's summary."""
     with tempfile.TemporaryDirectory(prefix="distopt-bench-") as tmp:
-        ctx = mp.get_context(rank_start_method())
+        ctx = mp.get_context(forkserver_preloading("distopt.bench.runner"))
         procs = [
             ctx.Process(target=_worker, args=(rank, config, tmp), daemon=False)
             for rank in range(config.nproc)
@@ -198,23 +190,7 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
         system.model.comm_stats.timed = True
         system.model.comm_stats.synchronize = sync
 
-    def waits() -> dict[str, float]:
-        # Seconds spent so far blocked in distopt's reductions and gathers (0 for peers).
-        if not is_distopt:
-            return {"reduce": 0.0, "gather": 0.0}
-        seconds = system.model.comm_stats.seconds
-        return {"reduce": seconds["reduce_scatter"] + seconds["all_reduce"],
-                "gather": seconds["all_gather"]}
-
-    def mark() -> tuple[float, float]:
-        # (time, seconds spent so far in distopt's collectives)
-        sync()
-        return time.perf_counter(), sum(waits().values())
-
-    def compute(a: tuple[float, float], b: tuple[float, float]) -> float:
-        # Collective waits are cut out of the phase they happened in, so that the phases add
-        # up to the step: forward, backward and step are compute and host time.
-        return (b[0] - a[0]) - (b[1] - a[1])
+    clock = PhaseClock(system.model.comm_stats if is_distopt else None, sync)
 
     rows, losses = [], []
     for step in range(config.warmup + config.steps):
@@ -224,28 +200,24 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
             if is_distopt:
                 system.model.comm_stats.reset()
         inputs = bench_model.batch(step, rank, config.batch_size, device)
-        before = waits()
-        m0 = mark()
+        before = clock.waits()
+        m0 = clock.mark()
         system.zero_grad()
         loss = bench_model.loss(system.forward(*inputs))
-        m1 = mark()
+        m1 = clock.mark()
         system.backward(loss)
-        m2 = mark()
+        m2 = clock.mark()
         system.sync()
-        m3 = mark()
+        m3 = clock.mark()
         with newton_schulz:
             system.step()
-        m4 = mark()
+        m4 = clock.mark()
         losses.append(float(loss.detach()))
         if step >= config.warmup:
-            rows.append({
-                "total": m4[0] - m0[0],
-                "forward": compute(m0, m1),
-                "backward": compute(m1, m2),
-                "wait_reduce": waits()["reduce"] - before["reduce"],
-                "step": compute(m2, m3) + compute(m3, m4),
-                "wait_gather": waits()["gather"] - before["gather"],
-            })
+            compute = clock.compute
+            rows.append(clock.row(m0, m4, before, forward=compute(m0, m1),
+                                  backward=compute(m1, m2),
+                                  step=compute(m2, m3) + compute(m3, m4)))
     counter.uninstall()
     # Taken before the last gather: peers that bound the wrapped functions still call them.
     calls, sent = dict(counter.calls), dict(counter.bytes)

@@ -11,16 +11,13 @@ the latest checkpoint. For several machines use torchrun directly (see the READM
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import uuid
 
 import torch
 
+from .._forkserver import forkserver_preloading
 from .config import TrainConfig, parse_args
-
-# What each rank would import first; torch._dynamo comes with torch's optimizers.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "distopt", "distopt.train.worker"]
 
 
 def _fail(message: str) -> int:
@@ -81,13 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone does
         max_restarts=config.max_restarts,
         monitor_interval=0.2,
-        start_method="forkserver",
+        # Every rank, and every rank a restart starts again: see distopt/_forkserver.py.
+        start_method=forkserver_preloading("distopt.train.worker"),
     )
-    # Every rank, and every rank a restart starts again, is forked from one server that
-    # imported torch and the training code once, instead of importing them itself (seconds
-    # of CPU per rank). The server runs no torch op, so no rank inherits a CUDA context or
-    # a thread pool.
-    multiprocessing.set_forkserver_preload(PRELOAD)
     try:
         elastic_launch(launch, run_worker)(config)
     except ChildFailedError as error:
