@@ -55,9 +55,6 @@ class Trainer:
         self.device = _device(config.device_type())
         self.out = Path(config.out)
         self.ckpt_dir = self.out / "checkpoints"
-        # The copies of the optimizer state over the data-parallel ranks (1: every rank
-        # shards; see _data_parallel_mesh), logged with the start of every attempt.
-        self.dp_replicas = self.world if config.no_shard else 1
         mesh = self._pipeline_mesh()
         # With --pp each stage's ranks are one data-parallel group of world / pp ranks.
         pp_rank, self.dp_rank = mesh.get_coordinate() if mesh is not None else (0, self.rank)
@@ -85,6 +82,11 @@ class Trainer:
         for block in model.blocks if config.moe else ():
             # Sharded params: every rank runs the same modules (idle experts on no rows).
             block.mlp.run_idle_experts = config.shard_params
+        dp_mesh = None if mesh is not None or experts is not None else self._data_parallel_mesh()
+        # The copies of the optimizer state over the data-parallel ranks (1: every rank
+        # shards), logged with the start of every attempt.
+        self.dp_replicas = (dp_mesh["dp_replicate"].size() if dp_mesh is not None
+                            else self.world if config.no_shard else 1)
         tied: dict[str, Any] = {}
         if mesh is not None:  # this rank's stage of the model; see train/stages.py
             model = GPTStage(model, pp_rank, config.pp)
@@ -97,8 +99,7 @@ class Trainer:
             bucket_size=config.bucket_size,
             overlap_grad_reduce=config.overlap_grad_reduce,
             use_distributed_optimizer=not config.no_shard,
-            device_mesh=mesh if mesh is not None else (
-                None if experts is not None else self._data_parallel_mesh()),
+            device_mesh=mesh if mesh is not None else dp_mesh,
             reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
             shard_grads=config.shard_grads,
             shard_params=config.shard_params,
@@ -159,7 +160,6 @@ class Trainer:
             shard = default_shard_size(nodes)
         if shard is None or shard == self.world:
             return None
-        self.dp_replicas = self.world // shard
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(self.device.type, (self.world // shard, shard),
