@@ -290,6 +290,16 @@ def train_in_pool(*args: str) -> str:
     return printed.getvalue()
 
 
+def error_of(fn, kinds: tuple[type[BaseException], ...] = (ValueError, TypeError)) -> str:
+    """``"Type: message"`` of the error of one of ``kinds`` that calling ``fn`` raises, or
+    ``"no error"``: refusals as values a case can return from every rank."""
+    try:
+        fn()
+    except kinds as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def train_in_pool_streams(*args: str) -> tuple[str, str]:
     """``train_in_pool`` that also returns what this rank wrote to stderr (warnings)."""
     printed = io.StringIO()

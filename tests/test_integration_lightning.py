@@ -34,7 +34,7 @@ from distopt.memory import storage_bytes
 from distopt.train.model import GPT, GPTConfig
 
 from dist_harness import case_result, run_cases
-from helpers import world_params
+from helpers import error_of, world_params
 
 CONFIG = dict(seq_len=16, n_layer=2, n_head=2, n_embd=32, vocab_size=64)
 GLOBAL_BATCH = 12  # sequences per micro-batch over all ranks: divides at 1, 2 and 3 ranks
@@ -440,26 +440,19 @@ def model_checkpoint_run(root: str) -> dict:
                             for name in saved if name.endswith(".ckpt"))}
 
 
-def error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # the test checks which one, and its words
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def error_runs(plain_file: str) -> dict:
     torch.save({"state_dict": {}}, plain_file) if dist.get_rank() == 0 else None
     dist.barrier()
-    return {
-        "value_clipping": error_of(lambda: fit(DistoptStrategy(), gradient_clip_algorithm="value",
-                                               **SHORT)),
-        "no_optimizer": error_of(lambda: fit(DistoptStrategy(), NoOptimizerModule(),
-                                             accumulate_grad_batches=1, gradient_clip_val=None,
-                                             **SHORT)),
-        "double_wrap": error_of(lambda: fit(DistoptStrategy(), WrappedInsideModule(), **SHORT)),
-        "plain_checkpoint": error_of(lambda: resume_run(plain_file)),
+    calls = {
+        "value_clipping": lambda: fit(DistoptStrategy(), gradient_clip_algorithm="value",
+                                      **SHORT),
+        "no_optimizer": lambda: fit(DistoptStrategy(), NoOptimizerModule(),
+                                    accumulate_grad_batches=1, gradient_clip_val=None, **SHORT),
+        "double_wrap": lambda: fit(DistoptStrategy(), WrappedInsideModule(), **SHORT),
+        "plain_checkpoint": lambda: resume_run(plain_file),
     }
+    # Any exception: the tests check which one, and its words.
+    return {name: error_of(call, (Exception,)) for name, call in calls.items()}
 
 
 def resume_run(ckpt: str) -> dict:

@@ -47,7 +47,7 @@ from distopt.pipelining import PipelineStage
 from distopt.train.config import parse_args
 
 from dist_harness import case_result, run_cases
-from helpers import BF16_TOL, SMALL_TRAIN, fp32_master_step, full, train_in_pool
+from helpers import BF16_TOL, SMALL_TRAIN, error_of, fp32_master_step, full, train_in_pool
 
 VOCAB, DIM, SEQ, BATCH = 16, 8, 3, 8
 MICRO_BATCHES = 4
@@ -304,14 +304,6 @@ def stage_memory() -> dict:
             "owned": sum(m.numel() for m in opt.main_params)}
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def refusals_on_every_stage() -> dict:
     """What one stage refuses, both refuse, and neither hangs."""
     mesh = DeviceMesh("cpu", torch.arange(2).reshape(2, 1), mesh_dim_names=("pp", "dp"))
@@ -346,7 +338,7 @@ def refusals_on_every_stage() -> dict:
     def not_a_distopt_module() -> None:
         PipelineStage(nn.Linear(2, 2), pp_rank, 2, torch.device("cpu"))
 
-    return {name: _error(fn) for name, fn in [
+    return {name: error_of(fn) for name, fn in [
         ("tie_on_one_stage", tie_on_one_stage), ("tie_of_another_module", tie_of_another_module),
         ("grads_not_zeroed", grads_not_zeroed), ("not_a_distopt_module", not_a_distopt_module)]}
 

@@ -27,7 +27,7 @@ from distopt.optim.remainders import bf16_of_fp32
 from distopt.parallel.tensor_parallel import some_shard_is_empty
 
 from dist_harness import case_result, run_cases
-from helpers import full, max_diff
+from helpers import error_of, full, max_diff
 from models import TP_BATCH, TP_DIM, TP_FFN, TP_HEAD_DIM, TP_HEADS, TP_SEQ, Block, batch, tp_plan
 
 # Every case runs on four ranks: the quick loop (-m "not slow") keeps to two.
@@ -205,14 +205,6 @@ def nan_check_raises_on_every_rank() -> str:
     return "no error"
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, TypeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def errors() -> dict:
     mesh = mesh_2d(2, 2)
     one = DeviceMesh("cpu", torch.arange(WORLD).reshape(WORLD, 1), mesh_dim_names=("a", "b"))
@@ -225,11 +217,11 @@ def errors() -> dict:
         module.weight = nn.Parameter(weight)
         return module
 
-    out["fsdp-2d"] = _error(lambda: distopt.DistributedDataParallel(
+    out["fsdp-2d"] = error_of(lambda: distopt.DistributedDataParallel(
         sharded_along(mesh, [Shard(0), Replicate()]), device_mesh=mesh))
-    out["fsdp-1d"] = _error(lambda: distopt.DistributedDataParallel(
+    out["fsdp-1d"] = error_of(lambda: distopt.DistributedDataParallel(
         sharded_along(mesh["dp"], [Shard(0)]), process_group=mesh["dp"].get_group()))
-    out["replicated-over-dp"] = _error(lambda: distopt.DistributedDataParallel(
+    out["replicated-over-dp"] = error_of(lambda: distopt.DistributedDataParallel(
         sharded_along(mesh, [Replicate(), Shard(0)]), device_mesh=mesh))
 
     def two_meshes() -> nn.Module:
@@ -238,21 +230,21 @@ def errors() -> dict:
         model.ln2.weight = nn.Parameter(distribute_tensor(weight, one["b"], [Replicate()]))
         return model
 
-    out["two-meshes"] = _error(lambda: distopt.DistributedDataParallel(two_meshes(),
+    out["two-meshes"] = error_of(lambda: distopt.DistributedDataParallel(two_meshes(),
                                                                        device_mesh=mesh))
-    out["world-dp"] = _error(lambda: distopt.DistributedDataParallel(tp_block(mesh)[0]))
-    out["tp-as-dp"] = _error(lambda: distopt.DistributedDataParallel(
+    out["world-dp"] = error_of(lambda: distopt.DistributedDataParallel(tp_block(mesh)[0]))
+    out["tp-as-dp"] = error_of(lambda: distopt.DistributedDataParallel(
         tp_block(mesh)[0], process_group=mesh["tp"].get_group()))
-    out["both"] = _error(lambda: distopt.DistributedDataParallel(
+    out["both"] = error_of(lambda: distopt.DistributedDataParallel(
         tp_block(mesh)[0], process_group=mesh["dp"].get_group(), device_mesh=mesh))
-    out["unnamed"] = _error(lambda: distopt.DistributedDataParallel(
+    out["unnamed"] = error_of(lambda: distopt.DistributedDataParallel(
         tp_block(mesh)[0], device_mesh=mesh_2d(2, 2, ("x", "y"))))
 
     def empty_shard() -> nn.Module:
         torch.manual_seed(0)
         return parallelize_module(nn.Linear(4, 1), mesh["tp"], ColwiseParallel())
 
-    out["empty-shard"] = _error(lambda: distopt.DistributedDataParallel(empty_shard(),
+    out["empty-shard"] = error_of(lambda: distopt.DistributedDataParallel(empty_shard(),
                                                                         device_mesh=mesh))
 
     def chunks_on_two_meshes() -> None:
@@ -262,7 +254,7 @@ def errors() -> dict:
         b = distopt.DistributedDataParallel(b, device_mesh=mesh)
         distopt.DistributedOptimizer([a, b], torch.optim.AdamW, lr=1e-2)
 
-    out["chunks"] = _error(chunks_on_two_meshes)
+    out["chunks"] = error_of(chunks_on_two_meshes)
 
     def muon_on_a_tp_shard() -> None:
         model = distopt.DistributedDataParallel(tp_block(mesh)[0], device_mesh=mesh)
@@ -271,7 +263,7 @@ def errors() -> dict:
         distopt.DistributedOptimizer(model, torch.optim.Muon, params=[{"params": matrices}],
                                      lr=0.02)
 
-    out["muon-tp-shard"] = _error(muon_on_a_tp_shard)
+    out["muon-tp-shard"] = error_of(muon_on_a_tp_shard)
     row_mesh = mesh_2d(1, 4)
     out["rows-of-6-over-4"] = distribute_tensor(torch.zeros(6, 3), row_mesh["tp"], [Shard(0)]
                                                 ).to_local().shape[0]
