@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distopt.comm.gloo_io import idle_gloo_io_threads
+
 Case = tuple[str, Callable[..., Any], tuple]
 TIMEOUT = datetime.timedelta(seconds=120)
 # The longest a case may run on a loaded machine before it counts as hung.
@@ -49,6 +51,22 @@ class CaseFailed(AssertionError):
     pass
 
 
+def _yield_gloo_io_to_compute() -> None:
+    """Idle-class the gloo I/O threads of the world group now and of every group made later (a
+    case's meshes and subgroups each start a gloo device of their own): on the 2-core machine
+    their spin took a third of the pool's time (see [Note: gloo's I/O thread])."""
+    idle_gloo_io_threads()
+    c10d = dist.distributed_c10d
+    make_group = c10d._new_process_group_helper
+
+    def make_group_then_idle_its_io(*args: Any, **kwargs: Any) -> Any:
+        made = make_group(*args, **kwargs)
+        idle_gloo_io_threads()
+        return made
+
+    c10d._new_process_group_helper = make_group_then_idle_its_io
+
+
 def _serve(rank: int, world_size: int, store_path: str, jobs: Any, results: Any) -> None:
     """A worker: join the group, then run the cases sent on ``jobs`` until told to stop or
     until the session's process is gone (the fork server it came from ends with the session,
@@ -57,6 +75,7 @@ def _serve(rank: int, world_size: int, store_path: str, jobs: Any, results: Any)
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    _yield_gloo_io_to_compute()
     results.put((rank, None, pickle.dumps(("ok", "ready"))))
     while os.getppid() == parent:
         try:

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import distopt
 from distopt.comm import collectives as comm
 from distopt.comm import gloo
+from distopt.comm.gloo_io import idle_gloo_io_threads
 
 from helpers import CLIP, lm_loss, parity_groups
 from models import AwkwardLM, batches, rank_slice
@@ -108,6 +109,7 @@ def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, ddp, opt = build()
+    idle_gloo_io_threads()  # see [Note: gloo's I/O thread]
     groups: list[tuple[str, list[int]]] = []
     messages: list[tuple[str, int, int]] = []
     _record_groups(groups)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import distopt
 
+from ..comm.gloo_io import idle_gloo_io_threads
 from ..dtypes import DTYPES, parse_state_dtype
 from ..optim.kinds import whole_tensor_cost
 from ..plan import ownership
@@ -421,6 +422,9 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
                             world_size=world, timeout=timeout)
     # A failed rank leaves without tearing the group down: that would wait on the very peers
     # that failed it, while the launcher waits for this process to exit.
-    summary = Trainer(config).run()
+    trainer = Trainer(config)
+    if not on_cuda:
+        idle_gloo_io_threads()  # its groups exist now; see [Note: gloo's I/O thread]
+    summary = trainer.run()
     dist.destroy_process_group()
     return summary
