@@ -166,6 +166,9 @@ def test_collectives_microbenchmark_checks_results_then_times_every_op(tmp_path,
     assert r["check"]["reduce_scatter_max_abs_diff"] < 1e-5
     assert sorted(r["call_ms"]) == sorted(OPS)
     assert all(len(times) == 2 and min(times) > 0 for times in r["call_ms"].values())
+    # On gloo every op is timed again with gloo's I/O threads idle-class.
+    assert sorted(r["median_ms_idle_io"]) == sorted(OPS)
+    assert min(r["median_ms_idle_io"].values()) > 0
     assert "(rs + ag) / all_reduce" in capsys.readouterr().out
 
 

@@ -7,6 +7,8 @@ all-gather (``reduce_scatter_tensor``, ``all_gather_into_tensor``), and distopt'
 messages, see [Note: collectives on gloo]). Each call starts after a barrier; a call's time is
 the slowest rank's, and the figure is the median over the timed calls. Before timing, each
 rank checks that distopt's results equal the backend's, so both sides compute the same thing.
+On gloo every op is timed a second time with gloo's I/O threads in the idle scheduling class,
+as CPU runs of ``distopt train`` have them ([Note: gloo's I/O thread]).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.multiprocessing as mp
 
 from .._forkserver import forkserver_preloading
 from ..comm import collectives as comm
+from ..comm.gloo_io import idle_gloo_io_threads
 from .runner import init_rank
 
 OPS = (
@@ -102,6 +105,36 @@ def _measure(rank, nproc, numel, iters, warmup, dev) -> dict[str, Any]:
             full[own], full, group, async_op=False),
         "distopt all_gather": lambda: comm.all_gather(full, full[own], group, async_op=False),
     }
+    times = _time_ops(ops, full, data, warmup, iters, sync, group)
+    idle_io: dict[str, float] = {}
+    if dist.get_backend(group) == "gloo":
+        idle_gloo_io_threads()
+        idle_io = {name: statistics.median(t) * 1e3
+                   for name, t in _time_ops(ops, full, data, warmup, iters, sync, group).items()}
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {
+        "nproc": nproc,
+        "numel": numel,
+        "bytes": numel * 4,
+        "backend": dist.get_backend(group),
+        "median_ms": ms,
+        "median_ms_idle_io": idle_io,
+        "call_ms": {name: [x * 1e3 for x in t] for name, t in times.items()},
+        "distopt_over_torch": {
+            "reduce_scatter + all_gather / all_reduce":
+                (ms["distopt reduce_scatter"] + ms["distopt all_gather"])
+                / ms["torch all_reduce"],
+            "reduce_scatter": ms["distopt reduce_scatter"] / ms["torch reduce_scatter"],
+            "all_gather": ms["distopt all_gather"] / ms["torch all_gather"],
+        },
+        "check": {"reduce_scatter_max_abs_diff": max_diff, "all_gather_equal": gather_equal},
+    }
+
+
+def _time_ops(ops: dict[str, Callable[[], Any]], full: torch.Tensor, data: torch.Tensor,
+              warmup: int, iters: int, sync: Callable[[], Any], group: Any
+              ) -> dict[str, list[float]]:
+    """Each op's timed calls in seconds, the slowest rank's time of each call."""
     times: dict[str, list[float]] = {}
     for name, op in ops.items():
         full.copy_(data)  # the reductions' sums stay finite whatever the number of calls
@@ -116,23 +149,7 @@ def _measure(rank, nproc, numel, iters, warmup, dev) -> dict[str, Any]:
         slowest = torch.tensor(own_times[warmup:], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         times[name] = slowest.tolist()
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    return {
-        "nproc": nproc,
-        "numel": numel,
-        "bytes": numel * 4,
-        "backend": dist.get_backend(group),
-        "median_ms": ms,
-        "call_ms": {name: [x * 1e3 for x in t] for name, t in times.items()},
-        "distopt_over_torch": {
-            "reduce_scatter + all_gather / all_reduce":
-                (ms["distopt reduce_scatter"] + ms["distopt all_gather"])
-                / ms["torch all_reduce"],
-            "reduce_scatter": ms["distopt reduce_scatter"] / ms["torch reduce_scatter"],
-            "all_gather": ms["distopt all_gather"] / ms["torch all_gather"],
-        },
-        "check": {"reduce_scatter_max_abs_diff": max_diff, "all_gather_equal": gather_equal},
-    }
+    return times
 
 
 def main(args: argparse.Namespace) -> int:
@@ -149,6 +166,14 @@ def main(args: argparse.Namespace) -> int:
         row = " ".join(f"{r['median_ms'][op]:22.2f}" for op in OPS)
         ratio = r["distopt_over_torch"]["reduce_scatter + all_gather / all_reduce"]
         print(f"{r['nproc']:>3} {row}   {ratio:.2f}")
+    if any(r["median_ms_idle_io"] for r in results):
+        print("the same, gloo's I/O threads idle-class (as distopt train on CPU runs them)")
+        for r in results:
+            idle = r["median_ms_idle_io"]
+            row = " ".join(f"{idle[op]:22.2f}" for op in OPS)
+            ratio = (idle["distopt reduce_scatter"] + idle["distopt all_gather"]) / idle[
+                "torch all_reduce"]
+            print(f"{r['nproc']:>3} {row}   {ratio:.2f}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "collectives.json")
     with open(path, "w") as f:

@@ -5,12 +5,13 @@ gloo's TCP transport reads every socket of a device on one thread ("gloo_tcp_loo
 epoll loop polls again at once while a message waits for its receiver to post a buffer: a rank
 that sent early spins until its peer, still computing, reaches the matching receive. On a CPU
 run with as many ranks as cores that spin takes the very core whose compute would end it. On
-the 2-core machine a 4 KB all-reduce took 1.8 ms at 2 ranks and 6.6 ms at 4 with the threads
-as gloo starts them, and 0.6 and 2.7 ms with them in Linux's idle scheduling class
-(``SCHED_IDLE``): they still run whenever a core has nothing else to do, which is whenever a
-rank waits for their message, but they no longer preempt a rank that computes. Each process
-group starts a gloo device and thread of its own, so a caller moves them once its groups exist.
-On CUDA the step's collectives run on NCCL and this does not apply.
+the 2-core machine a 4 KB all-reduce took 0.87 ms at 2 ranks and 6.7 ms at 4 with the threads
+as gloo starts them, and 0.53 and 2.1 ms with them in Linux's idle scheduling class
+(``SCHED_IDLE``), medians of the slowest rank from ``distopt bench --collectives --nproc 2 4
+--numel 1000 --steps 500``: the threads still run whenever a core has nothing else to do,
+which is whenever a rank waits for their message, but no longer preempt a rank that computes.
+Each process group starts a gloo device and thread of its own, so a caller moves them once its
+groups exist. On CUDA the step's collectives run on NCCL and this does not apply.
 """
 
 from __future__ import annotations
