@@ -51,7 +51,7 @@ class CaseFailed(AssertionError):
     pass
 
 
-def _yield_gloo_io_to_compute() -> None:
+def yield_gloo_io_to_compute() -> None:
     """Idle-class the gloo I/O threads of the world group now and of every group made later (a
     case's meshes and subgroups each start a gloo device of their own). On the 2-core machine
     the sharded-grads grid at d = 2 and 3 took 51 s with them as gloo starts them and 37 s
@@ -76,7 +76,7 @@ def _serve(rank: int, world_size: int, store_path: str, jobs: Any, results: Any)
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
-    _yield_gloo_io_to_compute()
+    yield_gloo_io_to_compute()
     results.put((rank, None, pickle.dumps(("ok", "ready"))))
     while os.getppid() == parent:
         try:

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import context
+from dist_harness import context, yield_gloo_io_to_compute
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -595,6 +595,7 @@ def _worker(rank: int, world: int, tmp: str, cases: list) -> None:
         store = dist.FileStore(os.path.join(tmp, "store"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=TIMEOUT)
+        yield_gloo_io_to_compute()
     results = {}
     for name, fn, args in cases:
         try:
