@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distopt._forkserver import forkserver_preloading
 from distopt.comm.gloo_io import idle_gloo_io_threads
 
 Case = tuple[str, Callable[..., Any], tuple]
@@ -111,13 +112,10 @@ def context() -> Any:
     pools do not exist yet when a worker is forked from it. Workers still import their own test
     modules (which import pytest), on the session's sys.path.
     """
-    ctx = mp.get_context("forkserver")
-    # torch._dynamo: torch's optimizers import it (and DTensor with it) when first built. The
-    # integrations' frameworks take seconds each to import, in every worker that runs their
-    # cases; the server skips any that is not installed.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "distopt",
-                                "pytest", "transformers.trainer", "lightning"])
-    return ctx
+    # The library's preload (torch, torch._dynamo, distopt: see distopt/_forkserver.py) and
+    # pytest; the integrations' frameworks take seconds each to import, in every worker that
+    # runs their cases (the server skips any that is not installed).
+    return mp.get_context(forkserver_preloading("pytest", "transformers.trainer", "lightning"))
 
 
 class WorkerPool:

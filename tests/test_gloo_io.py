@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distopt.comm.gloo_io import idle_gloo_io_threads
+from distopt.comm.gloo_io import gloo_io_threads, idle_gloo_io_threads
 
 from dist_harness import case_result, run_cases
 
@@ -21,19 +21,12 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux sch
 
 
 def _io_policies() -> list[int]:
-    policies = []
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as comm:
-            if comm.read().strip() == "gloo_tcp_loop":
-                policies.append(os.sched_getscheduler(int(tid)))
-    return policies
+    return [os.sched_getscheduler(tid) for tid in gloo_io_threads()]
 
 
 def _set_policy(policy: int) -> None:
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as comm:
-            if comm.read().strip() == "gloo_tcp_loop":
-                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+    for tid in gloo_io_threads():
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
 
 
 def policies_of_new_groups() -> dict[str, object]:

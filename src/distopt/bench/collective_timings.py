@@ -152,6 +152,16 @@ def _time_ops(ops: dict[str, Callable[[], Any]], full: torch.Tensor, data: torch
     return times
 
 
+def _print_rows(results: list[dict[str, Any]], medians: str) -> None:
+    """One row per data-parallel size: each op's median ms, then distopt's two over the
+    backend's all-reduce."""
+    for r in results:
+        ms = r[medians]
+        row = " ".join(f"{ms[op]:22.2f}" for op in OPS)
+        ratio = (ms["distopt reduce_scatter"] + ms["distopt all_gather"]) / ms["torch all_reduce"]
+        print(f"{r['nproc']:>3} {row}   {ratio:.2f}")
+
+
 def main(args: argparse.Namespace) -> int:
     """``distopt bench --collectives``: one table row per data-parallel size, JSON to --out."""
     results = [
@@ -162,18 +172,10 @@ def main(args: argparse.Namespace) -> int:
     mib = results[0]["numel"] * 4 / 2**20
     print(f"collectives on {mib:.1f} MiB of fp32, {args.device}, median ms of the slowest rank")
     print(f"{'d':>3} " + " ".join(f"{op:>22}" for op in OPS) + "   (rs + ag) / all_reduce")
-    for r in results:
-        row = " ".join(f"{r['median_ms'][op]:22.2f}" for op in OPS)
-        ratio = r["distopt_over_torch"]["reduce_scatter + all_gather / all_reduce"]
-        print(f"{r['nproc']:>3} {row}   {ratio:.2f}")
+    _print_rows(results, "median_ms")
     if any(r["median_ms_idle_io"] for r in results):
         print("the same, gloo's I/O threads idle-class (as distopt train on CPU runs them)")
-        for r in results:
-            idle = r["median_ms_idle_io"]
-            row = " ".join(f"{idle[op]:22.2f}" for op in OPS)
-            ratio = (idle["distopt reduce_scatter"] + idle["distopt all_gather"]) / idle[
-                "torch all_reduce"]
-            print(f"{r['nproc']:>3} {row}   {ratio:.2f}")
+        _print_rows(results, "median_ms_idle_io")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "collectives.json")
     with open(path, "w") as f:

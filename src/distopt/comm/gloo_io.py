@@ -23,19 +23,27 @@ import sys
 _IO_THREAD_NAME = "gloo_tcp_loop"
 
 
+def gloo_io_threads() -> list[int]:
+    """The thread ids of this process's gloo I/O threads (none outside Linux, where ``/proc``
+    names no threads)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    tids = []
+    for tid in os.listdir("/proc/self/task"):
+        # A thread may end between the listing and the read.
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as comm:
+            if comm.read().strip() == _IO_THREAD_NAME:
+                tids.append(int(tid))
+    return tids
+
+
 def idle_gloo_io_threads() -> int:
     """Put this process's gloo I/O threads in the idle scheduling class; return how many.
 
     Threads that already are count again (the call is idempotent). Outside Linux, where
     neither ``/proc`` thread names nor ``SCHED_IDLE`` exist, it does nothing and returns 0.
     """
-    if not sys.platform.startswith("linux"):
-        return 0
-    moved = 0
-    for tid in os.listdir("/proc/self/task"):
-        # A thread may end between the listing and the read.
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as comm:
-            if comm.read().strip() == _IO_THREAD_NAME:
-                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-                moved += 1
-    return moved
+    tids = gloo_io_threads()
+    for tid in tids:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    return len(tids)
