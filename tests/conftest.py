@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the worker pools of dist_harness live until the session ends."""
+"""Session-wide fixtures: the worker pools of dist_harness live until the session ends; the
+launches of early_launches start once the tests are collected."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import early_launches
 from dist_harness import close_pools, context
 
 
@@ -23,3 +25,13 @@ def _worker_pools() -> Iterator[None]:
     """Keep the spawned gloo groups of every world size alive across test modules."""
     yield
     close_pools()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected tests' launches (see early_launches.py) while the others run."""
+    if not session.config.option.collectonly:
+        early_launches.start_for(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    early_launches.stop_all()

@@ -1,6 +1,6 @@
 """What several test modules share: tolerances, losses, the fp32-master reference step and the
 parity grid's trajectory, comparisons and snapshots of models and optimizers, parameter groups,
-the arithmetic of fp32-accumulated reductions, and launching ``distopt train``. Models and
+the arithmetic of fp32-accumulated reductions, and ``distopt train`` runs in the pool. Models and
 batches live in models.py."""
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import contextlib
 import copy
 import io
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -264,19 +262,6 @@ SMALL_TRAIN = ["--model", "tiny", "--steps", "8", "--batch-size", "8", "--seq-le
                "--save-every", "4", "--no-progress", "--warmup", "2"]
 
 
-def _distopt_command(args: list[str], env: dict[str, str] | None, module: str
-                     ) -> tuple[list[str], dict[str, str]]:
-    return [sys.executable, "-m", module, *args], {**os.environ, "OMP_NUM_THREADS": "1",
-                                                   **(env or {})}
-
-
-def run_distopt(args: list[str], env: dict[str, str] | None = None, timeout: int = 240,
-                module: str = "distopt") -> subprocess.CompletedProcess:
-    """``python -m distopt ARGS`` with one thread per process; its output captured."""
-    cmd, full_env = _distopt_command(args, env, module)
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
-
-
 def train_in_pool(*args: str) -> str:
     """The ranks of a ``distopt train ARGS`` run as a case of the harness's pool (only the
     launcher left out: the same worker code, one thread per rank, the same numbers), for the
@@ -321,53 +306,6 @@ def train_in_pool_killed(step: int, rank: int, *args: str) -> str:
         return train_in_pool(*args)
     finally:  # the ranks that survive go back to the pool
         del os.environ[elastic.FAIL_AT_STEP_ENV], os.environ[elastic.FAIL_RANK_ENV]
-
-
-class BackgroundRun:
-    """``python -m distopt ARGS`` started now and waited for later, so that a run that spends
-    most of its time waiting (for a timeout, for the launcher to give up on a rank) waits while
-    other tests run. Its output goes to files (a pipe nobody reads would fill and block it)."""
-
-    def __init__(self, args: list[str], logs: Path, env: dict[str, str] | None = None,
-                 module: str = "distopt") -> None:
-        cmd, full_env = _distopt_command(args, env, module)
-        self._out, self._err = logs / "stdout.txt", logs / "stderr.txt"
-        with self._out.open("w") as out, self._err.open("w") as err:
-            # Its own session, so that stop() reaches the launcher's ranks too.
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env,
-                                         start_new_session=True)
-
-    def result(self, timeout: int = 240) -> subprocess.CompletedProcess:
-        """Wait for the run; what ``run_distopt`` would have returned."""
-        try:
-            self.proc.wait(timeout=timeout)
-        finally:
-            self.stop()
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
-                                           self._out.read_text(), self._err.read_text())
-
-    def stop(self) -> None:
-        """Kill the run and its ranks if it is still going (a test that never read it)."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@contextlib.contextmanager
-def rendezvous_endpoint() -> Iterator[str]:
-    """HOST:PORT of a c10d rendezvous store this process holds until the block ends.
-
-    The store listens on a port the system picked and that stays bound the whole time, so no
-    other process can take it between choosing and using it (as it could a port found free and
-    closed again). Launchers join it as clients: ``--rdzv-backend c10d --rdzv-endpoint
-    ENDPOINT --rdzv-conf is_host=false``.
-    """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    try:
-        yield f"127.0.0.1:{store.port}"
-    finally:
-        del store
 
 
 # ---------------------------------------------------------------- which files a call runs

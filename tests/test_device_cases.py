@@ -13,6 +13,7 @@ from distopt.train.config import parse_args
 from distopt.train.worker import _device
 
 import device_cases as cases
+from early_launches import Command, launch_early
 
 CPU = torch.device("cpu")
 
@@ -77,11 +78,16 @@ def test_delays_do_not_change_overlap(gloo):
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 
+# Started with the session (see early_launches.py).
+TRAIN_ON_CPU = launch_early("test_train_on_the_cpu_device",
+                            lambda workdir: [Command(cases.train_command(workdir, "cpu", 2))])
+
+
 @pytest.mark.slow
-def test_train_on_the_cpu_device(tmp_path):
-    proc = cases.run_train(tmp_path, "cpu", steps=2)
+def test_train_on_the_cpu_device():
+    (proc,) = TRAIN_ON_CPU.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((TRAIN_ON_CPU.workdir / "summary.json").read_text())
     assert summary["config"]["device"] == "cpu" and summary["world_size"] == 1
 
 

@@ -6,12 +6,8 @@ tests are about the ranks' code, not the launcher, are cases of the test pool.""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,41 +19,47 @@ from distopt.train import elastic
 from distopt.train.config import default_shard_size
 
 from dist_harness import case_result, run_cases
-from helpers import (
-    SMALL_TRAIN,
-    BackgroundRun,
-    rendezvous_endpoint,
-    run_distopt,
-    train_in_pool,
-    train_in_pool_streams,
-)
+from early_launches import Command, launch_early
+from helpers import SMALL_TRAIN, train_in_pool, train_in_pool_streams
 
 
-def _train(out: Path, *extra: str, env: dict[str, str] | None = None):
-    return run_distopt(["train", "--nproc", "2", *SMALL_TRAIN, "--out", str(out), *extra], env=env)
+def _train(out: Path, *extra: str, env: dict[str, str] | None = None) -> Command:
+    """``distopt train`` on two ranks, the small run, writing to ``out``."""
+    return Command.module("distopt", "train", "--nproc", "2", *SMALL_TRAIN, "--out", str(out),
+                          *extra, env=env)
 
 
 def _final_heldout(out: Path) -> float:
     return json.loads((out / "summary.json").read_text())["heldout_loss_end"]
 
 
-STOPPED_TEST = "test_a_stopped_rank_fails_its_peers_within_the_timeout_and_the_group_restarts"
+# The launches of this module's tests start with the session (see early_launches.py); each
+# writes its run to WORKDIR/out.
+CRASHED = launch_early(
+    "test_resume_after_a_crash_matches_the_uninterrupted_run",
+    lambda workdir: [_train(workdir / "out", env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
+                                                  "DISTOPT_TRAIN_FAIL_RANK": "1"})])
+RESTARTED = launch_early(
+    "test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically",
+    lambda workdir: [_train(workdir / "out", "--max-restarts", "1",
+                            env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
+                                 "DISTOPT_TRAIN_FAIL_RANK": "0"})])
+BAD_OPTION = launch_early(
+    "test_bad_option_exits_2_with_one_line_from_the_shell",
+    lambda workdir: [Command.module("distopt", "train", "--nproc", "0")])
+
 STOPPED_TIMEOUT = 15  # seconds; long enough for ranks starved on a loaded machine
-
-
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory) -> Iterator[tuple[Path, BackgroundRun]]:
-    """Rank 1 stops (SIGSTOP) at step 6 of a run that may restart once. Most of this run is
-    waiting: --timeout seconds for rank 0 to give up, then the launcher's grace period (30 s)
-    for the stopped rank to exit before it kills it and restarts the group."""
-    out = tmp_path_factory.mktemp("stopped")
-    run = BackgroundRun(["train", "--nproc", "2", *SMALL_TRAIN, "--out", str(out),
-                         "--timeout", str(STOPPED_TIMEOUT), "--max-restarts", "1"],
-                        logs=tmp_path_factory.mktemp("stopped-logs"),
-                        env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "1",
-                             "DISTOPT_TRAIN_FAIL_SIGNAL": "SIGSTOP"})
-    yield out, run
-    run.stop()
+# Rank 1 stops (SIGSTOP) at step 6 of a run that may restart once. Most of this run is waiting:
+# --timeout seconds for rank 0 to give up, then the launcher's grace period (30 s) for the
+# stopped rank to exit before it kills it and restarts the group; so it starts at once.
+STOPPED = launch_early(
+    "test_a_stopped_rank_fails_its_peers_within_the_timeout_and_the_group_restarts",
+    lambda workdir: [_train(workdir / "out", "--timeout", str(STOPPED_TIMEOUT),
+                            "--max-restarts", "1",
+                            env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
+                                 "DISTOPT_TRAIN_FAIL_RANK": "1",
+                                 "DISTOPT_TRAIN_FAIL_SIGNAL": "SIGSTOP"})],
+    alongside=True)
 
 
 POOL_RUNS = {
@@ -77,11 +79,7 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def pool_runs(request, tmp_path_factory) -> dict[str, Run]:
-    # The stopped-rank run, if its test is to run, starts first and waits while these train
-    # (its test comes last).
-    if any(item.name == STOPPED_TEST for item in request.session.items):
-        request.getfixturevalue("stopped_run")
+def pool_runs(tmp_path_factory) -> dict[str, Run]:
     outs = {name: tmp_path_factory.mktemp(name) for name in POOL_RUNS}
     printed = run_cases(2, [(name, train_in_pool,
                              (*SMALL_TRAIN, "--out", str(outs[name]), *extra))
@@ -114,26 +112,25 @@ def test_run_writes_metrics_summary_plot_and_checkpoints(baseline):
 
 
 @pytest.mark.slow
-def test_resume_after_a_crash_matches_the_uninterrupted_run(baseline, tmp_path):
+def test_resume_after_a_crash_matches_the_uninterrupted_run(baseline):
     """A launched run whose rank 1 is killed at step 6 exits with an error; ``--resume`` (the
     same ranks' code, run in the pool: no launcher is needed to read a checkpoint) ends where
     the uninterrupted run ends."""
-    crashed = _train(tmp_path, env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
-                                    "DISTOPT_TRAIN_FAIL_RANK": "1"})
+    (crashed,) = CRASHED.result()
     assert crashed.returncode != 0
     assert "distopt train: error" in crashed.stderr
+    out = CRASHED.workdir / "out"
     resumed = run_cases(2, [("resumed", train_in_pool,
-                             (*SMALL_TRAIN, "--out", str(tmp_path), "--resume"))])
+                             (*SMALL_TRAIN, "--out", str(out), "--resume"))])
     case_result(resumed, "resumed")
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+    assert _final_heldout(out) == _final_heldout(baseline)
 
 
 @pytest.mark.slow
-def test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically(baseline, tmp_path):
-    proc = _train(tmp_path, "--max-restarts", "1",
-                  env={"DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0"})
+def test_launcher_restarts_a_killed_rank_and_the_run_finishes_identically(baseline):
+    (proc,) = RESTARTED.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _final_heldout(tmp_path) == _final_heldout(baseline)
+    assert _final_heldout(RESTARTED.workdir / "out") == _final_heldout(baseline)
 
 
 @pytest.mark.slow
@@ -171,17 +168,27 @@ def uninterrupted(out: str) -> float | None:
     return summary.get("heldout_loss_end")
 
 
-def _elastic_launcher(out: Path, endpoint: str, env: dict[str, str]) -> subprocess.Popen:
+def _elastic_launcher(out: Path, endpoint: str, env: dict[str, str]) -> Command:
     """torchrun --nnodes 1:2 of two ranks, one node of an elastic run. The rendezvous waits 5 s
     for the other node once one is there, and forgets a node silent for 2 s."""
     conf = "is_host=false,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
-           "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id",
-           "distopt-elastic", "--rdzv-conf", conf, "--max-restarts", "1", "-m", "distopt.train",
-           *SMALL_TRAIN, "--save-every", "2", "--async-save", "--timeout", "120",
-           "--out", str(out)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    return Command.module(
+        "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend",
+        "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "distopt-elastic", "--rdzv-conf", conf,
+        "--max-restarts", "1", "-m", "distopt.train", *SMALL_TRAIN, "--save-every", "2",
+        "--async-save", "--timeout", "120", "--out", str(out), env=env)
+
+
+# Both launchers join a rendezvous store that this process holds, so it outlives the launcher
+# that is killed. At step 6 the second launcher and both its ranks are SIGKILLed.
+LOST_NODE = launch_early(
+    "test_a_lost_node_costs_only_the_steps_since_the_last_save",
+    lambda workdir, endpoint: [
+        _elastic_launcher(workdir / "out", endpoint, {}),
+        _elastic_launcher(workdir / "out", endpoint, {"DISTOPT_TRAIN_FAIL_AT_STEP": "6",
+                                                      "DISTOPT_TRAIN_FAIL_RANK": "0",
+                                                      "DISTOPT_TRAIN_FAIL_SCOPE": "launcher"})],
+    rendezvous=True)
 
 
 @pytest.mark.slow
@@ -191,24 +198,13 @@ def test_a_lost_node_costs_only_the_steps_since_the_last_save(tmp_path):
     launcher and both its ranks SIGKILLed) during that save's background write; the first
     node's ranks fail, its launcher restarts them, they rendezvous alone and resume
     at two ranks from the latest checkpoint, with the same global batch, and finish: the
-    held-out loss ends within 1e-4 of an uninterrupted four-rank run."""
-    out = tmp_path / "elastic"
-    # The rendezvous store is this test's, so it outlives the launcher that is killed.
-    with rendezvous_endpoint() as endpoint:
-        survivor = _elastic_launcher(out, endpoint, {})
-        lost = _elastic_launcher(out, endpoint, {
-            "DISTOPT_TRAIN_FAIL_AT_STEP": "6", "DISTOPT_TRAIN_FAIL_RANK": "0",
-            "DISTOPT_TRAIN_FAIL_SCOPE": "launcher"})
-        try:
-            # The uninterrupted run meanwhile, in the pool's four ranks.
-            reference = case_result(
-                run_cases(4, [("four", uninterrupted, (str(tmp_path / "four"),))]), "four")[0]
-            _, lost_err = lost.communicate(timeout=300)
-            _, err = survivor.communicate(timeout=300)
-        finally:
-            for proc in (survivor, lost):
-                if proc.poll() is None:
-                    proc.kill()
+    held-out loss ends within 1e-4 of an uninterrupted four-rank run (in the pool's four
+    ranks)."""
+    reference = case_result(
+        run_cases(4, [("four", uninterrupted, (str(tmp_path / "four"),))]), "four")[0]
+    survivor, lost = LOST_NODE.result()
+    lost_err, err = lost.stderr, survivor.stderr
+    out = LOST_NODE.workdir / "out"
     assert lost.returncode == -signal.SIGKILL, lost_err[-3000:]
     assert survivor.returncode == 0, err[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -331,7 +327,7 @@ def test_bad_options_give_one_line(tmp_path, capsys, args, message):
 
 @pytest.mark.slow  # a fresh interpreter
 def test_bad_option_exits_2_with_one_line_from_the_shell():
-    proc = run_distopt(["train", "--nproc", "0"], timeout=60)
+    (proc,) = BAD_OPTION.result()
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("distopt train: error:"), proc.stderr
@@ -369,13 +365,13 @@ def test_shard_params_run_ends_where_the_full_buffer_run_ends(baseline, pool_run
 
 @pytest.mark.slow
 def test_a_stopped_rank_fails_its_peers_within_the_timeout_and_the_group_restarts(
-        baseline, stopped_run):
+        baseline):
     """Rank 1 stops (SIGSTOP) at step 6: rank 0 fails after --timeout seconds with an error
     that names the collective and the bucket, the launcher restarts the group, and it resumes
     from the step-4 checkpoint to the uninterrupted run's loss. (The run started with the
-    module's first run; see ``stopped_run``.)"""
-    out, run = stopped_run
-    proc = run.result()
+    session; see ``STOPPED``.)"""
+    (proc,) = STOPPED.result()
+    out = STOPPED.workdir / "out"
     assert proc.returncode == 0, proc.stderr[-3000:]
     failed = re.search(r"CollectiveError: (reduce_scatter|all_gather|all_reduce) of bucket \d+ "
                        r"\(\d+ torch.float32 elements\) failed on rank 0 after ([\d.]+) s",

@@ -11,15 +11,14 @@ within 1e-5.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_harness import case_result, run_cases
-from helpers import FP32_TOL, fp32_master_step, lm_loss, parity_groups, rendezvous_endpoint
+from early_launches import Command, launch_early
+from helpers import FP32_TOL, fp32_master_step, lm_loss, parity_groups
 from models import AwkwardLM, batches
 from two_node_worker import STEPS, params_in_one_group
 
@@ -30,37 +29,37 @@ WORKER = ROOT / "tests" / "two_node_worker.py"
 LAUNCHERS = ("0", "1")
 
 
-def _torchrun(out: Path, launcher: str, *args: str) -> subprocess.Popen:
+def _torchrun(out: Path, launcher: str, endpoint: str) -> Command:
+    """One launcher of two ranks; both launchers join a c10d rendezvous at a store this test
+    process holds. Which launcher's ranks come first is the rendezvous's choice (the tests read
+    it from GROUP_RANK)."""
     env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}",
         "DISTOPT_TEST_LAUNCHER": launcher,
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args, str(WORKER), str(out)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return Command.module(
+        "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
+        "c10d", "--rdzv-id", "distopt-two-nodes", "--rdzv-conf", "is_host=false",
+        "--rdzv-endpoint", endpoint, str(WORKER), str(out), env=env)
+
+
+TESTS = ("test_each_launcher_is_one_shard_group",
+         "test_no_reduce_scatter_or_all_gather_crosses_launchers",
+         "test_two_launchers_equal_one_launcher_and_torch")
+# Started with the session (see early_launches.py); the runs write rank{r}.pt to WORKDIR.
+LAUNCHERS_RUN = launch_early(
+    TESTS, lambda workdir, endpoint: [_torchrun(workdir, launcher, endpoint)
+                                      for launcher in LAUNCHERS],
+    rendezvous=True)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    two = tmp_path_factory.mktemp("two-launchers")
-    # Both launchers join a c10d rendezvous at a store this test holds; which launcher's ranks
-    # come first is the rendezvous's choice (the tests read it from GROUP_RANK).
-    nodes = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-             "--rdzv-id", "distopt-two-nodes", "--rdzv-conf", "is_host=false"]
-    with rendezvous_endpoint() as endpoint:
-        procs = [_torchrun(two, launcher, *nodes, "--rdzv-endpoint", endpoint)
-                 for launcher in LAUNCHERS]
-        try:
-            for proc in procs:
-                _, err = proc.communicate(timeout=180)
-                assert proc.returncode == 0, err[-3000:]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
+def runs() -> dict[str, list[dict]]:
     # The same training in one group of four ranks on one machine: the harness's pool.
     one = case_result(run_cases(4, [("one", params_in_one_group, ())]), "one")
+    for proc in LAUNCHERS_RUN.result():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    two = LAUNCHERS_RUN.workdir
     return {"two": [torch.load(two / f"rank{r}.pt") for r in range(4)],
             "one": [{"params": params} for params in one]}
 
