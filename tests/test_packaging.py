@@ -8,11 +8,9 @@ from __future__ import annotations
 import email
 import importlib
 import importlib.metadata
-import os
 import re
 import runpy
 import shutil
-import subprocess
 import sys
 import zipfile
 from collections.abc import Iterator
@@ -25,6 +23,8 @@ from distopt._version import DISTRIBUTION
 from distopt.cli import main
 from distopt.cli.needs import BENCH_NEEDS, TRAIN_NEEDS, missing
 
+from early_launches import Command, launch_early
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "distopt"
 
@@ -35,29 +35,47 @@ APPLICATION_PACKAGES = ("matplotlib", "tqdm", "numpy")
 BLOCK = "import sys\nsys.modules.update(dict.fromkeys({blocked!r}))\n"
 
 
-def _python(code: str, *args: str, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _python(code: str, *args: str, blocked: tuple[str, ...] = ()) -> Command:
+    """A fresh interpreter running ``code`` with ``blocked`` not installed."""
     prelude = BLOCK.format(blocked=sorted(blocked)) if blocked else ""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", prelude + code, *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return Command([sys.executable, "-c", prelude + code, *args])
 
 
-def _run_module(module: str, *args: str, blocked: tuple[str, ...]) -> subprocess.CompletedProcess:
+def _run_module(module: str, *args: str, blocked: tuple[str, ...]) -> Command:
     """``python -m module args`` with ``blocked`` not installed."""
     code = f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
     return _python(code, *args, blocked=blocked)
 
 
+# The fresh interpreters of this module's tests start with the session (early_launches.py).
+IMPORTS = launch_early("test_import_distopt_loads_no_application_package", lambda _: [_python(
+    # torch itself imports numpy and tqdm when they are installed: count only what distopt adds.
+    "import sys, torch\n"
+    "before = set(sys.modules)\n"
+    "import distopt, distopt.cli, distopt.cli.memory_command\n"
+    "print(' '.join(sorted(set(sys.modules) - before)))\n"
+    "print('matplotlib' in sys.modules)\n")])
+WITHOUT_THE_EXTRA = launch_early("test_library_and_memory_command_work_without_the_extra",
+                                 lambda _: [_python(
+    # distopt imported first, as the distopt command does: torch's warning that numpy is
+    # missing is not printed, so a command's one-line message is the whole of stderr.
+    "import sys, distopt, torch\n"
+    "from distopt.cli import main\n"
+    "assert distopt.theoretical_bytes_per_param(torch.float32, None, 4) == 10.0\n"
+    "sys.exit(main(['memory', '--model', 'tiny', '--dp', '2']))\n",
+    blocked=APPLICATION_PACKAGES)])
+# python -m ENTRY ARGS for each id of the test below
+MISSING_EXTRA = {"distopt train": ("distopt", "train", "--nproc", "0"),
+                 "torchrun -m distopt.train": ("distopt.train", "--nproc", "0")}
+MISSING_EXTRA_RUNS = launch_early(
+    "test_missing_extra_is_one_line_not_a_traceback",
+    lambda _: [_run_module(*entry, blocked=("matplotlib", "tqdm"))
+               for entry in MISSING_EXTRA.values()])
+
+
 @pytest.mark.slow  # a fresh interpreter
 def test_import_distopt_loads_no_application_package():
-    # torch itself imports numpy and tqdm when they are installed: count only what distopt adds.
-    proc = _python(
-        "import sys, torch\n"
-        "before = set(sys.modules)\n"
-        "import distopt, distopt.cli, distopt.cli.memory_command\n"
-        "print(' '.join(sorted(set(sys.modules) - before)))\n"
-        "print('matplotlib' in sys.modules)\n"
-    )
+    (proc,) = IMPORTS.result()
     assert proc.returncode == 0, proc.stderr
     added, matplotlib_loaded = proc.stdout.splitlines()
     assert "distopt" in added.split()
@@ -67,15 +85,7 @@ def test_import_distopt_loads_no_application_package():
 
 @pytest.mark.slow  # a fresh interpreter
 def test_library_and_memory_command_work_without_the_extra():
-    # distopt imported first, as the distopt command does: torch's warning that numpy is
-    # missing is not printed, so a command's one-line message is the whole of stderr.
-    proc = _python(
-        "import sys, distopt, torch\n"
-        "from distopt.cli import main\n"
-        "assert distopt.theoretical_bytes_per_param(torch.float32, None, 4) == 10.0\n"
-        "sys.exit(main(['memory', '--model', 'tiny', '--dp', '2']))\n",
-        blocked=APPLICATION_PACKAGES,
-    )
+    (proc,) = WITHOUT_THE_EXTRA.result()
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("--model tiny, bf16 params, fp32 grads")
     assert proc.stderr == ""
@@ -86,13 +96,9 @@ def _one_line(command: str, needs: str) -> str:
 
 
 @pytest.mark.slow  # fresh interpreters
-@pytest.mark.parametrize(
-    "entry,args",
-    [("distopt", ["train", "--nproc", "0"]), ("distopt.train", ["--nproc", "0"])],
-    ids=["distopt train", "torchrun -m distopt.train"],
-)
-def test_missing_extra_is_one_line_not_a_traceback(entry, args):
-    proc = _run_module(entry, *args, blocked=("matplotlib", "tqdm"))
+@pytest.mark.parametrize("entry", list(MISSING_EXTRA))
+def test_missing_extra_is_one_line_not_a_traceback(entry):
+    proc = MISSING_EXTRA_RUNS.result()[list(MISSING_EXTRA).index(entry)]
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert proc.stderr == _one_line("distopt train", "matplotlib and tqdm") + "\n"
@@ -164,25 +170,34 @@ def test_pyproject_puts_application_packages_in_the_train_extra():
 BUILD_INPUTS = ("pyproject.toml", "MANIFEST.in", "README.md", "CHANGELOG.md", "src")
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Iterator[zipfile.ZipFile]:
-    """The wheel ``python -m build`` makes: the sdist, then the wheel built from it, as a release
-    is built. It is built from a copy of the build inputs, so that nothing stale in the tree
-    (build/, *.egg-info) can add a file to it or hide one, and with this environment's
-    setuptools (the dev extra), so that no download is needed."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    (tmp / "tree").mkdir()
+def _build_wheel(workdir: Path) -> list[Command]:
+    """``python -m build`` of the sdist, then the wheel from it, as a release is built. It is
+    built from a copy of the build inputs, so that nothing stale in the tree (build/,
+    *.egg-info) can add a file to it or hide one, and with this environment's setuptools (the
+    dev extra), so that no download is needed."""
     for name in BUILD_INPUTS:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, tmp / "tree" / name,
+            shutil.copytree(ROOT / name, workdir / "tree" / name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
-            shutil.copy2(ROOT / name, tmp / "tree" / name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp / "dist"),
-         str(tmp / "tree")], capture_output=True, text=True, timeout=300)
+            (workdir / "tree").mkdir(exist_ok=True)
+            shutil.copy2(ROOT / name, workdir / "tree" / name)
+    return [Command.module("build", "--no-isolation", "--outdir", str(workdir / "dist"),
+                           str(workdir / "tree"))]
+
+
+WHEEL_BUILD = launch_early(("test_wheel_holds_every_file_of_the_package",
+                            "test_wheel_installs_distopt_and_its_metadata_only",
+                            "test_one_version_in_the_wheel_the_package_and_the_command"),
+                           _build_wheel)
+
+
+@pytest.fixture(scope="module")
+def wheel() -> Iterator[zipfile.ZipFile]:
+    """The wheel ``_build_wheel`` made."""
+    (proc,) = WHEEL_BUILD.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = (tmp / "dist").glob("*.whl")
+    (path,) = (WHEEL_BUILD.workdir / "dist").glob("*.whl")
     with zipfile.ZipFile(path) as opened:
         yield opened
 
