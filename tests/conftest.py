@@ -3,19 +3,24 @@ launches of early_launches start once the tests are collected."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 import early_launches
-from dist_harness import close_pools, context
+from dist_harness import SESSION_TMP, close_pools, context
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start the test processes' fork server now, so that its imports (torch, distopt, the
-    integrations' frameworks: seconds of CPU) run while pytest collects, on the other core."""
+    """Make the session's temporary directory, which the test processes inherit, and start
+    their fork server now, so that its imports (torch, distopt, the integrations' frameworks:
+    seconds of CPU) run while pytest collects, on the other core."""
     from multiprocessing import forkserver
 
+    os.environ[SESSION_TMP] = tempfile.mkdtemp(prefix="distopt-tests-")
     context()  # sets the modules the server preloads
     forkserver.ensure_running()
 
@@ -35,3 +40,4 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     early_launches.stop_all()
+    shutil.rmtree(os.environ.pop(SESSION_TMP), ignore_errors=True)

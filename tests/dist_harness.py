@@ -118,13 +118,23 @@ def context() -> Any:
     return mp.get_context(forkserver_preloading("pytest", "transformers.trainer", "lightning"))
 
 
+# Names the directory that conftest.py makes for the session's temporary files and removes when
+# it ends; the test processes inherit it.
+SESSION_TMP = "DISTOPT_TEST_SESSION_TMP"
+
+
+def session_tmp() -> str | None:
+    """The session's temporary directory (None outside a pytest session: the system's)."""
+    return os.environ.get(SESSION_TMP)
+
+
 class WorkerPool:
     """``world_size`` processes in one gloo group, running one case at a time."""
 
     def __init__(self, world_size: int) -> None:
         ctx = context()
         self.world_size = world_size
-        self.tmp = tempfile.mkdtemp(prefix=f"distopt-pool-d{world_size}-")
+        self.tmp = tempfile.mkdtemp(prefix=f"distopt-pool-d{world_size}-", dir=session_tmp())
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.procs = [

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dist_harness import session_tmp
+
 LOWEST_PRIORITY = 19
 TIMEOUT = 480  # seconds; a launch still running then is killed and its test fails
 
@@ -81,23 +83,25 @@ class Launch:
 
 
     def start(self) -> None:
-        """Start the commands on a thread of their own (once; later calls do nothing)."""
+        """Start the commands on a thread of their own (once; later calls, and calls after
+        the session ended, do nothing)."""
         with self._lock:
-            if self._thread is None:
-                self.workdir = Path(tempfile.mkdtemp(prefix="distopt-launch-"))
+            if self._thread is None and not _closed.is_set():
+                self.workdir = Path(tempfile.mkdtemp(prefix="distopt-launch-", dir=session_tmp()))
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"launch {self.tests[0]}")
                 self._thread.start()
 
     def wait(self) -> None:
         self.start()
-        assert self._thread is not None
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def result(self) -> list[subprocess.CompletedProcess]:
         """Each command's return code and output, in the order ``build`` gave them."""
         self.wait()
-        assert self.workdir is not None
+        if self.workdir is None:
+            raise RuntimeError(f"the launch for {self.tests[0]} did not start: the session ended")
         if self._error is not None:
             raise RuntimeError(f"the launch for {self.tests[0]} failed to run") from self._error
         return [subprocess.CompletedProcess(
@@ -113,7 +117,10 @@ class Launch:
                 if self._rendezvous:
                     args.append(stack.enter_context(rendezvous_endpoint()))
                 for i, command in enumerate(self._build(*args)):
-                    self._procs.append(self._popen(i, command))
+                    with self._lock:
+                        if _closed.is_set():
+                            return
+                        self._procs.append(self._popen(i, command))
                 for proc in self._procs:
                     try:
                         proc.wait(timeout=TIMEOUT)
@@ -125,7 +132,9 @@ class Launch:
 
     def _popen(self, i: int, command: Command) -> subprocess.Popen:
         assert self.workdir is not None
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **command.env}
+        # TMPDIR: what the launch leaves in the temporary directory (the launcher's log and
+        # error files) goes with its directory.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(self.workdir), **command.env}
         with (self.workdir / f"stdout{i}.txt").open("w") as out, \
                 (self.workdir / f"stderr{i}.txt").open("w") as err:
             # Its own session, so that stop() reaches the launcher's ranks too.
@@ -137,7 +146,9 @@ class Launch:
 
     def stop(self) -> None:
         """Kill every process of the launch still running."""
-        for proc in self._procs:
+        with self._lock:  # none starts after this
+            procs = list(self._procs)
+        for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -145,6 +156,7 @@ class Launch:
 
 
 _REGISTERED: list[Launch] = []
+_closed = threading.Event()  # set when the session ends: no launch starts after it
 
 
 def launch_early(tests: str | tuple[str, ...], build: Build, *, rendezvous: bool = False,
@@ -186,6 +198,7 @@ def start_for(items: Iterable) -> None:
 
 def stop_all() -> None:
     """Kill what still runs and remove every launch's directory."""
+    _closed.set()
     for launch in _REGISTERED:
         launch.stop()
         if launch.workdir is not None:

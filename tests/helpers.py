@@ -27,6 +27,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 import distopt
 from distopt.comm import collectives as comm
 
+from dist_harness import session_tmp
 from models import AwkwardLM, batches, markov_batch, mlp, rank_slice
 
 # ---------------------------------------------------------------- world sizes
@@ -199,8 +200,10 @@ def state_diff(opt, saved: dict) -> float:
 
 
 def shared_tmpdir(prefix: str) -> str:
-    """A fresh directory, the same on every rank of the default group."""
-    box = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    """A fresh directory, the same on every rank of the default group, inside the session's
+    temporary directory where there is one."""
+    box = [tempfile.mkdtemp(prefix=prefix, dir=session_tmp())
+           if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -12,7 +12,6 @@ size runs every case.
 from __future__ import annotations
 
 import copy
-import tempfile
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from distopt.parallel.dtensor import local_tensor
 from distopt.plan.ownership import plan_of, predict_plan
 
 from dist_harness import case_result, run_cases
-from helpers import world_params
+from helpers import shared_tmpdir, world_params
 from models import mlp
 
 WORLDS = [1, 2, 4]
@@ -234,12 +233,6 @@ def memory(kind: str) -> dict:
             "padded": sum(buf.layout.numel for buf in ddp.flat_buffers)}
 
 
-def _comm_path() -> str:
-    box = [tempfile.mkdtemp(prefix="distopt-state-dtype-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _train(model, ddp, opt, steps: range) -> None:
     for step in steps:
         opt.zero_grad()
@@ -268,7 +261,7 @@ def _state_by_name(opt) -> dict[str, dict[str, torch.Tensor]]:
 def checkpoints() -> dict[str, bool]:
     """fp32 state loads into a bf16-state run rounded once, bf16 state into an fp32-state run
     widened, at another bucket layout; a bf16 run resumes bit for bit; the export holds fp32."""
-    path = _comm_path()
+    path = shared_tmpdir("distopt-state-dtype-")
     out = {}
     model, ddp, opt = _build("adamw", None)
     _train(model, ddp, opt, range(2))

@@ -23,13 +23,12 @@ import distopt
 from distopt.plan.ownership import plan_of, predict_plan
 
 from dist_harness import case_result, run_cases
-from helpers import world_params
+from helpers import shared_tmpdir, world_params
 from models import mlp
 from test_state_dtype import (
     ADAMW,
     STEPS,
     _build,
-    _comm_path,
     _model,
     _one_process,
     _reference,
@@ -227,7 +226,7 @@ def checkpoints() -> dict[str, bool]:
     """fp32 state into an e4m3 run (quantized once), e4m3 at another bucket size (the blocks
     move), e4m3 resumed bit for bit, e4m3 into an fp32 run (exact), state dicts round trip,
     and the export holds the fp32 numbers."""
-    path = _comm_path()
+    path = shared_tmpdir("distopt-state-scaled-")
     out = {}
     model, ddp, opt = _build("adamw", None)
     _train(model, ddp, opt, range(2))
