@@ -81,7 +81,6 @@ class Launch:
         self._error: BaseException | None = None
         self.workdir: Path | None = None  # made when it starts
 
-
     def start(self) -> None:
         """Start the commands on a thread of their own (once; later calls, and calls after
         the session ended, do nothing)."""

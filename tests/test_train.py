@@ -203,10 +203,9 @@ def test_a_lost_node_costs_only_the_steps_since_the_last_save(tmp_path):
     reference = case_result(
         run_cases(4, [("four", uninterrupted, (str(tmp_path / "four"),))]), "four")[0]
     survivor, lost = LOST_NODE.result()
-    lost_err, err = lost.stderr, survivor.stderr
     out = LOST_NODE.workdir / "out"
-    assert lost.returncode == -signal.SIGKILL, lost_err[-3000:]
-    assert survivor.returncode == 0, err[-3000:]
+    assert lost.returncode == -signal.SIGKILL, lost.stderr[-3000:]
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # The first attempt's four ranks on two launchers: by default each node's ranks are one
     # shard group and the state has a replica per node, the replicate all-reduce crossing the

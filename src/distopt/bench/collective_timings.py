@@ -106,12 +106,11 @@ def _measure(rank, nproc, numel, iters, warmup, dev) -> dict[str, Any]:
         "distopt all_gather": lambda: comm.all_gather(full, full[own], group, async_op=False),
     }
     times = _time_ops(ops, full, data, warmup, iters, sync, group)
+    ms = _median_ms(times)
     idle_io: dict[str, float] = {}
     if dist.get_backend(group) == "gloo":
         idle_gloo_io_threads()
-        idle_io = {name: statistics.median(t) * 1e3
-                   for name, t in _time_ops(ops, full, data, warmup, iters, sync, group).items()}
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        idle_io = _median_ms(_time_ops(ops, full, data, warmup, iters, sync, group))
     return {
         "nproc": nproc,
         "numel": numel,
@@ -150,6 +149,10 @@ def _time_ops(ops: dict[str, Callable[[], Any]], full: torch.Tensor, data: torch
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         times[name] = slowest.tolist()
     return times
+
+
+def _median_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _print_rows(results: list[dict[str, Any]], medians: str) -> None:
