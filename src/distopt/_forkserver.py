@@ -13,9 +13,10 @@ them. Left as they are, each full collection in a rank walks all of them: 0.3-0.
 2-core machine, paid at every automatic collection of the oldest generation and at every
 explicit ``gc.collect()`` (the Hugging Face Trainer calls one at the start of each ``train``
 and each evaluation), and its writes to their headers make the rank copy the pages it
-shared with the server (70 MiB of private memory after one collection, against none frozen). The server's last preload, ``distopt._frozen_heap``, moves them all to the
-collector's permanent generation (``gc.freeze``, as Python's documentation recommends before a
-fork), so a rank's collections walk only the objects the rank made.
+shared with the server (70 MiB of private memory after one collection, against none frozen).
+The server's last preload, ``distopt._frozen_heap``, moves them all to the collector's
+permanent generation (``gc.freeze``, as Python's documentation recommends before a fork), so
+a rank's collections walk only the objects the rank made.
 """
 
 from __future__ import annotations
