@@ -9,7 +9,7 @@ thread pool.
 [Note: a frozen preload]
 What the server imported is some 300,000 objects that Python's garbage collector tracks (over
 400,000 with the Hugging Face and Lightning integrations' frameworks), and every rank inherits
-them. Left as they are, each full collection in a rank walks all of them: 0.3-0.5 s on the
+them. Left as they are, each full collection in a rank walks all of them: 0.2-0.5 s on the
 2-core machine, paid at every automatic collection of the oldest generation and at every
 explicit ``gc.collect()`` (the Hugging Face Trainer calls one at the start of each ``train``
 and each evaluation), and its writes to their headers make the rank copy the pages it
