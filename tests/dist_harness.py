@@ -46,6 +46,9 @@ CASE_TIMEOUT = float(os.environ.get("DISTOPT_TEST_CASE_TIMEOUT", "600"))
 # Once a rank reported a failure, how long the others get to finish before the pool is ended
 # (they may wait in a collective that the failed rank never joins).
 FAILURE_GRACE = 5.0
+# How often the session checks, while it waits for a case, whether a worker died or the case's
+# time is up: a dead worker or a spent grace is seen within this.
+POLL = 0.2
 
 
 class CaseFailed(AssertionError):
@@ -150,27 +153,28 @@ class WorkerPool:
             self.close()
             raise RuntimeError(f"the d={world_size} worker pool did not start: {ready}")
 
-    def run(self, name: str, fn: Callable[..., Any], args: tuple, timeout: float
-            ) -> tuple[list[tuple], bool]:
+    def run(self, name: str, fn: Callable[..., Any], args: tuple, timeout: float,
+            grace: float = FAILURE_GRACE) -> tuple[list[tuple], bool]:
         """Run one case on every rank: each rank's (status, value), and whether the pool is
         still fit for the next case."""
         job = pickle.dumps((name, fn, args))
         for jobs in self.jobs:
             jobs.put(job)
-        outcomes = self._collect(name, timeout)
+        outcomes = self._collect(name, timeout, grace)
         return outcomes, all(status == "ok" for status, _ in outcomes)
 
-    def _collect(self, name: str | None, timeout: float) -> list[tuple]:
+    def _collect(self, name: str | None, timeout: float, grace: float = FAILURE_GRACE
+                 ) -> list[tuple]:
         got: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
         failed_at: float | None = None
         while len(got) < self.world_size:
             try:
-                rank, case, payload = self.results.get(timeout=1.0)
+                rank, case, payload = self.results.get(timeout=POLL)
             except queue.Empty:
                 dead = [p for p in self.procs if not p.is_alive()]
                 now = time.monotonic()
-                grace_over = failed_at is not None and now - failed_at > FAILURE_GRACE
+                grace_over = failed_at is not None and now - failed_at > grace
                 if dead or now > deadline or grace_over:
                     why = (f"worker {dead[0].name} died (exit code {dead[0].exitcode})" if dead
                            else "another rank failed first" if grace_over
@@ -227,16 +231,17 @@ atexit.register(close_pools)
 
 
 def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT, *,
-              end_pool: bool = False) -> list[dict[str, Any]]:
+              grace: float = FAILURE_GRACE, end_pool: bool = False) -> list[dict[str, Any]]:
     """Run ``cases`` on ``world_size`` ranks; return each rank's {name: (status, value)}. A
-    case that runs longer than ``timeout`` seconds fails on every rank. ``end_pool``: end the
+    case that runs longer than ``timeout`` seconds fails on every rank; once one rank failed,
+    the others get ``grace`` seconds to report before the pool is ended. ``end_pool``: end the
     pool afterwards, for cases that leave the workers changed for later ones (peers that
     import Megatron-Core or DeepSpeed make every tensor the workers pickle refer to them)."""
     out: list[dict[str, Any]] = [{} for _ in range(world_size)]
     for name, fn, args in cases:
         if world_size not in _POOLS:
             _POOLS[world_size] = WorkerPool(world_size)
-        outcomes, fit = _POOLS[world_size].run(name, fn, args, timeout)
+        outcomes, fit = _POOLS[world_size].run(name, fn, args, timeout, grace)
         if not fit:
             _discard(world_size, kill=True)
         for rank, outcome in enumerate(outcomes):
