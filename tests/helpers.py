@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import os
 import sys
@@ -486,13 +487,55 @@ class ParityRun:
     reshard_after_forward: bool = True
 
 
+@functools.cache
+def reference_trajectory(optimizer: str, dtype: torch.dtype, groups: bool, find_unused: bool,
+                         steps: int) -> tuple[tuple[dict[str, torch.Tensor], ...],
+                                              tuple[float, ...]]:
+    """The single-process torch reference of the parity grid: AwkwardLM's params (by name)
+    and grad norm after each step of the whole batches. It depends on none of distopt's
+    options, nor on the rank or the world size, so a test process trains each one once and
+    every run of the grid that shares it compares against the same copy."""
+    torch.manual_seed(0)
+    ref = AwkwardLM().to(dtype)
+    opt_cls, _, kwargs = PARITY_OPTIMIZERS[optimizer]
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    if dtype == torch.float32:
+        masters = trainable  # the reference steps the params themselves
+    else:  # the reference keeps fp32 master weights and casts them into the model each step
+        masters = [nn.Parameter(p.detach().float()) for p in trainable]
+    index = {p: i for i, p in enumerate(trainable)}
+    ref_params = ([{**g, "params": [masters[index[p]] for p in g["params"]]}
+                   for g in parity_groups(ref, optimizer)] if groups else masters)
+    ref_opt = opt_cls(ref_params, **kwargs)
+    sched = CosineAnnealingLR(ref_opt, T_max=steps) if groups else None
+    params, norms = [], []
+    for step in range(steps):
+        tokens, targets = batches(step)
+        ref_loss = lm_loss(ref, tokens, targets, step)
+        if dtype == torch.float32:
+            ref_opt.zero_grad(set_to_none=find_unused)
+            ref_loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in trainable if p.grad is not None], CLIP)
+            ref_opt.step()
+        else:
+            norm = fp32_master_step(trainable, masters, ref_opt, ref_loss)
+        if sched is not None:
+            sched.step()
+        params.append(params_of(ref))
+        norms.append(norm.item())
+    return tuple(params), tuple(norms)
+
+
 def parity_trajectory(run: ParityRun) -> dict:
-    """Train ``run`` and its reference side by side; the largest difference of the params and
-    of the grad norm seen after any step, and what the last step sent and each rank holds."""
+    """Train ``run`` beside its reference (``reference_trajectory``); the largest difference of
+    the params and of the grad norm seen after any step, and what the last step sent and each
+    rank holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    ref_params, ref_norms = reference_trajectory(run.optimizer, run.dtype, run.groups,
+                                                 run.find_unused, run.steps)
     torch.manual_seed(0)
     model = AwkwardLM().to(run.dtype)
-    ref = copy.deepcopy(model)
     initial = copy.deepcopy(model)
     opt_cls, _, kwargs = PARITY_OPTIMIZERS[run.optimizer]
     mesh = None if run.mesh is None else init_device_mesh(
@@ -507,17 +550,7 @@ def parity_trajectory(run: ParityRun) -> dict:
     params = parity_groups(model, run.optimizer) if run.groups else None
     opt = distopt.DistributedOptimizer(ddp, opt_cls, params=params, clip_grad=CLIP,
                                        overlap_param_gather=run.overlap_gather, **kwargs)
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    if run.dtype == torch.float32:
-        masters = trainable  # the reference steps the params themselves
-    else:  # the reference keeps fp32 master weights and casts them into the model each step
-        masters = [nn.Parameter(p.detach().float()) for p in trainable]
-    index = {p: i for i, p in enumerate(trainable)}
-    ref_params = ([{**g, "params": [masters[index[p]] for p in g["params"]]}
-                   for g in parity_groups(ref, run.optimizer)] if run.groups else masters)
-    ref_opt = opt_cls(ref_params, **kwargs)
-    scheds = ([CosineAnnealingLR(o, T_max=run.steps) for o in (opt, ref_opt)] if run.groups
-              else [])
+    sched = CosineAnnealingLR(opt, T_max=run.steps) if run.groups else None
 
     worst, worst_norm = 0.0, 0.0
     for step in range(run.steps):
@@ -528,20 +561,11 @@ def parity_trajectory(run: ParityRun) -> dict:
                 step).backward()
         result = opt.step()
         calls, nbytes = dict(ddp.comm_stats.calls), dict(ddp.comm_stats.bytes)
-        ref_loss = lm_loss(ref, tokens, targets, step)
-        if run.dtype == torch.float32:
-            ref_opt.zero_grad(set_to_none=run.find_unused)
-            ref_loss.backward()
-            ref_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in trainable if p.grad is not None], CLIP)
-            ref_opt.step()
-        else:
-            ref_norm = fp32_master_step(trainable, masters, ref_opt, ref_loss)
-        for sched in scheds:
+        if sched is not None:
             sched.step()
         with ddp.gathered_params():  # sharded params: their full values, for the comparison
-            worst = max(worst, max_diff(model, ref))
-        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norm.item() - 1))
+            worst = max(worst, max_diff(model, ref_params[step]))
+        worst_norm = max(worst_norm, abs(result.grad_norm / ref_norms[step] - 1))
     with ddp.gathered_params():
         moved = max_diff(model, initial)
     return {
