@@ -27,6 +27,7 @@ compares against one process training the whole batch with every expert local (f
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -113,11 +114,13 @@ def optimizer_groups(model: GPT, muon: bool) -> list[dict] | None:
             {"params": rest}]
 
 
+@functools.cache
 def reference(top_k: int, steps: range, *, idle: bool, find_unused: bool, muon: bool,
               chunks: int = 1) -> tuple[dict[str, list[torch.Tensor]], list[float]]:
     """One process, the whole batch, every expert local: each param after every step, and
     each step's grad norm before clipping. ``chunks`` > 1: the batch's grads summed chunk by
-    chunk, another rounding order of the same sums."""
+    chunk, another rounding order of the same sums. The same on every rank and in every case
+    that asks for it, so a test process trains each once (callers only read it)."""
     torch.manual_seed(SEED)
     model = GPT(config(top_k))
     route(model, idle)
@@ -262,7 +265,6 @@ def resume(saved_at: tuple[int, int] | None, loads_at: list[tuple[int, int] | No
     """Train half the steps at ``saved_at`` and save; for each of ``loads_at``, a model built
     from another seed loads it and trains the rest: the largest difference from one process
     that trained every step, per layout it resumed at."""
-    want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
     half = STEPS // 2
     path = shared_tmpdir("distopt-experts-")
     model, ddp, opt = build_any(saved_at, SEED)
@@ -327,7 +329,6 @@ def exported(dp: int, ep: int) -> float | None:
     """Train half the steps at (dp, ep), save, export one plain torch file (rank 0) and train
     the rest in one process with torch.optim from it: the largest difference from the run that
     trained every step in that one process."""
-    want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
     path = shared_tmpdir("distopt-experts-export-")
     model, ddp, opt = build(dp, ep, 2)
     train(model, ddp, opt, range(STEPS // 2))
@@ -348,6 +349,7 @@ def exported(dp: int, ep: int) -> float | None:
             torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
             adamw.step()
             adamw.zero_grad()
+        want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
         diff = max((p - want[n][-1]).abs().max().item() for n, p in plain.named_parameters())
     dist.barrier()  # the others leave the directory to rank 0 until it is done
     return diff
