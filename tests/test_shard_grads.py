@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -171,10 +172,18 @@ class _nothing:
         return None
 
 
+@functools.cache
+def compared_train(run: Run) -> dict:
+    """``train(run)`` without a reference, for runs compared bit for bit with each other: a
+    run that several comparisons share (sharded grads is one side of both the full buffer's and
+    sharded params' comparisons) trains once per test process. Its result is only read."""
+    return train(run, reference=False)
+
+
 def same_as_full_buffer(run: Run) -> dict:
     """``run`` with sharded grads and with the full buffer: whether every number is the same."""
-    sharded = train(run, reference=False)
-    full = train(dataclasses.replace(run, shard_grads=False), reference=False)
+    sharded = compared_train(run)
+    full = compared_train(dataclasses.replace(run, shard_grads=False))
     return {"same": same(sharded["snapshot"], full["snapshot"]),
             "norms": (sharded["norms"], full["norms"]),
             "updated": (sharded["updated"], full["updated"]),
@@ -185,8 +194,8 @@ def same_as_full_buffer(run: Run) -> dict:
 def same_as_sharded_grads(run: Run) -> dict:
     """``run`` with sharded params and with sharded grads only: whether every number is the
     same, what each sent, and the most gathered buckets alive at once."""
-    params = train(run, reference=False)
-    grads = train(dataclasses.replace(run, shard_params=False), reference=False)
+    params = compared_train(run)
+    grads = compared_train(dataclasses.replace(run, shard_params=False))
     # The most gathered at once in the steps after the first (which gathers on the safe side
     # while it learns where params are read; see [Note: where a param is used]).
     return {"same": same(params["snapshot"], grads["snapshot"]),
@@ -196,8 +205,8 @@ def same_as_sharded_grads(run: Run) -> dict:
 
 def overlap_changes_no_bit(run: Run) -> bool:
     """``run`` (with micro-batches) overlapped and not: the same numbers."""
-    on = train(run, reference=False)
-    off = train(dataclasses.replace(run, overlap=False), reference=False)
+    on = compared_train(run)
+    off = compared_train(dataclasses.replace(run, overlap=False))
     return same(on["snapshot"], off["snapshot"]) and on["norms"] == off["norms"]
 
 
