@@ -10,8 +10,19 @@ from collections.abc import Iterator
 
 import pytest
 
+import cpu_report
 import early_launches
 from dist_harness import SESSION_TMP, close_pools, context
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-report", action="store_true",
+                     help="at the end, how busy the cores were and what the pools used "
+                          "(tests/cpu_report.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cpu_report.start()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -41,3 +52,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     early_launches.stop_all()
     shutil.rmtree(os.environ.pop(SESSION_TMP), ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if config.getoption("--cpu-report"):
+        terminalreporter.section("CPU")
+        for line in cpu_report.lines():
+            terminalreporter.write_line(line)

@@ -20,6 +20,7 @@ when the session ends.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import datetime
 import os
@@ -194,6 +195,7 @@ class WorkerPool:
         """End the workers: ask each to leave and give them 5 s in all, or with ``kill`` (a
         pool unfit after a failed case, whose workers may wait in a collective that never
         ends) kill them at once."""
+        CPU_SECONDS[self.world_size] += sum(cpu_seconds(proc.pid) for proc in self.procs)
         if not kill:
             for proc, jobs in zip(self.procs, self.jobs, strict=True):
                 if proc.is_alive():
@@ -213,6 +215,20 @@ class WorkerPool:
 
 
 _POOLS: dict[int, WorkerPool] = {}
+# CPU seconds (user + system, every thread) that the workers of each world size used, counted
+# as their pools end: where the suite's time goes (conftest.py's --cpu-report).
+CPU_SECONDS: collections.Counter = collections.Counter()
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU seconds a live process has used, from /proc (0 where it is gone or there is no
+    /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _discard(world_size: int, *, kill: bool = False) -> None:
