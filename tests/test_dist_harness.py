@@ -43,7 +43,7 @@ def sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-HANG_TIMEOUT = 2.0  # seconds: what the hung case is given; the others get the default
+HANG_TIMEOUT = 1.0  # seconds: what the hung case is given; the others get the default
 # Seconds rank 0 is given, once rank 1 failed, before the pool is ended: it waits in a barrier
 # that rank 1 never joins, so any grace is spent in full.
 GRACE = 0.5
@@ -87,7 +87,7 @@ def test_a_failure_names_the_rank_and_its_traceback(results):
 
 
 @pytest.mark.parametrize("case,rank,why", [("dies", 1, "died (exit code 3)"),
-                                           ("hangs", 0, "no answer within 2 s")])
+                                           ("hangs", 0, "no answer within 1 s")])
 def test_a_dead_or_hung_case_fails_and_the_next_one_runs(results, case, rank, why):
     out = results
     with pytest.raises(CaseFailed):
