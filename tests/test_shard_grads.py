@@ -112,17 +112,18 @@ def train(run: Run, reference: bool = True) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = AwkwardLM().to(run.dtype)
-    ref = copy.deepcopy(model)
+    compared = (reference and run.dtype == torch.float32 and not run.scaler
+                and run.optimizer == "adamw")
+    if compared:  # the same initial weights, copied before distopt wraps the model
+        ref = copy.deepcopy(model)
+        trainable = [p for p in ref.parameters() if p.requires_grad]
+        ref_opt = torch.optim.AdamW(parity_groups(ref, "adamw"), lr=1e-2, betas=(0.8, 0.95))
     ddp = _ddp(model, run)
     opt = _optimizer(ddp, model, run)
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    ref_opt = torch.optim.AdamW(parity_groups(ref, "adamw"), lr=1e-2, betas=(0.8, 0.95))
     poisoned = [False]
     model.l2.weight.register_hook(
         lambda g: g.masked_fill(torch.ones_like(g, dtype=torch.bool), float("inf"))
         if poisoned[0] else g)
-    compared = (reference and run.dtype == torch.float32 and not run.scaler
-                and run.optimizer == "adamw")
     worst, norms, updated, calls = 0.0, [], [], []
     gathered_peak: dict[str, int] = {}  # the most gathered buckets at once, steps 2 on
     for step in range(run.steps):
