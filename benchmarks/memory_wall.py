@@ -3,17 +3,25 @@
 
 The model is ``distopt.train.model.GPT`` built on the meta device (no rank ever holds it whole):
 distopt materializes it module by module into each rank's param shards
-([Note: meta-device models] in src/distopt/ddp/materialize.py); FSDP2 shards it with
+([Note: meta-device models] in src/distopt/ddp/materialize.py), its blocks its gather units
+([Note: gather units] in src/distopt/ddp/gather_units.py); FSDP2 shards it with
 ``fully_shard`` on every block and the root, then ``to_empty`` and ``reset_parameters`` on the
 local shards, as its documentation shows. Both train fp32 params and grads with AdamW for a few
-steps on tiny batches, one gloo process per rank with one thread each. Each rank reports its
-peak resident set (``ru_maxrss``: the process's high-water mark, the torch import included), its
-resident set after importing torch and distopt (what any rank pays before the model), the step
-times and the losses. The bytes torch DDP and distopt's ZeRO-1 and ZeRO-2 would need are
+steps on tiny batches, one gloo process per rank with one thread each; ``--lean`` trains
+distopt's lean tier instead (bf16 params with remainders, bf16 grads, bf16 AdamW state: 10
+B/param sharded), beside what FSDP2 would need (16 B/param). Each rank reports its peak resident
+set (``ru_maxrss``: the process's high-water mark, the torch import included) and the peak of
+each phase (the kernel's ``VmHWM``, reset between phases): setup (materialization included),
+the first step (the optimizer state is allocated), the later steps, and with ``--checkpoint
+DIR`` a save and a load. distopt's peak is broken down into what the torch import costs, its
+state, and its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes
+torch DDP and distopt's ZeRO-1 and ZeRO-2 would need are
 computed from their bytes per parameter and compared with this machine's memory, not run: they
 would be killed for memory, and so could be the machine's other work.
 
-    nice -n 15 python benchmarks/memory_wall.py --layers 14 --width 2048 --steps 3
+    nice -n 15 python benchmarks/memory_wall.py --layers 20 --width 2048 --steps 3
+    nice -n 15 python benchmarks/memory_wall.py --layers 32 --width 2304 --steps 5 --lean \
+        --systems distopt-shard-params
 """
 
 from __future__ import annotations
@@ -44,6 +52,19 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def _phase_peak_bytes() -> int:
+    """The resident set's high-water mark since the last ``_start_phase``."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _start_phase() -> None:
+    """Reset the high-water mark to the resident set now (Linux's clear_refs, value 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo's MemTotal and MemAvailable, in bytes."""
     values = {}
@@ -63,6 +84,8 @@ def build_on_meta(args: argparse.Namespace):
                        n_embd=args.width)
     with torch.device("meta"):
         model = GPT(config)
+        if args.lean:
+            model = model.to(torch.bfloat16)
     # Meta-device init goes through each module's reset_parameters (both systems call it on
     # their shards): GPT-2's normal(0, 0.02) here rather than torch's defaults, whose
     # unit-variance embedding, tied to the head, starts the loss far above log(vocab).
@@ -80,9 +103,12 @@ def wrap(system: str, model, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if system == "distopt-shard-params":
         import distopt
 
+        lean = {"grad_dtype": torch.bfloat16} if args.lean else {}
         ddp = distopt.DistributedDataParallel(model, shard_params=True,
-                                              bucket_size=args.bucket_size)
-        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW)
+                                              bucket_size=args.bucket_size, **lean)
+        tier = ({"store_param_remainders": True, "state_dtype": torch.bfloat16} if args.lean
+                else {})
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW, **tier)
         return ddp, opt, ddp
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -111,15 +137,22 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, f"store-{system}"),
                                                          args.nproc),
                             rank=rank, world_size=args.nproc)
+    phases: dict[str, int] = {}
+    _start_phase()
     start = time.perf_counter()
     model = build_on_meta(args)
     num_params = sum(p.numel() for p in model.parameters())
     module, opt, ddp = wrap(system, model, args)
     setup_s = time.perf_counter() - start
+    phases["setup"] = _phase_peak_bytes()
     after_setup = _rss_bytes()
     generator = torch.Generator().manual_seed(1000 + rank)
     losses, times = [], []
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        _start_phase()
+        if ddp is not None and step == 1:  # the transients of a step after the first
+            for pool in (*ddp.param_pools.values(), *ddp.grad_pools.values()):
+                pool.reset_peak()
         tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -127,13 +160,25 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - start)
-        reduced = loss.detach().clone()
+        key = "first step" if step == 0 else "later steps"
+        phases[key] = max(phases.get(key, 0), _phase_peak_bytes())
+        reduced = loss.detach().float().clone()
         dist.all_reduce(reduced)
         losses.append(reduced.item() / args.nproc)
+    if args.checkpoint and ddp is not None:
+        import distopt
+
+        path = os.path.join(args.checkpoint, "memory-wall")
+        _start_phase()
+        distopt.save_checkpoint(path, ddp, opt)
+        phases["save"] = _phase_peak_bytes()
+        _start_phase()
+        distopt.load_checkpoint(path, ddp, opt)
+        phases["load"] = _phase_peak_bytes()
     record = {
         "num_params": num_params, "baseline": baseline, "after_setup": after_setup,
         "after_steps": _rss_bytes(), "peak": _peak_rss_bytes(), "setup_s": setup_s,
-        "step_s": times, "loss": losses,
+        "step_s": times, "loss": losses, "phases": phases,
     }
     if ddp is not None:
         import distopt
@@ -142,7 +187,13 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         record["gathered_peak"] = sum(pool.peak_bytes for pool in ddp.param_pools.values())
         record["gathered_peak_buckets"] = max(pool.peak_buffers
                                               for pool in ddp.param_pools.values())
+        record["grads_peak"] = sum(pool.peak_buffers * pool.buffer_bytes
+                                   for pool in ddp.grad_pools.values())
         record["buckets"] = len(ddp.buckets)
+        record["units"] = len(ddp.gather_units)
+        record["bound"] = distopt.transient_bound(
+            ddp, store_param_remainders=args.lean,
+            state_dtype=torch.bfloat16 if args.lean else None).as_dict()
     with open(os.path.join(tmp, f"{system}-{rank}.pkl"), "wb") as f:
         pickle.dump(record, f)
     dist.barrier()
@@ -193,24 +244,47 @@ def wall_arithmetic(num_params: int, d: int, memory: dict[str, int]) -> list[str
 def report(system: str, ranks: list[dict[str, Any]]) -> list[str]:
     peaks = [r["peak"] / GiB for r in ranks]
     first = ranks[0]
+    phase_names = list(first["phases"])
     lines = [
         f"{system}: peak RSS per rank (GiB) {' '.join(f'{p:.2f}' for p in peaks)}; "
         f"sum {sum(peaks):.2f}",
+        "  peak per phase, the highest rank (GiB): " + ", ".join(
+            f"{name} {max(r['phases'][name] for r in ranks) / GiB:.2f}" for name in phase_names),
         f"  after import {first['baseline'] / GiB:.2f}, after setup "
         f"{first['after_setup'] / GiB:.2f}, after the steps {first['after_steps'] / GiB:.2f} "
-        f"(rank 0, GiB); setup {first['setup_s']:.1f} s",
+        f"(rank 0, GiB); setup {max(r['setup_s'] for r in ranks):.1f} s (slowest rank)",
         "  step s (slowest rank): "
         + " ".join(f"{max(r['step_s'][i] for r in ranks):.1f}" for i in range(len(first["step_s"])))
         + f"; loss {' '.join(f'{x:.4f}' for x in first['loss'])}",
     ]
     if "state" in first:
-        state = first["state"]
-        lines.append(
+        state, bound = first["state"], first["bound"]
+        predicted = first["baseline"] + state["total"] + bound["total"]
+        worst = max(peaks) * GiB
+        lines += [
             f"  distopt's state (rank 0): {state['total'] / GiB:.2f} GiB = "
-            f"{state['total'] / first['num_params']:.2f} B/param; at most "
-            f"{first['gathered_peak_buckets']} gathered buckets at once "
-            f"({first['gathered_peak'] / GiB:.2f} GiB) of {first['buckets']}")
+            f"{state['total'] / first['num_params']:.2f} B/param; {first['units']} gather units "
+            f"in {first['buckets']} buckets",
+            f"  transients after the first step, measured (rank 0): gathered params "
+            f"{first['gathered_peak'] / GiB:.2f} GiB ({first['gathered_peak_buckets']} buckets), "
+            f"grads in flight {first['grads_peak'] / GiB:.2f} GiB",
+            f"  bound (distopt.transient_bound): gathered params "
+            f"{bound['gathered_params'] / GiB:.2f}, grads in flight "
+            f"{bound['grads_in_flight'] / GiB:.2f}, step {bound['step'] / GiB:.2f}: "
+            f"{bound['total'] / GiB:.2f} GiB",
+            f"  predicted peak = import {first['baseline'] / GiB:.2f} + state "
+            f"{state['total'] / GiB:.2f} + bound {bound['total'] / GiB:.2f} = "
+            f"{predicted / GiB:.2f} GiB; measured {worst / GiB:.2f} GiB "
+            f"({worst / predicted - 1:+.1%}); the rest is activations and the allocator",
+        ]
     return lines
+
+
+def fsdp2_need(num_params: int, d: int, baseline: float) -> str:
+    """What FSDP2 would hold for this model: fp32 sharded params, grads and AdamW state."""
+    per_rank = 16 / d * num_params
+    return (f"fsdp2 (not run): 16 B/param sharded, {per_rank / GiB:.2f} GiB of state per rank, "
+            f"{(per_rank + baseline) / GiB * d:.2f} GiB for {d} ranks with the import")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,21 +298,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bucket-size", type=int, default=None, help="distopt's, elements")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--lean", action="store_true",
+                        help="distopt's lean tier: bf16 params with remainders, bf16 grads, "
+                             "bf16 AdamW state (FSDP2 is then reported, not run)")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="also save and load a distopt checkpoint in DIR, measuring both")
     args = parser.parse_args(argv)
 
     memory = meminfo()
     with_torch = build_on_meta(args)
     num_params = sum(p.numel() for p in with_torch.parameters())
     del with_torch
+    tier = "lean tier: bf16 + remainders, bf16 grads and state" if args.lean else "fp32"
     print(f"GPT: {args.layers} blocks, width {args.width}: {num_params / 1e6:.0f}M params "
-          f"(fp32, AdamW); d = {args.nproc}; batch {args.batch_size} x {args.seq_len} tokens "
+          f"({tier}, AdamW); d = {args.nproc}; batch {args.batch_size} x {args.seq_len} tokens "
           f"per rank")
     print(f"machine: {memory['total'] / GiB:.1f} GiB, {memory['available'] / GiB:.1f} GiB "
           f"available at the start; {os.cpu_count()} cores")
     print("\n".join(wall_arithmetic(num_params, args.nproc, memory)))
+    baseline = 0.0
     for system in args.systems:
+        if args.lean and system == "fsdp2":
+            continue
         print()
-        print("\n".join(report(system, launch(system, args))), flush=True)
+        ranks = launch(system, args)
+        baseline = ranks[0]["baseline"]
+        print("\n".join(report(system, ranks)), flush=True)
+    if args.lean:
+        print()
+        print(fsdp2_need(num_params, args.nproc, baseline))
     return 0
 
 

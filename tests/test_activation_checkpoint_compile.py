@@ -49,7 +49,9 @@ WORLD = 2
 # roundoff, and Adam turns the roundoff of a grad near its eps into a step of up to lr.
 CKPT_STEPS = 20
 CKPT_OPT = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.0})
-CKPT_TOL = 1e-5
+# How far that roundoff carries depends on the CPU's kernels: 2.1e-5 on one Xeon, under 1e-5 on
+# another.
+CKPT_TOL = 5e-5
 # A block holds 12,608 elements: at 3,000 per bucket each block spans seven buckets, and three
 # buckets hold params of two blocks, or of a block and the layers around it.
 CKPT_BUCKET = 3000

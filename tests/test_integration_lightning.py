@@ -42,7 +42,9 @@ BATCHES_PER_EPOCH = 10  # micro-batches, so 5 optimizer steps per epoch with acc
 ACCUMULATE, EPOCHS, SAVE_AFTER_EPOCH = 2, 6, 3
 STEPS = EPOCHS * BATCHES_PER_EPOCH // ACCUMULATE  # 30
 TOL = 1e-5
-EXACT = 1e-6  # fits in turn: DDPStrategy's numbers, to 1e-6
+# Fits in turn: DDPStrategy's numbers, to the roundoff Adam carries over 2 x 3 steps, which the
+# CPU's kernels set: under 1e-6 on one Xeon, 2.9e-6 on another.
+EXACT = 5e-6
 # bf16 autocast rounds every matmul input to 8 significant bits, so the last-bit differences
 # of two correct reductions (a clip coefficient, say) can flip roundings in the next forward.
 # After 4 steps the largest differences seen are 2e-5 (losses) and 7e-5 (weights), bf16-mixed

@@ -11,7 +11,13 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .ddp.wrapper import DistributedDataParallel
-from .memory import MemoryReport, measure_state_bytes, theoretical_bytes_per_param
+from .memory import (
+    MemoryReport,
+    TransientBound,
+    measure_state_bytes,
+    theoretical_bytes_per_param,
+    transient_bound,
+)
 from .optim.kinds import register_whole_tensor_optimizer
 from .optim.loss_scalers import ConstantLossScaler, DynamicLossScaler
 from .optim.optimizers import BasicOptimizer, DistributedOptimizer, StepResult
@@ -32,6 +38,8 @@ __all__ = [
     "load_checkpoint",
     "load_plain_checkpoint",
     "measure_state_bytes",
+    "transient_bound",
+    "TransientBound",
     "register_whole_tensor_optimizer",
     "save_checkpoint",
     "theoretical_bytes_per_param",

@@ -289,3 +289,71 @@ def measure_state_bytes(optimizer) -> MemoryReport:
         main_grads=main_grads,
         optimizer_state=state,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TransientBound:
+    """The most a rank holds beyond its state under sharded params, by part, in bytes; see
+    [Note: transient bound]."""
+
+    gathered_params: int
+    """Three gather units (in backward: the one running, the one before it prefetched, and the
+    one after it while its last grads accumulate) and every loose bucket."""
+    grads_in_flight: int
+    """The grad pools' buffers: two of the largest bucket per grad dtype (one filling, one on
+    the wire)."""
+    step: int
+    """The step's temporaries, one bucket's shard at a time: the inner optimizer's (AdamW's
+    foreach step: one fp32 tensor), plus fp32 masters and grads (remainders, bf16 grads) and
+    fp32 state (state below fp32) of that shard."""
+
+    @property
+    def total(self) -> int:
+        # Backward's gathered params and grads in flight are alive at once; the step runs after
+        # both are freed, so it adds only where it is larger.
+        return max(self.gathered_params + self.grads_in_flight, self.step)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def transient_bound(ddp, *, store_param_remainders: bool = False,
+                    state_dtype: torch.dtype | None = None) -> TransientBound:
+    """The transient bound of ``ddp`` (a ``DistributedDataParallel(shard_params=True)``), from
+    its real layout: see [Note: transient bound].
+
+    [Note: transient bound]
+    Between steps a rank with sharded params holds its state alone. During a step it also
+    holds, at most: the params of three gather units (forward holds two, the one running and the
+    next one prefetched; backward may hold a third, the unit after the one running, whose last
+    grads are still being accumulated when the next unit's backward begins; see
+    [Note: where a param is used] in ddp/param_unshard.py), with every loose bucket (params
+    outside all units: embeddings, a final norm); the grads of two of the largest buckets, one
+    filling and one being reduced ([Note: sharded grads] in ddp/grad_pool.py); and in the
+    optimizer step, which runs one bucket's shard at a time, that shard's temporaries. A head
+    tied to an embedding keeps the embedding's bucket from its first use to its grad, which the
+    loose term covers. Activations are the model's and its batch's, not counted here.
+    """
+    units = getattr(ddp, "gather_units", [])
+    unit_buckets = [{_bucket_of(ddp, p) for p in unit.params} for unit in units]
+    in_units = set().union(*unit_buckets) if unit_buckets else set()
+
+    def nbytes(bucket) -> int:
+        return bucket.numel * bucket.param_shard.dtype.itemsize
+
+    unit_bytes = sorted((sum(nbytes(b) for b in buckets) for buckets in unit_buckets),
+                        reverse=True)
+    loose = sum(nbytes(b) for b in ddp.buckets if b not in in_units)
+    gathered = sum(unit_bytes[:3]) + loose
+    grads = sum(2 * pool.buffer_bytes for pool in ddp.grad_pools.values())
+    widest = max(b.numel // ddp.dp_size for b in ddp.buckets)
+    step = widest * 4  # AdamW's foreach temporary of the shard it steps
+    if store_param_remainders:
+        step += widest * 4 * 2  # fp32 masters and fp32 grads of the shard
+    if state_dtype is not None and state_dtype != torch.float32:
+        step += widest * 4 * 2  # Adam's two moments expanded to fp32 for the shard
+    return TransientBound(gathered_params=gathered, grads_in_flight=grads, step=step)
+
+
+def _bucket_of(ddp, param):
+    return ddp._grad_sync.bucket_of[param]

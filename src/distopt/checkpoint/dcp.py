@@ -28,6 +28,7 @@ holds one item at a time.
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
 from pathlib import Path
@@ -59,18 +60,20 @@ from .format import OwnedPiece, piece_runs
 
 
 class _DcpFlat(torch.Tensor):
-    """Chunks of a flattened tensor as DCP sees them: a 1-D tensor of ``numel`` elements of
-    which this rank holds ``chunks``, each a 1-D tensor at a global flat offset."""
+    """Chunks of a tensor as DCP sees them: a tensor of ``shape`` (1-D: the flattened param) of
+    which this rank holds ``chunks``, each a box at a global offset (an int for 1-D)."""
 
-    _chunks: dict[int, torch.Tensor]
+    _chunks: dict[tuple[int, ...], torch.Tensor]
 
     @staticmethod
-    def __new__(cls, chunks: list[tuple[int, torch.Tensor]], numel: int,
+    def __new__(cls, chunks: list[tuple[Any, torch.Tensor]], shape: int | tuple[int, ...],
                 like: torch.Tensor) -> _DcpFlat:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
         out = torch.Tensor._make_wrapper_subclass(
-            cls, (numel,), dtype=like.dtype, device=like.device
+            cls, shape, dtype=like.dtype, device=like.device
         )
-        out._chunks = {offset: local for offset, local in chunks if local.numel()}
+        out._chunks = {(offset,) if isinstance(offset, int) else tuple(offset): local
+                       for offset, local in chunks if local.numel()}
         return out
 
     @classmethod
@@ -78,13 +81,13 @@ class _DcpFlat(torch.Tensor):
         raise NotImplementedError(f"{func} on a distopt checkpoint shard; use its FlatShard")
 
     def __repr__(self) -> str:  # type: ignore[override]
-        spans = ", ".join(f"[{o}, {o + t.numel()})" for o, t in self._chunks.items())
-        return f"_DcpFlat({self.shape[0]}: {spans})"
+        spans = ", ".join(f"{list(o)} + {list(t.shape)}" for o, t in self._chunks.items())
+        return f"_DcpFlat({list(self.shape)}: {spans})"
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size([offset])),
+                index=MetadataIndex(fqn, torch.Size(offset)),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=chunk,
@@ -97,13 +100,54 @@ class _DcpFlat(torch.Tensor):
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [
-            ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([t.numel()]))
+            ChunkStorageMetadata(offsets=torch.Size(offset), sizes=t.shape)
             for offset, t in self._chunks.items()
         ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         assert index.offset is not None
-        return self._chunks[index.offset[0]]
+        return self._chunks[tuple(index.offset)]
+
+
+def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int
+                     ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The boxes (offset, size, flat start) that cover elements ``[lo, hi)`` of a row-major
+    tensor of ``shape``: a partial first row, the whole rows, a partial last row, each partial
+    row cut the same way one dimension down (at most two boxes per dimension)."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [((), (), lo)]
+    inner = math.prod(shape[1:])
+    first_whole, end_whole = -(-lo // inner), hi // inner
+    out = []
+
+    def within(row: int, start: int, end: int) -> None:
+        out.extend(((row, *o), (1, *z), f + row * inner)
+                   for o, z, f in flat_range_boxes(shape[1:], start, end))
+
+    if first_whole > end_whole:  # inside one row
+        row = lo // inner
+        within(row, lo - row * inner, hi - row * inner)
+        return out
+    if lo < first_whole * inner:
+        within(first_whole - 1, lo - (first_whole - 1) * inner, inner)
+    if first_whole < end_whole:
+        out.append(((first_whole, *[0] * (len(shape) - 1)),
+                    (end_whole - first_whole, *shape[1:]), first_whole * inner))
+    if end_whole * inner < hi:
+        within(end_whole, 0, hi - end_whole * inner)
+    return out
+
+
+def range_as_dcp(shape: tuple[int, ...], start: int, values: torch.Tensor) -> torch.Tensor:
+    """``values``, the elements ``[start, start + values.numel())`` of a flattened tensor of
+    ``shape``, as the boxes of that tensor DCP writes (a model param written from the shards
+    of sharded params, with the param's own shape in the checkpoint)."""
+    values = values.reshape(-1)
+    boxes = flat_range_boxes(tuple(shape), start, start + values.numel())
+    return _DcpFlat([(offset, values[f - start : f - start + math.prod(size)].view(size))
+                     for offset, size, f in boxes], tuple(shape), values)
 
 
 def piece_as_dcp(tp: TensorParallelMesh | None, owned: OwnedPiece, values: torch.Tensor,
@@ -242,13 +286,14 @@ def read_metadata(directory: Path) -> Metadata:
     return dcp.FileSystemReader(directory).read_metadata()
 
 
-def flat_chunks(value: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
+def flat_chunks(value: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]] | None:
     """The (global offset, values) chunks of a tensor ``piece_as_dcp`` made, else None."""
     return list(value._chunks.items()) if isinstance(value, _DcpFlat) else None
 
 
-def with_chunks(value: torch.Tensor, chunks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+def with_chunks(value: torch.Tensor, chunks: list[tuple[tuple[int, ...], torch.Tensor]]
+                ) -> torch.Tensor:
     """``value`` (from ``piece_as_dcp``) with other tensors in place of its chunks: the same
     global offsets, shape and dtype."""
     assert isinstance(value, _DcpFlat)
-    return _DcpFlat(chunks, value.shape[0], chunks[0][1] if chunks else value)
+    return _DcpFlat(chunks, tuple(value.shape), chunks[0][1] if chunks else value)

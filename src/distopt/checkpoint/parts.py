@@ -137,6 +137,44 @@ def _model_dealers(opt: Optimizer, group: Any) -> tuple[int, int]:
     return replica * parallel.dp_size + parallel.dp_rank, parallel.replicate_size * parallel.dp_size
 
 
+def shards_written_whole(opt: Optimizer, model: Any) -> bool:
+    """Whether ``model``'s sharded params are written from their shards, each rank its pieces
+    as boxes of the param ([Note: model entries from shards]), rather than gathered first."""
+    parallel = opt.parallel
+    return (model.options.shard_params and parallel.tp is None and model.experts is None
+            and parallel.pp_group is None)
+
+
+def _params_from_shards(opt: Optimizer, model: Any) -> dict[torch.Tensor, torch.Tensor]:
+    """[Note: model entries from shards]
+    With sharded params no rank holds a param whole, and gathering the model to write it would
+    cost every rank the whole model at once. Instead each rank writes the part of each param
+    that its shards hold (the part of a piece its replicas split, [Note: each byte written
+    once]) as the boxes of the param's own shape that cover that flat range
+    (``dcp.range_as_dcp``): the checkpoint holds the same entries, loadable whole or at any
+    layout, and the save holds nothing beyond the state."""
+    from .dcp import range_as_dcp
+
+    if not shards_written_whole(opt, model):
+        return {}
+    index, count = holders(opt)
+    out: dict[torch.Tensor, torch.Tensor] = {}
+    for owned in owned_pieces(opt):
+        param = owned.param
+        if param not in model.buffer_of:
+            continue
+        bucket = model.buffer_of[param].buckets[owned.piece.bucket]
+        local = owned.piece.local_range
+        values = bucket.param_shard[local.start : local.end]
+        lo, hi = part_of(owned.start, owned.end, index, count)
+        out[param] = range_as_dcp(tuple(param.shape), lo,
+                                  values[lo - owned.start : hi - owned.start])
+    for param in model.params:  # params with no piece here: declared by their holders
+        if param not in out:
+            out[param] = range_as_dcp(tuple(param.shape), 0, param.detach().reshape(-1)[:0])
+    return out
+
+
 def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:
     """The entries of ``module.state_dict()`` this rank writes, under ``model/``."""
     entries: dict[str, Any] = {}
@@ -150,8 +188,14 @@ def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:
         # forward broadcasts; see [Note: buffer broadcasting] in ddp/module_buffers.py.
         buffers = buffer_keys(model.module)
         expert = model.experts.is_expert_entry if model.experts is not None else None
-        for key, value in model.module.state_dict().items():
+        from_shards = _params_from_shards(opt, model)
+        for key, value in model.module.state_dict(keep_vars=True).items():
             fqn = f"model/{prefix}{global_name(model, key)}"
+            if isinstance(value, torch.Tensor):
+                if value in from_shards:
+                    entries[fqn] = from_shards[value]
+                    continue
+                value = value.detach()
             if key in buffers:
                 if model.parallel.first_dp_rank:
                     entries[fqn] = value

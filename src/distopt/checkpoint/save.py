@@ -121,7 +121,9 @@ def _params_gathered(opt: Optimizer) -> contextlib.ExitStack:
     its staging when the block ends."""
     gathered = contextlib.ExitStack()
     for model in opt.models:
-        if model.options.shard_params:  # the others hold their params whole
+        # The others hold their params whole, or write them from their shards ([Note: model
+        # entries from shards] in parts.py).
+        if model.options.shard_params and not parts.shards_written_whole(opt, model):
             gathered.enter_context(model.gathered_params())
     return gathered
 

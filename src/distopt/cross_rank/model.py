@@ -38,7 +38,7 @@ optimizer on every rank] in cross_rank/optimizer.py).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -122,11 +122,13 @@ class ModelDescription:
 def _element_wise_buffers(
     params: Sequence[nn.Parameter], grad_dtype: torch.dtype | None, *, bucket_size: int,
     dp_size: int, experts: ExpertParams | None = None,
+    units: Mapping[nn.Parameter, int] | None = None,
 ) -> list[tuple[torch.dtype, torch.dtype, tuple[int, ...], BufferLayout]]:
     """The DDP's own planner on ``params`` (trainable, registration order) with no owners of
     whole tensors: per buffer its dtypes, the indices into ``params`` and the layout."""
     expert = frozenset() if experts is None else experts.params
-    specs = [ParamSpec(tuple(local_tensor(p).shape), p.dtype, expert=p in expert)
+    specs = [ParamSpec(tuple(local_tensor(p).shape), p.dtype, expert=p in expert,
+                       unit=None if units is None else units.get(p, -1))
              for p in params]
     planned = plan_model_layout(
         specs, grad_dtype=grad_dtype, bucket_size=bucket_size, dp_size=dp_size,
@@ -142,6 +144,7 @@ def describe_model(
     bucket_size: int,
     dp_size: int,
     experts: ExpertParams | None = None,
+    units: Mapping[nn.Parameter, int] | None = None,
 ) -> ModelDescription:
     """This rank's description of ``module`` wrapped with ``options``; ``trainable`` are the
     (name, param) pairs the DDP lays out, in registration order; ``experts``: which of them
@@ -176,7 +179,7 @@ def describe_model(
         )
         for dtype, grad_dtype, indices, layout in _element_wise_buffers(
             [p for _, p in trainable], options.grad_dtype, bucket_size=bucket_size,
-            dp_size=dp_size, experts=experts,
+            dp_size=dp_size, experts=experts, units=units,
         )
     )
     compared = ("grad_dtype", "use_distributed_optimizer", "find_unused_parameters",
@@ -294,6 +297,7 @@ def check_same_model(
     parallel: ParallelGroups,
     stats: comm.CommStats | None = None,
     experts: ExpertParams | None = None,
+    units: Mapping[nn.Parameter, int] | None = None,
 ) -> None:
     """Raise the same ``ValueError`` on every rank of ``parallel``'s groups unless they all
     hold the same model and plan the same buckets; see [Note: one model on every rank].
@@ -302,7 +306,7 @@ def check_same_model(
     if not groups:
         return
     description = describe_model(module, trainable, options, bucket_size=bucket_size,
-                                 dp_size=parallel.dp_size, experts=experts)
+                                 dp_size=parallel.dp_size, experts=experts, units=units)
     raise_unless_same(
         [(name, group, description if full else description.global_view())
          for name, group, full in groups],

@@ -2,29 +2,44 @@
 
 [Note: meta-device models]
 A model too big for one rank is built under ``torch.device("meta")`` (shapes and dtypes, no
-memory), as FSDP2's users do. With sharded params the DDP then materializes it one module at a
-time, in registration order: the module's own params and buffers get memory on the target
-device (each tensor swapped in place, so that the objects the DDP and its buckets hold stay
-the module's), its ``reset_parameters()`` initializes them, the first
-data-parallel rank's values are broadcast (torch DDP's rule: every replica starts from rank 0's
-weights), each param's slices that fall in this rank's shard of its bucket are copied into the
-param shards, and the param becomes a placeholder again. So a rank holds at most one module's
-params whole at a time. A module with params but no ``reset_parameters`` cannot be initialized
-here: it is refused by name before anything is allocated, as is the meta device without
-sharded params (nothing would hold the values). ``load_checkpoint`` can then overwrite the
-freshly initialized values. The target device is the process group's: CUDA's current device
-under NCCL, the CPU under gloo or on one process.
+memory), as FSDP2's users do. With sharded params the DDP then materializes it module by module,
+in registration order (``module.modules()``), with the values the same model built whole on one
+process from the same RNG state has, so a run does not depend on where it was built:
+
+* over one flat data-parallel group (the common case) only its first rank initializes: it gives
+  each module's own params and buffers memory on the target device (each tensor swapped in
+  place, so that the objects the DDP and its buckets hold stay the module's), runs its
+  ``reset_parameters()``, copies each trainable param into its bucket's staging buffer and
+  frees it again; a bucket whose params are all in is scattered, each rank receiving its shard
+  straight into its ``param_shards``, while the first rank goes on with the next modules (one
+  scatter in flight). The other ranks allocate nothing but their shards, the module buffers and
+  any frozen params, which the first rank broadcasts (torch DDP's rule: every replica starts
+  from the first rank's values). At the end every rank takes the first rank's RNG state, the
+  one a whole build on one process leaves. So the first rank holds one module whole and at
+  most two buckets at a time, the others nothing beyond their shards;
+* with replicas, tensor or expert parallelism every rank initializes each module whole, the
+  first ranks' values are broadcast and each rank keeps its shards (one module at a time).
+
+A module with params but no ``reset_parameters`` cannot be initialized here: it is refused by
+name before anything is allocated, as is the meta device without sharded params (nothing would
+hold the values). ``load_checkpoint`` can then overwrite the freshly initialized values. The
+target device is the process group's: CUDA's current device under NCCL, the CPU under gloo or
+on one process.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as comm
-from ..parallel.dtensor import local_tensor
+from ..layout.elementwise import Range
+from ..parallel.dtensor import alias_local, local_tensor
 from ..parallel.process_groups import ParallelGroups
+from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
 
 
@@ -64,26 +79,136 @@ def materialize_shards(module: nn.Module, buffers: list[ParamAndGradBuffer],
                        parallel: ParallelGroups, device: torch.device) -> None:
     """Initialize a meta-device model one module at a time into the buffers' param shards;
     see [Note: meta-device models]. Collective over the data-parallel groups."""
-    where = {p: buf for buf in buffers for p in buf.params}
-    done: set[int] = set()
+    flat = (comm.group_size(parallel.replicate_group) == 1 and parallel.tp is None
+            and all(b.group is parallel.dp_group for buf in buffers for b in buf.buckets))
+    if flat:
+        _from_first_rank(module, buffers, parallel.dp_group, device)
+    else:
+        _on_every_rank(module, buffers, parallel, device)
+    for buf in buffers:
+        buf.show_placeholders()
+
+
+def _meta_tensors_by_module(module: nn.Module) -> list[tuple[nn.Module, list[torch.Tensor]]]:
+    """Each module with tensors of its own still on the meta device, in registration order,
+    with those tensors (a tensor registered twice, as a tied param, belongs to the first)."""
+    seen: set[int] = set()
+    out = []
     for submodule in module.modules():
         own = [t for t in (*submodule.parameters(recurse=False),
-                           *submodule.buffers(recurse=False)) if id(t) not in done]
-        if not any(t.is_meta for t in own):
-            continue
+                           *submodule.buffers(recurse=False)) if id(t) not in seen]
+        seen.update(id(t) for t in own)
+        if any(t.is_meta for t in own):
+            out.append((submodule, own))
+    return out
+
+
+def _swap_in(tensor: torch.Tensor, real: torch.Tensor) -> None:
+    """Give a meta tensor ``real``'s storage, the object itself kept."""
+    if isinstance(tensor, nn.Parameter):
+        real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, real)
+
+
+def _from_first_rank(module: nn.Module, buffers: list[ParamAndGradBuffer],
+                     group: dist.ProcessGroup | None, device: torch.device) -> None:
+    first = comm.group_rank(group) == 0
+    size = comm.group_size(group)
+    src = dist.get_global_rank(group, 0) if size > 1 else 0
+    where: dict[nn.Parameter, tuple[Bucket, Range]] = {}
+    missing: dict[Bucket, int] = {}
+    for buf in buffers:
+        for bucket in buf.buckets:
+            missing[bucket] = len(bucket.params)
+            for param, slot in zip(bucket.params, bucket.param_ranges, strict=True):
+                where[param] = (bucket, slot)
+    nothing = {dtype: torch.zeros((), dtype=dtype, device=device)
+               for dtype in {p.dtype for p in where}}
+    staging: dict[Bucket, torch.Tensor] = {}
+    in_flight: Any = None
+    for submodule, own in _meta_tensors_by_module(module):
+        with torch.no_grad():
+            for tensor in own:
+                if not tensor.is_meta:
+                    continue
+                if tensor in where and not first:  # no memory: the shard arrives by scatter
+                    _swap_in(tensor, nothing[tensor.dtype].expand(tensor.shape))
+                else:
+                    _swap_in(tensor, torch.empty_like(tensor, device=device))
+            if first:
+                submodule.reset_parameters()
+            replicated = [t for t in own if t not in where]
+            if replicated and size > 1:
+                for tensor in replicated:
+                    dist.broadcast(tensor.data, src=src, group=group)
+            for tensor in own:
+                if tensor not in where:
+                    continue
+                bucket, slot = where[tensor]
+                if first:
+                    if bucket not in staging:
+                        staging[bucket] = torch.zeros(bucket.numel, dtype=tensor.dtype,
+                                                      device=device)
+                    staging[bucket][slot.start : slot.end].copy_(tensor.reshape(-1))
+                    alias_local(tensor, nothing[tensor.dtype].expand(tensor.shape))
+                missing[bucket] -= 1
+                if missing[bucket] == 0:
+                    if in_flight is not None:  # one scatter at a time: its buffer then goes
+                        in_flight.wait()
+                    in_flight = _scatter(bucket, staging.pop(bucket, None), group, src, size)
+    if in_flight is not None:
+        in_flight.wait()
+    _take_first_rank_rng(device, group, src, size)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _scatter(bucket: Bucket, full: torch.Tensor | None, group: dist.ProcessGroup | None,
+             src: int, size: int) -> Any:
+    """Start sending each rank its shard of ``full`` (on the first rank) into its
+    ``param_shard``; a handle whose ``wait`` finishes it."""
+    if size == 1:
+        assert full is not None
+        bucket.param_shard.copy_(full)
+        return _Done()
+    chunks = list(full.chunk(size)) if full is not None else None
+    handle = dist.scatter(bucket.param_shard, chunks, src=src, group=group, async_op=True)
+    return handle
+
+
+def _take_first_rank_rng(device: torch.device, group: dist.ProcessGroup | None, src: int,
+                         size: int) -> None:
+    """Every rank's generator of ``device`` as the first rank left it: the state a whole
+    build on one process leaves."""
+    if size == 1:
+        return
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    moved = state.to(device) if cuda else state
+    dist.broadcast(moved, src=src, group=group)
+    if cuda:
+        torch.cuda.set_rng_state(moved.cpu(), device)
+    else:
+        torch.set_rng_state(moved)
+
+
+def _on_every_rank(module: nn.Module, buffers: list[ParamAndGradBuffer],
+                   parallel: ParallelGroups, device: torch.device) -> None:
+    where = {p: buf for buf in buffers for p in buf.params}
+    for submodule, own in _meta_tensors_by_module(module):
         with torch.no_grad():
             for tensor in own:  # the same objects (the DDP and its buckets hold them), real
                 if tensor.is_meta:
-                    real = torch.empty_like(tensor, device=device)
-                    if isinstance(tensor, nn.Parameter):
-                        real = nn.Parameter(real, requires_grad=tensor.requires_grad)
-                    torch.utils.swap_tensors(tensor, real)
+                    _swap_in(tensor, torch.empty_like(tensor, device=device))
             submodule.reset_parameters()
             comm.broadcast_from_first_ranks([local_tensor(t.data) for t in own],
                                             parallel.data_parallel_groups)
             for tensor in own:
-                done.add(id(tensor))
                 if tensor in where:
                     where[tensor].write_shard(tensor)
-    for buf in buffers:
-        buf.show_placeholders()
+                    # One module whole at a time: back to nothing once its shard is kept.
+                    alias_local(tensor, torch.zeros((), dtype=tensor.dtype, device=device)
+                                .expand(local_tensor(tensor).shape))

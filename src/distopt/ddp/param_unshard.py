@@ -1,23 +1,30 @@
 """Sharded params: the hooks that gather params around the forward and backward that use them.
 
 [Note: where a param is used]
-A param is gathered for the forward and the backward of each module that uses it, and freed
-after the last of them. Which modules use a param is not what registers it: a parent may read a
-child's param in its own forward (a head tied to an embedding as ``F.linear(h,
-self.emb.weight)``), and such a read of a freed param would see its placeholder. So the first
-forward through the DDP records it: a ``TorchFunctionMode`` notes, for every param an op
-receives, the innermost module running at that moment, and those modules become the param's
-users from the second forward on. The first forward (and its backward) is run on the safe side
-meanwhile: a param's users there are the module that registers it and that module's parents,
-which is where any code that reads it runs, at the price of holding the whole of a flat model
-gathered during that one step. A later forward that reads a param in a module the first
-forward did not (another branch) finds the placeholder; the module that registers it always
-counts as a user, so a branch that reads a layer's params through that layer is safe.
+Params are gathered by gather unit ([Note: gather units] in ddp/gather_units.py): a unit's
+forward pre-hook gathers its buckets (waiting for them) and starts gathering the next unit's,
+so one unit's all-gather overlaps the compute of the one before it; its forward hook frees its
+buckets (``reshard_after_forward=True``, the default; the root's unit stays gathered, as
+backward needs it at once) and hooks the unit's outputs, so that its backward gathers them
+again first and starts gathering the unit the forward ran before it. The grad sync frees a
+bucket once every param of it has its grad. The units' order is the first forward's order of
+their pre-hooks (registration order until then).
 
-Each user gets a forward pre-hook (gather its buckets, and start the next bucket's gather), a
-forward hook (free each bucket once its last user in this forward is done, and hook the user's
-outputs so that its backward gathers again first); the grad sync frees a bucket once every
-param of it has its grad. See [Note: sharded params] in ddp/param_storage.py.
+A unit's params may also be read outside its forward: a parent may read a child's param (a
+head tied to an embedding as ``F.linear(h, self.emb.weight)``). The first forward through the
+DDP finds these reads: a ``TorchFunctionMode`` looks at every param an op receives, and a param
+whose unit is not running then is gathered on the spot (every rank runs the same code, so
+every rank gathers it too) and kept until its grads are in; the innermost module running
+becomes a *reader* of that param's buckets. From the second forward on readers have hooks of
+their own, as units do (without the prefetch): a bucket is gathered before any of its users
+runs and freed once none of them is running. A later forward that reads a param outside its
+unit where the first forward did not (another branch) reads the placeholder: a branch that
+calls the unit's module itself is always safe.
+
+The transient memory is then: the units running (nested ones inside their parents), the next
+unit prefetched, the root's unit, and buckets whose grads are not all in yet; with
+``reshard_after_forward=False`` every unit the forward ran, until its grads are in.
+``ParamPool.peak_bytes`` measures it; ``distopt.memory.gathered_bound`` states it.
 
 [Note: every rank runs the same modules]
 A user's hooks gather on every rank at once, so every rank must run the forward of the same
@@ -45,50 +52,59 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .bucket import Bucket
+from .gather_units import GatherUnit
 
 
 class ParamUnsharder:
-    """Gathers and frees a DDP's sharded params around the modules that use them."""
+    """Gathers and frees a DDP's sharded params around the units (and readers) that use
+    them; see [Note: where a param is used]."""
 
-    def __init__(self, module: nn.Module, bucket_of: dict[nn.Parameter, Bucket],
-                 launch_order: list[Bucket], *, reshard_after_forward: bool) -> None:
+    def __init__(self, module: nn.Module, units: list[GatherUnit],
+                 bucket_of: dict[nn.Parameter, Bucket], launch_order: list[Bucket], *,
+                 reshard_after_forward: bool) -> None:
         self.module = module
         self.bucket_of = bucket_of
         self.reshard_after_forward = reshard_after_forward
         # First layers first: forward meets the buckets in the reverse of backward's order.
         self.forward_order = list(reversed(launch_order))
-        self._position = {bucket: i for i, bucket in enumerate(self.forward_order)}
+        position = {bucket: i for i, bucket in enumerate(self.forward_order)}
+        self._position = position
+        self.units = units
+        self._unit_buckets = [
+            sorted({bucket_of[p] for p in unit.params}, key=position.__getitem__)
+            for unit in units]
+        self._unit_index = {unit.module: i for i, unit in enumerate(units)}
+        self._unit_of_bucket = {b: i for i, buckets in enumerate(self._unit_buckets)
+                                for b in buckets}
+        self._order = list(range(len(units)))  # forward order of the units, learned
+        self._readers: dict[nn.Module, list[Bucket]] = {}
+        self._running: dict[Bucket, int] = {}  # users of each bucket in their forward now
+        self._pinned: set[Bucket] = set()  # read outside their unit: kept until grads are in
         self.hooks: list[Any] = []
-        # Until the first forward has shown where each param is read: registrants and their
-        # parents; see [Note: where a param is used].
-        parents: dict[nn.Module, list[nn.Module]] = {module: [module]}
-        for parent in module.modules():
-            for child in parent.children():
-                parents.setdefault(child, []).append(parent)
-        users: dict[nn.Module, set[nn.Parameter]] = {}
-        for submodule in module.modules():
-            for param in self._registered(submodule):
-                for user in (submodule, *parents[submodule]):
-                    users.setdefault(user, set()).add(param)
-        self._use(users)
+        self._hook()
         self.learned = False
 
-    def _registered(self, module: nn.Module) -> list[nn.Parameter]:
-        return [p for p in module.parameters(recurse=False) if p in self.bucket_of]
-
-    def _use(self, users: dict[nn.Module, set[nn.Parameter]]) -> None:
-        """Hook ``users`` (module -> the params it reads) and count each bucket's users."""
+    def _hook(self) -> None:
         self.remove_hooks()
-        self._buckets_of = {
-            user: sorted({self.bucket_of[p] for p in params}, key=self._position.__getitem__)
-            for user, params in users.items() if params
-        }
-        self._users = {bucket: 0 for bucket in self.forward_order}
-        for buckets in self._buckets_of.values():
-            for bucket in buckets:
-                self._users[bucket] += 1
-        self._left = dict(self._users)  # users still to run in this forward
-        self.hooks = [hook for user in self._buckets_of for hook in (
+        users: dict[nn.Module, set[Bucket]] = {}
+        for unit, buckets in zip(self.units, self._unit_buckets, strict=True):
+            users.setdefault(unit.module, set()).update(buckets)
+        # A module that registers a param always reads it, also when called outside its
+        # unit's forward (a block's layers called one by one).
+        for submodule in self.module.modules():
+            own = [self.bucket_of[p] for p in submodule.parameters(recurse=False)
+                   if p in self.bucket_of]
+            if own:
+                users.setdefault(submodule, set()).update(own)
+        for reader, buckets in self._readers.items():
+            users.setdefault(reader, set()).update(buckets)
+        self._users = {user: sorted(buckets, key=self._position.__getitem__)
+                       for user, buckets in users.items() if buckets}
+        self._next = {u: self._order[k + 1] if k + 1 < len(self._order) else None
+                      for k, u in enumerate(self._order)}
+        self._previous = {u: self._order[k - 1] if k > 0 else None
+                          for k, u in enumerate(self._order)}
+        self.hooks = [hook for user in self._users for hook in (
             user.register_forward_pre_hook(self._before_forward),
             user.register_forward_hook(self._after_forward),
         )]
@@ -96,59 +112,100 @@ class ParamUnsharder:
     # ------------------------------------------------------------------ a forward
 
     def forward(self, run: Any) -> Any:
-        """Run the model's forward (``run()``), learning where params are read if not yet."""
-        self._left = dict(self._users)
+        """Run the model's forward (``run()``), learning the units' order and the reads of
+        params outside their units if not yet."""
+        self._running = {}
         if self.learned:
+            self._pinned.clear()  # only the first forward pins; see read_outside_unit
             return run()
-        recorder = _UseRecorder(self.module, set(self.bucket_of))
+        recorder = _UseRecorder(self)
         with recorder:
             output = run()
-        users = recorder.users
-        for submodule in self.module.modules():  # a registrant always counts
-            for param in self._registered(submodule):
-                users.setdefault(submodule, set()).add(param)
-        self._use(users)
+        if not torch.is_grad_enabled():  # no backward will free what was read outside
+            for bucket in list(self._pinned):
+                self._pinned.discard(bucket)
+                bucket.release_params()
+        seen = [u for u in recorder.unit_order if u in self._unit_index]
+        ran = [self._unit_index[m] for m in dict.fromkeys(seen)]
+        self._order = ran + [u for u in self._order if u not in ran]
+        self._readers = recorder.readers
+        self._hook()
         self.learned = True
         return output
 
+    def read_outside_unit(self, reader: nn.Module, param: nn.Parameter) -> None:
+        """The first forward read ``param`` in ``reader``, outside its unit's forward:
+        gather it now and keep it until its grads are in."""
+        bucket = self.bucket_of[param]
+        bucket.use_params()
+        if torch.is_grad_enabled():
+            self._pinned.add(bucket)
+
+    def in_use(self, param: nn.Parameter) -> bool:
+        """Whether a user running now (or a read before, pinned) gathered ``param``'s bucket."""
+        bucket = self.bucket_of[param]
+        return self._running.get(bucket, 0) > 0 or bucket in self._pinned
+
     def _before_forward(self, module: nn.Module, _args: Any) -> None:
-        buckets = self._buckets_of[module]
+        buckets = self._users[module]
         for bucket in buckets:
             bucket.use_params()
-        self._prefetch(self._position[buckets[-1]] + 1)
+            self._running[bucket] = self._running.get(bucket, 0) + 1
+        unit = self._unit_index.get(module)
+        if unit is not None:
+            self._prefetch(self._next.get(unit))
+        else:  # a loose bucket's user: the bucket after its last, or that bucket's unit
+            self._prefetch_bucket(self._position[buckets[-1]] + 1)
 
     def _after_forward(self, module: nn.Module, _args: Any, output: Any) -> None:
+        buckets = self._users[module]
+        for bucket in buckets:
+            self._running[bucket] = self._running.get(bucket, 1) - 1
         if torch._C._current_autograd_node() is not None:
             # A forward run inside backward (activation checkpointing's recomputation): the
             # backward that follows reads these params, and the grad sync frees them once
             # their grads are in.
             return
         grad = torch.is_grad_enabled()
-        buckets = self._buckets_of[module]
         if grad:
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda _grads: self._before_backward(buckets), mode="any")
+                    tensors, lambda _grads: self._before_backward(module), mode="any")
+        if grad and (module is self.module or not self.reshard_after_forward):
+            return  # backward needs them next (the root's) or keeps them
         for bucket in buckets:
-            self._left[bucket] -= 1
-            if self._left[bucket] <= 0 and (self.reshard_after_forward or not grad):
+            if self._running[bucket] <= 0 and bucket not in self._pinned:
                 bucket.release_params()
 
-    def _before_backward(self, buckets: list[Bucket]) -> None:
-        for bucket in buckets:
+    def _before_backward(self, module: nn.Module) -> None:
+        for bucket in self._users[module]:
             bucket.use_params()
-        # Backward meets the buckets in launch order: the one before the first of these.
-        self._prefetch(self._position[buckets[0]] - 1)
+        unit = self._unit_index.get(module)
+        if unit is not None:
+            self._prefetch(self._previous.get(unit))
+        else:  # backward meets the buckets in launch order: the one before its first
+            self._prefetch_bucket(self._position[self._users[module][0]] - 1)
 
-    def _prefetch(self, position: int) -> None:
+    def _prefetch(self, unit: int | None) -> None:
+        if unit is not None:
+            for bucket in self._unit_buckets[unit]:
+                bucket.gather_params()
+
+    def _prefetch_bucket(self, position: int) -> None:
         if 0 <= position < len(self.forward_order):
-            self.forward_order[position].gather_params()
+            bucket = self.forward_order[position]
+            unit = self._unit_of_bucket.get(bucket)
+            if unit is None:
+                bucket.gather_params()
+            else:
+                self._prefetch(unit)
 
     def release_all(self) -> None:
         """Every bucket back to its shard (the end of a backward, a step: gathered params
         would be stale after the optimizer updates the shards)."""
+        self._pinned.clear()
         for bucket in self.forward_order:
             bucket.release_params()
 
@@ -159,21 +216,24 @@ class ParamUnsharder:
 
 
 class _UseRecorder(TorchFunctionMode):
-    """Records, for each param an op receives, the innermost module running; see
-    [Note: where a param is used]."""
+    """The first forward: the order in which units run, and every read of a param outside
+    its unit's forward, gathered on the spot; see [Note: where a param is used]."""
 
-    def __init__(self, module: nn.Module, params: set[nn.Parameter]) -> None:
+    def __init__(self, unsharder: ParamUnsharder) -> None:
         super().__init__()
-        self._ids = {id(p): p for p in params}
+        self._unsharder = unsharder
+        self._ids = {id(p): p for p in unsharder.bucket_of}
         self._stack: list[nn.Module] = []
-        self.users: dict[nn.Module, set[nn.Parameter]] = {}
-        self._hooks = [hook for m in module.modules() for hook in (
-            m.register_forward_pre_hook(self._enter),
+        self.unit_order: list[nn.Module] = []
+        self.readers: dict[nn.Module, set[Bucket]] = {}
+        self._hooks = [hook for m in unsharder.module.modules() for hook in (
+            m.register_forward_pre_hook(self._enter, prepend=True),
             m.register_forward_hook(self._leave),
         )]
 
     def _enter(self, module: nn.Module, _args: Any) -> None:
         self._stack.append(module)
+        self.unit_order.append(module)
 
     def _leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         self._stack.pop()  # returns nothing: a forward hook's value would replace the output
@@ -185,8 +245,13 @@ class _UseRecorder(TorchFunctionMode):
         if self._stack and getattr(func, "__name__", "") not in ("__set__", "__get__"):
             for value in tree_flatten((args, kwargs or {}))[0]:
                 param = self._ids.get(id(value))
-                if param is not None:
-                    self.users.setdefault(self._stack[-1], set()).add(param)
+                if param is None:
+                    continue
+                if self._unsharder.in_use(param):
+                    continue
+                reader = self._stack[-1]
+                self._unsharder.read_outside_unit(reader, param)
+                self.readers.setdefault(reader, set()).add(self._unsharder.bucket_of[param])
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *exc: Any) -> Any:

@@ -34,6 +34,7 @@ from ..sharding import Sharding
 from . import param_owners
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
+from .gather_units import GatherUnit, GatherUnitPolicy, plan_gather_units, unit_index_of
 from .grad_marker import GradMarkers
 from .grad_pool import GradPool, grad_pools_for
 from .grad_sync import GradSync
@@ -89,6 +90,21 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             in a small pool of bucket-sized buffers (``grad_pools``). Every backward then
             reduces, inside ``no_sync()`` too. Needs the distributed optimizer. See
             [Note: sharded grads] in ddp/grad_pool.py.
+        shard_params: keep only this rank's shard of the params too (ZeRO-3, FSDP's
+            sharding): each gather unit's params are all-gathered before its forward and its
+            backward and freed after them. Implies ``shard_grads``. A model built on the meta
+            device is materialized into the shards here. See [Note: sharded params] in
+            ddp/param_storage.py and [Note: meta-device models] in ddp/materialize.py.
+        reshard_after_forward: with ``shard_params``, free a unit's params after its forward
+            and gather them again for its backward (True, the default: least memory), or keep
+            them gathered until their grads are in (False: one all-gather per step instead of
+            two, and every unit's params held from its forward to its backward).
+        gather_units: with ``shard_params``, which modules are gathered as one: None (the
+            model's repeated blocks: children of an ``nn.ModuleList`` or ``nn.Sequential`` of
+            at least a million elements), an ``nn.Module`` class or tuple of classes (every
+            instance, as one ``fully_shard`` per block), or a callable ``(module) -> bool``.
+            Other params are gathered around the modules that register them. See
+            [Note: gather units] in ddp/gather_units.py.
         broadcast_buffers: as torch DDP's: before a forward, broadcast the module's buffers
             (BatchNorm's running statistics) from the first data-parallel rank to the others
             (over the replicas of a hierarchical mesh too, never across tensor-parallel
@@ -133,6 +149,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         shard_grads: bool = False,
         shard_params: bool = False,
         reshard_after_forward: bool = True,
+        gather_units: GatherUnitPolicy = None,
         broadcast_buffers: bool = True,
         sharding: str | Sharding | None = None,
         whole_tensor_params: Mapping[nn.Parameter, type[torch.optim.Optimizer]] | None = None,
@@ -157,6 +174,10 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             broadcast_buffers=broadcast_buffers,
         )
         self.options.check_param_dtypes({p.dtype for _, p in named})
+        if gather_units is not None and self.options.grad_policy.full_params:
+            raise ValueError(
+                "gather_units= chooses which params are gathered together, which only sharded "
+                "params do: pass shard_params=True with it, or leave gather_units out")
         # Checked on every rank before any collective; see [Note: meta-device models].
         meta = has_meta_tensors(module)
         if meta:
@@ -195,11 +216,16 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self.bucket_size = resolve_bucket_size(
                 self.options.bucket_size, self._param_specs({}), self.dp_size, target
             )
+            # See [Note: gather units] in ddp/gather_units.py.
+            self.gather_units: list[GatherUnit] = (
+                [] if self.options.grad_policy.full_params
+                else plan_gather_units(module, self.params, gather_units))
+            self._unit_of = unit_index_of(self.gather_units) if self.gather_units else None
             # Every rank must hold the same model and plan the same buckets before the first
             # collective; see [Note: one model on every rank] in cross_rank/model.py.
             check_same_model(module, named, self.options, bucket_size=self.bucket_size,
                              parallel=self.parallel, stats=self.comm_stats,
-                             experts=self.experts)
+                             experts=self.experts, units=self._unit_of)
         # A module wrapped before is taken over, its old wrapper released first (its gathers
         # may still write into the params); see [Note: one wrapper per param] in
         # ddp/param_owners.py.
@@ -236,8 +262,10 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
 
     def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
         experts = frozenset() if self.experts is None else self.experts.params
+        units = getattr(self, "_unit_of", None)
         return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p),
-                          alone=p in self.tied_params, expert=p in experts)
+                          alone=p in self.tied_params, expert=p in experts,
+                          unit=None if units is None else units.get(p, -1))
                 for p in self.params]
 
     def _lay_out(self, whole_costs: dict[nn.Parameter, float]) -> None:
@@ -292,7 +320,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                 self.module, self._grad_sync.bucket_of, lambda: self._gathers_in_flight)
         else:  # see [Note: sharded params] in ddp/param_storage.py
             self._unsharder = ParamUnsharder(
-                self.module, self._grad_sync.bucket_of, buckets,
+                self.module, self.gather_units, self._grad_sync.bucket_of, buckets,
                 reshard_after_forward=self.options.reshard_after_forward)
 
     def _buffer_groups(self, expert: bool) -> dict[str, Any]:

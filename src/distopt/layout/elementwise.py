@@ -181,11 +181,15 @@ def check_layout_inputs(
 
 
 def build_layout(
-    numels: Sequence[int], *, bucket_size: int, dp_size: int, shard_align: int = SHARD_ALIGN
+    numels: Sequence[int], *, bucket_size: int, dp_size: int, shard_align: int = SHARD_ALIGN,
+    units: Sequence[int] | None = None,
 ) -> BufferLayout:
     """Lay out parameters of the given element counts; see [Note: layout rule].
 
-    ``shard_align`` exists for tests that reproduce hand-drawn pictures (``shard_align=1``).
+    ``units``: per parameter, the gather unit it belongs to (sharded params); a bucket never
+    holds two units' params, so that a unit is gathered without its neighbours (see
+    [Note: gather units] in ddp/gather_units.py). ``shard_align`` exists for tests that
+    reproduce hand-drawn pictures (``shard_align=1``).
     """
     check_layout_inputs(numels, bucket_size=bucket_size, dp_size=dp_size,
                         shard_align=shard_align)
@@ -194,7 +198,8 @@ def build_layout(
     current: list[int] = []
     current_numel = 0
     for index, numel in enumerate(numels):
-        if current and current_numel + numel > bucket_size:
+        new_unit = units is not None and current and units[current[-1]] != units[index]
+        if current and (current_numel + numel > bucket_size or new_unit):
             groups.append(current)
             current, current_numel = [], 0
         current.append(index)

@@ -47,6 +47,10 @@ class ParamSpec:
     expert: bool = False
     """An expert's param: in a buffer of its own, sharded over the expert-data-parallel group
     (see [Note: expert parallelism] in parallel/experts.py)."""
+    unit: int | None = None
+    """Its gather unit under sharded params (-1: loose): no element-wise bucket holds params of
+    two units (see [Note: gather units] in ddp/gather_units.py); None for every param: buckets
+    cut by size alone."""
 
     @property
     def numel(self) -> int:
@@ -108,9 +112,11 @@ def plan_model_layout(
         by_dtype.setdefault(key, []).append(index)
     buffers = []
     for (dtype, expert, _), indices in by_dtype.items():
+        units = [specs[i].unit for i in indices]
         layout = build_mixed_layout(
             [specs[i].numel for i in indices],
             [specs[i].whole_cost for i in indices],
+            units=None if all(u is None for u in units) else units,
             bucket_size=bucket_size,
             dp_size=(expert_dp_size or dp_size) if expert else dp_size,
         )

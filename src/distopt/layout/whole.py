@@ -103,8 +103,11 @@ def build_mixed_layout(
     dp_size: int,
     shard_align: int = SHARD_ALIGN,
     whole_bucket_size: int | None = None,
+    units: Sequence[int] | None = None,
 ) -> BufferLayout:
     """Lay out element-wise and whole-tensor parameters; see [Note: whole-tensor layout].
+    ``units``: each parameter's gather unit, which element-wise buckets do not straddle (see
+    ``build_layout``); whole-tensor buckets are planned by their owners' costs alone.
 
     ``whole_costs[i]`` is the optimizer's cost for parameter ``i`` if it is owned whole, or
     ``None`` if its elements are sharded like ``build_layout``'s. Every ``ParamSlot`` of a
@@ -123,6 +126,7 @@ def build_mixed_layout(
             bucket_size=bucket_size,
             dp_size=dp_size,
             shard_align=shard_align,
+            units=None if units is None else [units[i] for i in elementwise],
         )
         for bucket in flat.buckets:
             plans.append((elementwise[bucket.param_indices[-1]], len(plans), bucket))

@@ -220,8 +220,12 @@ class BufferOptimizer(torch.optim.Optimizer):
         # See [Note: state precision] in optim/state_precision.py.
         self.state_precision = StatePrecision(self.optimizer.state, state_dtypes, block_size,
                                               stochastic=options.state_rounding == "stochastic")
+        # Sharded grads and params are for models at the edge of memory: one bucket's shard a
+        # step keeps the inner optimizer's temporaries (AdamW's foreach step: one fp32 tensor
+        # the size of what it steps) to a bucket's, not the whole shard's; the same numbers.
+        sharded = any(not model.options.grad_policy.full_grads for model in self.models)
         source = (BucketByBucket(self._owned) if options.store_param_remainders
-                  else WholeShard(self._owned, mains, by_bucket=bool(state_dtypes)))
+                  else WholeShard(self._owned, mains, by_bucket=bool(state_dtypes) or sharded))
         self._pipeline = StepPipeline(
             source=source, optimizers=self.optimizers, param_groups=inner_groups,
             counted=dict.fromkeys(counted), reduce_groups=self._reduce_groups,
