@@ -9,9 +9,9 @@ distopt materializes it module by module into each rank's param shards
 local shards, as its documentation shows. Both train fp32 params and grads with AdamW for a few
 steps on tiny batches, one gloo process per rank with one thread each; ``--lean`` trains
 distopt's lean tier instead (bf16 params with remainders, bf16 grads, bf16 AdamW state: 10
-B/param sharded), beside what FSDP2 would need (16 B/param). Each rank reports its peak resident
-set (``ru_maxrss``: the process's high-water mark, the torch import included) and the peak of
-each phase (the kernel's ``VmHWM``, reset between phases): setup (materialization included),
+B/param sharded), beside what FSDP2 would need (16 B/param). Each rank reports the peak of its
+resident set (the torch import included) in each phase (the kernel's ``VmHWM``, reset between
+phases; the largest is the process's peak): setup (materialization included),
 the first step (the optimizer state is allocated), the later steps, and with ``--checkpoint
 DIR`` a save and a load. distopt's peak is broken down into what the torch import costs, its
 state, and its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes
@@ -30,7 +30,6 @@ import argparse
 import functools
 import os
 import pickle
-import resource
 import sys
 import tempfile
 import time
@@ -46,10 +45,6 @@ def _rss_bytes() -> int:
     """This process's resident set now."""
     fields = Path("/proc/self/statm").read_text().split()
     return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def _phase_peak_bytes() -> int:
@@ -177,7 +172,8 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         phases["load"] = _phase_peak_bytes()
     record = {
         "num_params": num_params, "baseline": baseline, "after_setup": after_setup,
-        "after_steps": _rss_bytes(), "peak": _peak_rss_bytes(), "setup_s": setup_s,
+        # The phases' high-water marks: resetting them resets ru_maxrss's too.
+        "after_steps": _rss_bytes(), "peak": max(phases.values()), "setup_s": setup_s,
         "step_s": times, "loss": losses, "phases": phases,
     }
     if ddp is not None:

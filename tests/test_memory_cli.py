@@ -295,3 +295,29 @@ def test_pp_bad_options_give_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_shard_params_peak_of_a_resized_preset(capsys):
+    """--layers and --width resize the preset; the peak is the state plus the transient bound
+    of the model's real layout, which distopt.memory.transient_bound_of_model computes."""
+    from distopt.memory import transient_bound_of_model
+    from distopt.train.model import GPT, gpt_config
+
+    argv = ["--model", "small", "--layers", "3", "--width", "512", "--heads", "8", "--dp", "2",
+            "--dtype", "fp32", "--grad-dtype", "fp32", "--shard-params", "--backend", "gloo"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    with torch.device("meta"):
+        model = GPT(gpt_config("small", seq_len=256, n_layer=3, n_embd=512, n_head=8))
+    bound = transient_bound_of_model(model, 2, gloo=True)
+    # Three blocks of 3.1M elements are the units; the embeddings and final norm are loose.
+    assert bound.gathered_params > 3 * 12 * 512 * 512 * 4
+    match = re.search(r"bound ([\d.]+)\n\+ a process with torch imported ([\d.]+) .* = "
+                      r"([\d.]+) GiB", out)
+    assert match, out
+    assert float(match.group(1)) == pytest.approx(bound.total / 2**30, abs=0.006)
+    state = 16 / 2 * model.num_params() / 2**30  # fp32 params, grads, AdamW: 16 B over d = 2
+    assert float(match.group(3)) == pytest.approx(
+        state + float(match.group(1)) + float(match.group(2)), abs=0.02)
+    assert main(["--params", "7e9", "--layers", "3"]) == 2
+    assert "--layers, --width and --heads change a --model preset" in capsys.readouterr().err

@@ -301,7 +301,8 @@ class TransientBound:
     one after it while its last grads accumulate) and every loose bucket."""
     grads_in_flight: int
     """The grad pools' buffers: two of the largest bucket per grad dtype (one filling, one on
-    the wire)."""
+    the wire); on gloo also what each reduction in flight receives its peers' chunks into,
+    (d - 1)/d of the bucket ([Note: collectives on gloo] in comm/gloo.py)."""
     step: int
     """The step's temporaries, one bucket's shard at a time: the inner optimizer's (AdamW's
     foreach step: one fp32 tensor), plus fp32 masters and grads (remainders, bf16 grads) and
@@ -329,31 +330,85 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
     grads are still being accumulated when the next unit's backward begins; see
     [Note: where a param is used] in ddp/param_unshard.py), with every loose bucket (params
     outside all units: embeddings, a final norm); the grads of two of the largest buckets, one
-    filling and one being reduced ([Note: sharded grads] in ddp/grad_pool.py); and in the
+    filling and one being reduced ([Note: sharded grads] in ddp/grad_pool.py), and on gloo the
+    (d - 1)/d of a bucket each reduction in flight receives into; and in the
     optimizer step, which runs one bucket's shard at a time, that shard's temporaries. A head
     tied to an embedding keeps the embedding's bucket from its first use to its grad, which the
     loose term covers. Activations are the model's and its batch's, not counted here.
+    ``transient_bound_of_model`` states the same from a model's tree alone (``distopt
+    memory``).
     """
-    units = getattr(ddp, "gather_units", [])
-    unit_buckets = [{_bucket_of(ddp, p) for p in unit.params} for unit in units]
-    in_units = set().union(*unit_buckets) if unit_buckets else set()
+    bucket_of = ddp._grad_sync.bucket_of
+    units = [{bucket_of[p] for p in unit.params} for unit in ddp.gather_units]
+    in_units = set().union(*units) if units else set()
 
     def nbytes(bucket) -> int:
         return bucket.numel * bucket.param_shard.dtype.itemsize
 
-    unit_bytes = sorted((sum(nbytes(b) for b in buckets) for buckets in unit_buckets),
-                        reverse=True)
-    loose = sum(nbytes(b) for b in ddp.buckets if b not in in_units)
-    gathered = sum(unit_bytes[:3]) + loose
-    grads = sum(2 * pool.buffer_bytes for pool in ddp.grad_pools.values())
-    widest = max(b.numel // ddp.dp_size for b in ddp.buckets)
-    step = widest * 4  # AdamW's foreach temporary of the shard it steps
+    from .comm.collectives import is_gloo
+
+    return _bound(
+        [sum(nbytes(b) for b in buckets) for buckets in units],
+        sum(nbytes(b) for b in ddp.buckets if b not in in_units),
+        sum(pool.buffer_bytes for pool in ddp.grad_pools.values()),
+        max(b.numel // ddp.dp_size for b in ddp.buckets), ddp.dp_size,
+        gloo=is_gloo(ddp.process_group),
+        store_param_remainders=store_param_remainders, state_dtype=state_dtype)
+
+
+def transient_bound_of_model(module: torch.nn.Module, dp_size: int, *,
+                             grad_dtype: torch.dtype | None = torch.float32,
+                             bucket_size: int | None = None, gloo: bool = False,
+                             gather_units=None, store_param_remainders: bool = False,
+                             state_dtype: torch.dtype | None = None) -> TransientBound:
+    """``transient_bound`` of ``module`` wrapped with ``shard_params=True`` at ``dp_size``
+    ranks (on gloo: ``gloo``), from the planner the DDP lays its buffers out with; ``module``
+    may be on the meta device. See [Note: transient bound]."""
+    from .ddp.gather_units import plan_gather_units, unit_bucket_size, unit_index_of
+    from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
+    from .layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    units = plan_gather_units(module, params, gather_units)
+    unit_of = unit_index_of(units)
+    specs = [ParamSpec(tuple(p.shape), p.dtype, unit=unit_of.get(p, -1)) for p in params]
+    size = resolve_bucket_size(bucket_size, specs, dp_size,
+                               TARGET_BUCKETS_GLOO if gloo else TARGET_BUCKETS)
+    if bucket_size is None:
+        size = unit_bucket_size(size, units, dp_size)
+    planned = plan_model_layout(specs, grad_dtype=grad_dtype, bucket_size=size,
+                                dp_size=dp_size)
+    unit_bytes = [0] * len(units)
+    loose, widest = 0, 0
+    largest_grads: dict[torch.dtype, int] = {}
+    for buf in planned.buffers:
+        for bucket in buf.layout.buckets:
+            numel = bucket.buffer_range.size
+            unit = specs[buf.param_indices[bucket.param_indices[0]]].unit
+            if unit is not None and unit >= 0:
+                unit_bytes[unit] += numel * buf.param_dtype.itemsize
+            else:
+                loose += numel * buf.param_dtype.itemsize
+            widest = max(widest, numel // dp_size)
+            largest_grads[buf.grad_dtype] = max(largest_grads.get(buf.grad_dtype, 0),
+                                                numel * buf.grad_dtype.itemsize)
+    return _bound(unit_bytes, loose, sum(largest_grads.values()), widest, dp_size,
+                  gloo=gloo and dp_size > 1, store_param_remainders=store_param_remainders,
+                  state_dtype=state_dtype)
+
+
+def _bound(unit_bytes: list[int], loose: int, grad_buffer_bytes: int, widest_shard: int,
+           dp_size: int, *, gloo: bool, store_param_remainders: bool,
+           state_dtype: torch.dtype | None) -> TransientBound:
+    """[Note: transient bound]'s sum: the three largest units and the loose buckets; two
+    buffers of the largest bucket's grads (and on gloo what two reductions receive into); one
+    shard's step temporaries."""
+    gathered = sum(sorted(unit_bytes, reverse=True)[:3]) + loose
+    step = widest_shard * 4  # AdamW's foreach temporary of the shard it steps
     if store_param_remainders:
-        step += widest * 4 * 2  # fp32 masters and fp32 grads of the shard
+        step += widest_shard * 4 * 2  # fp32 masters and fp32 grads of the shard
     if state_dtype is not None and state_dtype != torch.float32:
-        step += widest * 4 * 2  # Adam's two moments expanded to fp32 for the shard
-    return TransientBound(gathered_params=gathered, grads_in_flight=grads, step=step)
-
-
-def _bucket_of(ddp, param):
-    return ddp._grad_sync.bucket_of[param]
+        step += widest_shard * 4 * 2  # Adam's two moments expanded to fp32 for the shard
+    received = grad_buffer_bytes * (dp_size - 1) // dp_size if gloo else 0
+    return TransientBound(gathered_params=gathered,
+                          grads_in_flight=2 * (grad_buffer_bytes + received), step=step)

@@ -25,6 +25,7 @@ on each rank, the padding, and the bytes each rank holds (``distopt.plan.ownersh
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -75,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=_positive_count, help="parameter count, e.g. 7e9")
     size.add_argument("--model", help="a demo GPT preset (tiny, small, medium)")
+    parser.add_argument("--layers", type=_positive_count, default=None,
+                        help="with --model: its blocks instead of the preset's")
+    parser.add_argument("--width", type=_positive_count, default=None,
+                        help="with --model: its width (n_embd) instead of the preset's")
+    parser.add_argument("--heads", type=_positive_count, default=None,
+                        help="with --model: its attention heads instead of the preset's")
     parser.add_argument("--dp", type=_positive_count, default=None,
                         help="data-parallel size (default 8; with --nodes: every rank)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="param dtype")
@@ -190,15 +197,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.optimizer is not None:
         return _whole_tensor(args)
-    if args.backend is not None:
+    if args.backend is not None and not (args.shard_params and args.model):
         print("distopt memory: --backend picks the buckets of a --model under an --optimizer "
-              "(e.g. --optimizer muon); the table has no buckets", file=sys.stderr)
+              "(e.g. --optimizer muon) or with --shard-params; the table has no buckets",
+              file=sys.stderr)
+        return 2
+    shape = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.width),
+                               ("n_head", args.heads)) if v is not None}
+    if shape and args.model is None:
+        print("distopt memory: --layers, --width and --heads change a --model preset; add "
+              "--model small (say)", file=sys.stderr)
         return 2
     if args.model is not None:
         from ..train.model import GPT, gpt_config  # the preset's exact parameter count
 
         try:
-            config = gpt_config(args.model, seq_len=256, n_experts=args.moe or 0)
+            config = gpt_config(args.model, seq_len=256, n_experts=args.moe or 0, **shape)
         except ValueError as error:
             print(f"distopt memory: {error}", file=sys.stderr)
             return 2
@@ -210,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                                      for p in e.parameters())
         label = f"--model {args.model}" + (f" --moe {args.moe}" if args.moe else "")
     else:
+        model = None
         num_params, label = args.params, f"{args.params:.3g} params"
     param_dtype = DTYPES[args.dtype]
     grad_dtype = DTYPES[args.grad_dtype] if args.grad_dtype else (
@@ -261,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.store_param_remainders:
         print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
               "bf16/fp16 grads) one bucket's shard at a time; that transient is not included")
-    if args.shard_params:
+    if args.shard_params and model is not None:
+        _print_sharded_peak(args, model, dp, param_dtype, grad_dtype,
+                            dist_total * num_params)
+    elif args.shard_params:
         bucket = args.bucket_size or default_bucket_size(dp, num_params)
         transient = args.gathered_buckets * bucket * theory.params
         print(f"with --shard-params every component is sharded; forward and backward gather "
@@ -279,6 +297,39 @@ def main(argv: list[str] | None = None) -> int:
               "the state to fp32 at a time; that transient is not included (the replicated "
               "column keeps torch's fp32 state)")
     return 0
+
+
+def _print_sharded_peak(args: argparse.Namespace, model: torch.nn.Module, dp: int,
+                        param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                        state_bytes: float) -> None:
+    """The peak per rank under --shard-params: the state and the transient bound of the
+    model's real layout ([Note: transient bound] in memory.py)."""
+    from ..memory import transient_bound_of_model
+
+    model = model.to(param_dtype)
+    bound = transient_bound_of_model(
+        model, dp, grad_dtype=grad_dtype, bucket_size=args.bucket_size,
+        gloo=args.backend == "gloo", store_param_remainders=args.store_param_remainders,
+        state_dtype=STATE_DTYPES[args.state_dtype])
+    process = _resident_bytes()  # this process: Python with torch and distopt imported
+    peak = state_bytes + bound.total + process
+    print(f"with --shard-params every component is sharded; each block (gather unit) is "
+          f"gathered around its forward and backward,\nthe next one prefetched. Transient "
+          f"bound per rank (distopt.transient_bound): gathered params "
+          f"{bound.gathered_params / GIB:.2f} GiB,\ngrads in flight "
+          f"{bound.grads_in_flight / GIB:.2f} GiB, step {bound.step / GIB:.2f} GiB: "
+          f"{bound.total / GIB:.2f} GiB. Peak per rank: state {state_bytes / GIB:.2f} + bound "
+          f"{bound.total / GIB:.2f}\n+ a process with torch imported {process / GIB:.2f} (this "
+          f"one, measured) = {peak / GIB:.2f} GiB; activations not included")
+
+
+def _resident_bytes() -> int:
+    """This process's resident set (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def _pipeline(args: argparse.Namespace, label: str, grad_dtype: torch.dtype,

@@ -23,10 +23,11 @@ Which modules are units (``DistributedDataParallel(gather_units=...)``):
   idiom of one ``fully_shard`` per ``TransformerBlock``);
 * a callable ``(module) -> bool``: the modules it accepts.
 
-Units are planned once, from the module tree alone, identically on every rank. Where the
-forward runs them, and where code reads a unit's params outside that unit's forward (a head
-tied to an embedding unit), is learned by the first forward ([Note: where a param is used] in
-ddp/param_unshard.py).
+Unless ``bucket_size`` is given, a unit is cut into ``UNIT_BUCKETS`` buckets
+(``unit_bucket_size``): gathered together, reduced a quarter at a time. Units are planned once,
+from the module tree alone, identically on every rank. Where the forward runs them, and where
+code reads a unit's params outside that unit's forward (a head tied to an embedding unit), is
+learned by the first forward ([Note: where a param is used] in ddp/param_unshard.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
+
+from ..layout.elementwise import MIN_CHUNK
 
 MIN_UNIT_NUMEL = 1 << 20
 """Elements a block needs to become a gather unit by default (4 MiB of fp32)."""
@@ -77,7 +80,8 @@ def _repeated_blocks(root: nn.Module, wanted: set[nn.Parameter]) -> set[nn.Modul
     def visit(module: nn.Module) -> None:
         container = isinstance(module, (nn.ModuleList, nn.Sequential))
         for child in module.children():
-            if container:
+            # A list of blocks is not a block: it has no forward of its own.
+            if container and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 numel = sum(p.numel() for p in child.parameters() if p in wanted)
                 if numel >= MIN_UNIT_NUMEL:
                     blocks.add(child)
@@ -127,6 +131,22 @@ def plan_gather_units(root: nn.Module, params: Sequence[nn.Parameter],
         unit.params.sort(key=position.__getitem__)
     units.sort(key=lambda u: position[u.params[0]])
     return units
+
+
+UNIT_BUCKETS = 4
+"""Buckets a gather unit is cut into by default: its grads reduce a quarter at a time."""
+
+
+def unit_bucket_size(default: int, units: Sequence[GatherUnit], dp_size: int) -> int:
+    """The default bucket size under sharded params: the largest unit's quarter (but at least
+    ``MIN_CHUNK`` elements per rank), where that is below ``default``. A unit is gathered
+    whole however many buckets hold it, but its grads are held, and reduced, bucket by bucket:
+    smaller buckets start reducing sooner and hold fewer bytes in flight (two buckets' grads,
+    and on gloo what they receive; [Note: transient bound] in memory.py)."""
+    if not units:
+        return default
+    largest = max(unit.numel for unit in units)
+    return min(default, max(MIN_CHUNK * dp_size, -(-largest // UNIT_BUCKETS)))
 
 
 def unit_index_of(units: Sequence[GatherUnit]) -> dict[nn.Parameter, int]:

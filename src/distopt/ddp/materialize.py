@@ -124,17 +124,20 @@ def _from_first_rank(module: nn.Module, buffers: list[ParamAndGradBuffer],
                 where[param] = (bucket, slot)
     nothing = {dtype: torch.zeros((), dtype=dtype, device=device)
                for dtype in {p.dtype for p in where}}
-    staging: dict[Bucket, torch.Tensor] = {}
-    in_flight: Any = None
+    staging = _Staging(list(missing), device, group, src, size)
     for submodule, own in _meta_tensors_by_module(module):
         with torch.no_grad():
             for tensor in own:
                 if not tensor.is_meta:
                     continue
-                if tensor in where and not first:  # no memory: the shard arrives by scatter
-                    _swap_in(tensor, nothing[tensor.dtype].expand(tensor.shape))
-                else:
+                if tensor not in where:  # replicated: every rank holds it whole
                     _swap_in(tensor, torch.empty_like(tensor, device=device))
+                elif first:  # initialized straight into its bucket's staging buffer
+                    bucket, slot = where[tensor]
+                    region = staging.of(bucket)[slot.start : slot.end]
+                    _swap_in(tensor, region.view(tensor.shape))
+                else:  # no memory: the shard arrives by scatter
+                    _swap_in(tensor, nothing[tensor.dtype].expand(tensor.shape))
             if first:
                 submodule.reset_parameters()
             replicated = [t for t in own if t not in where]
@@ -144,21 +147,66 @@ def _from_first_rank(module: nn.Module, buffers: list[ParamAndGradBuffer],
             for tensor in own:
                 if tensor not in where:
                     continue
-                bucket, slot = where[tensor]
+                bucket, _ = where[tensor]
                 if first:
-                    if bucket not in staging:
-                        staging[bucket] = torch.zeros(bucket.numel, dtype=tensor.dtype,
-                                                      device=device)
-                    staging[bucket][slot.start : slot.end].copy_(tensor.reshape(-1))
                     alias_local(tensor, nothing[tensor.dtype].expand(tensor.shape))
                 missing[bucket] -= 1
                 if missing[bucket] == 0:
-                    if in_flight is not None:  # one scatter at a time: its buffer then goes
-                        in_flight.wait()
-                    in_flight = _scatter(bucket, staging.pop(bucket, None), group, src, size)
-    if in_flight is not None:
-        in_flight.wait()
+                    staging.send(bucket)
+    staging.finish()
     _take_first_rank_rng(device, group, src, size)
+
+
+class _Staging:
+    """The first rank's bucket-sized buffers, reused: a bucket's params are initialized straight
+    into one (no copy), which is scattered once they are all in, and free again once that
+    scatter is done; one scatter at a time, so two buffers of the largest bucket suffice (one
+    filling, one sending), touched once rather than a fresh bucket's pages each time."""
+
+    def __init__(self, buckets: list[Bucket], device: torch.device,
+                 group: dist.ProcessGroup | None, src: int, size: int) -> None:
+        self.device, self.group, self.src, self.size = device, group, src, size
+        self.first = comm.group_rank(group) == 0
+        self.numel: dict[torch.dtype, int] = {}
+        for bucket in buckets:
+            dtype = bucket.param_shard.dtype
+            self.numel[dtype] = max(self.numel.get(dtype, 0), bucket.numel)
+        self.free: dict[torch.dtype, list[torch.Tensor]] = {d: [] for d in self.numel}
+        self.open: dict[Bucket, torch.Tensor] = {}
+        self.in_flight: tuple[Any, torch.Tensor | None, torch.dtype] | None = None
+
+    def of(self, bucket: Bucket) -> torch.Tensor:
+        """The staging buffer of ``bucket`` [bucket numel] (first rank)."""
+        if bucket not in self.open:
+            dtype = bucket.param_shard.dtype
+            if not self.free[dtype]:
+                self.finish()
+            self.open[bucket] = (self.free[dtype].pop() if self.free[dtype] else
+                                 torch.empty(self.numel[dtype], dtype=dtype, device=self.device))
+        return self.open[bucket][: bucket.numel]
+
+    def send(self, bucket: Bucket) -> None:
+        """Start scattering ``bucket`` (all its params in) into every rank's shard."""
+        self.finish()
+        full = None
+        if self.first:
+            full = self.of(bucket)
+            ranges = sorted(bucket.param_ranges, key=lambda r: r.start)
+            for gap_start, gap_end in zip([0, *(r.end for r in ranges)],
+                                          [*(r.start for r in ranges), bucket.numel],
+                                          strict=True):
+                full[gap_start:gap_end].zero_()  # padding: a reused buffer holds old values
+        handle = _scatter(bucket, full, self.group, self.src, self.size)
+        self.in_flight = (handle, self.open.pop(bucket, None), bucket.param_shard.dtype)
+
+    def finish(self) -> None:
+        """Wait for the scatter in flight, if any; its buffer is free again."""
+        if self.in_flight is not None:
+            handle, buffer, dtype = self.in_flight
+            self.in_flight = None
+            handle.wait()
+            if buffer is not None:
+                self.free[dtype].append(buffer)
 
 
 class _Done:
@@ -175,8 +223,7 @@ def _scatter(bucket: Bucket, full: torch.Tensor | None, group: dist.ProcessGroup
         bucket.param_shard.copy_(full)
         return _Done()
     chunks = list(full.chunk(size)) if full is not None else None
-    handle = dist.scatter(bucket.param_shard, chunks, src=src, group=group, async_op=True)
-    return handle
+    return dist.scatter(bucket.param_shard, chunks, src=src, group=group, async_op=True)
 
 
 def _take_first_rank_rng(device: torch.device, group: dist.ProcessGroup | None, src: int,

@@ -39,6 +39,7 @@ its params in forward (``weight.t()`` views) read the gathered values again in b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,6 +78,9 @@ class ParamPool:
         self.live_bytes = 0
         self.peak_buffers = 0  # the most gathered buckets at once since built (or reset_peak)
         self.peak_bytes = 0
+        # Called after each free: the unsharder's deferred prefetch ([Note: where a param is
+        # used] in ddp/param_unshard.py).
+        self.on_free: Callable[[], None] | None = None
 
     def gathered(self, nbytes: int) -> None:
         self.live_buffers += 1
@@ -87,6 +91,8 @@ class ParamPool:
     def freed(self, nbytes: int) -> None:
         self.live_buffers -= 1
         self.live_bytes -= nbytes
+        if self.on_free is not None:
+            self.on_free()
 
     def reset_peak(self) -> None:
         self.peak_buffers, self.peak_bytes = self.live_buffers, self.live_bytes

@@ -6,7 +6,9 @@ forward pre-hook gathers its buckets (waiting for them) and starts gathering the
 so one unit's all-gather overlaps the compute of the one before it; its forward hook frees its
 buckets (``reshard_after_forward=True``, the default; the root's unit stays gathered, as
 backward needs it at once) and hooks the unit's outputs, so that its backward gathers them
-again first and starts gathering the unit the forward ran before it. The grad sync frees a
+again first and starts gathering the unit the forward ran before it, as soon as the unit whose
+backward ran just before is freed (its last grads may still be accumulating: waiting for them
+keeps backward at two units, the one running and the one prefetched). The grad sync frees a
 bucket once every param of it has its grad. The units' order is the first forward's order of
 their pre-hooks (registration order until then).
 
@@ -81,6 +83,9 @@ class ParamUnsharder:
         self._running: dict[Bucket, int] = {}  # users of each bucket in their forward now
         self._pinned: set[Bucket] = set()  # read outside their unit: kept until grads are in
         self.hooks: list[Any] = []
+        self._deferred: tuple[int, int] | None = None  # (unit to prefetch, unit it waits for)
+        for bucket in self.forward_order:
+            bucket.params_store.pool.on_free = self._prefetch_deferred
         self._hook()
         self.learned = False
 
@@ -115,6 +120,7 @@ class ParamUnsharder:
         """Run the model's forward (``run()``), learning the units' order and the reads of
         params outside their units if not yet."""
         self._running = {}
+        self._deferred = None
         if self.learned:
             self._pinned.clear()  # only the first forward pins; see read_outside_unit
             return run()
@@ -184,9 +190,24 @@ class ParamUnsharder:
             bucket.use_params()
         unit = self._unit_index.get(module)
         if unit is not None:
-            self._prefetch(self._previous.get(unit))
+            # The unit whose backward ran just before may still be gathered, its last grads
+            # being accumulated: the unit before this one is prefetched once it is freed, so
+            # that backward holds two units, not three.
+            after = self._next.get(unit)
+            if after is not None and self._gathered(after):
+                self._deferred = (self._previous.get(unit), after)
+            else:
+                self._prefetch(self._previous.get(unit))
         else:  # backward meets the buckets in launch order: the one before its first
             self._prefetch_bucket(self._position[self._users[module][0]] - 1)
+
+    def _gathered(self, unit: int) -> bool:
+        return any(b.param_data is not None for b in self._unit_buckets[unit])
+
+    def _prefetch_deferred(self) -> None:
+        if self._deferred is not None and not self._gathered(self._deferred[1]):
+            unit, self._deferred = self._deferred[0], None
+            self._prefetch(unit)
 
     def _prefetch(self, unit: int | None) -> None:
         if unit is not None:
@@ -206,6 +227,7 @@ class ParamUnsharder:
         """Every bucket back to its shard (the end of a backward, a step: gathered params
         would be stale after the optimizer updates the shards)."""
         self._pinned.clear()
+        self._deferred = None
         for bucket in self.forward_order:
             bucket.release_params()
 

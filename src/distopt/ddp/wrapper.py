@@ -34,7 +34,13 @@ from ..sharding import Sharding
 from . import param_owners
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
-from .gather_units import GatherUnit, GatherUnitPolicy, plan_gather_units, unit_index_of
+from .gather_units import (
+    GatherUnit,
+    GatherUnitPolicy,
+    plan_gather_units,
+    unit_bucket_size,
+    unit_index_of,
+)
 from .grad_marker import GradMarkers
 from .grad_pool import GradPool, grad_pools_for
 from .grad_sync import GradSync
@@ -221,6 +227,9 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                 [] if self.options.grad_policy.full_params
                 else plan_gather_units(module, self.params, gather_units))
             self._unit_of = unit_index_of(self.gather_units) if self.gather_units else None
+            if self.options.bucket_size is None:
+                self.bucket_size = unit_bucket_size(self.bucket_size, self.gather_units,
+                                                    self.dp_size)
             # Every rank must hold the same model and plan the same buckets before the first
             # collective; see [Note: one model on every rank] in cross_rank/model.py.
             check_same_model(module, named, self.options, bucket_size=self.bucket_size,
