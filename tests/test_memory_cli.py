@@ -310,8 +310,9 @@ def test_shard_params_peak_of_a_resized_preset(capsys):
     with torch.device("meta"):
         model = GPT(gpt_config("small", seq_len=256, n_layer=3, n_embd=512, n_head=8))
     bound = transient_bound_of_model(model, 2, gloo=True)
-    # Three blocks of 3.1M elements are the units; the embeddings and final norm are loose.
-    assert bound.gathered_params > 3 * 12 * 512 * 512 * 4
+    # Three blocks of 3.1M elements are the units, two gathered at once; the embeddings and the
+    # final norm are loose.
+    assert 2 * 12 * 512 * 512 * 4 < bound.gathered_params < 3 * 12 * 512 * 512 * 4
     match = re.search(r"bound ([\d.]+)\n\+ a process with torch imported ([\d.]+) .* = "
                       r"([\d.]+) GiB", out)
     assert match, out

@@ -297,8 +297,7 @@ class TransientBound:
     [Note: transient bound]."""
 
     gathered_params: int
-    """Three gather units (in backward: the one running, the one before it prefetched, and the
-    one after it while its last grads accumulate) and every loose bucket."""
+    """Two gather units (the one running and the one prefetched) and every loose bucket."""
     grads_in_flight: int
     """The grad pools' buffers: two of the largest bucket per grad dtype (one filling, one on
     the wire); on gloo also what each reduction in flight receives its peers' chunks into,
@@ -325,9 +324,8 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
 
     [Note: transient bound]
     Between steps a rank with sharded params holds its state alone. During a step it also
-    holds, at most: the params of three gather units (forward holds two, the one running and the
-    next one prefetched; backward may hold a third, the unit after the one running, whose last
-    grads are still being accumulated when the next unit's backward begins; see
+    holds, at most: the params of two gather units, the one running and the one prefetched (in
+    backward the prefetch waits until the unit whose backward ran before is freed; see
     [Note: where a param is used] in ddp/param_unshard.py), with every loose bucket (params
     outside all units: embeddings, a final norm); the grads of two of the largest buckets, one
     filling and one being reduced ([Note: sharded grads] in ddp/grad_pool.py), and on gloo the
@@ -400,10 +398,10 @@ def transient_bound_of_model(module: torch.nn.Module, dp_size: int, *,
 def _bound(unit_bytes: list[int], loose: int, grad_buffer_bytes: int, widest_shard: int,
            dp_size: int, *, gloo: bool, store_param_remainders: bool,
            state_dtype: torch.dtype | None) -> TransientBound:
-    """[Note: transient bound]'s sum: the three largest units and the loose buckets; two
+    """[Note: transient bound]'s sum: the two largest units and the loose buckets; two
     buffers of the largest bucket's grads (and on gloo what two reductions receive into); one
     shard's step temporaries."""
-    gathered = sum(sorted(unit_bytes, reverse=True)[:3]) + loose
+    gathered = sum(sorted(unit_bytes, reverse=True)[:2]) + loose
     step = widest_shard * 4  # AdamW's foreach temporary of the shard it steps
     if store_param_remainders:
         step += widest_shard * 4 * 2  # fp32 masters and fp32 grads of the shard

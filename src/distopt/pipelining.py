@@ -22,6 +22,10 @@ methods that do these things taught distopt's DDP, and nothing else:
   the way, in the model's dtype (bf16 rounds each product), and would be applied on every
   micro-batch; the division is one pass over 1/d of the grads, in the grads' dtype, exact when
   ``n`` is a power of two;
+* with sharded grads or params the stage holds its step whole ([Note: a step held whole] in
+  ddp/grad_sync.py): under ``no_sync`` a backward reduces nothing and frees nothing, so the
+  grads of all micro-batches add up in their pool buffers and the params stay gathered from the
+  first forward to the last backward, which reduces each bucket once, as FSDP2's stages do;
 * the weight half of a split backward (zero-bubble schedules: ``I`` then ``W``) computes the
   weight grads with ``torch.autograd.grad`` and assigns them to ``p.grad``, which no
   post-accumulate hook sees: it runs inside ``ddp.assigned_grads()``, which puts them into the
@@ -103,6 +107,8 @@ class PipelineStage(TorchPipelineStage):
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> Any:
         base = super().backward_maybe_with_nosync
+        if last_backward and backward_type != "input":  # reduces, frees: [Note: a step held
+            self.submod.hold_step = False               # whole]; an input half makes no grads
         with self._sync_if(last_backward):
             if backward_type == "weight":  # assigns p.grad: see [Note: pipeline stages]
                 with self.submod.assigned_grads():
@@ -114,6 +120,8 @@ class PipelineStage(TorchPipelineStage):
         super().clear_runtime_states()
         if self.has_backward:
             self._check_new_step()
+            # Sharded grads and params reduce and gather once per step, not per micro-batch.
+            self.submod.hold_step = not self.submod.options.grad_policy.full_grads
 
     def _check_new_step(self) -> None:
         """A training step starts from zeroed grads, or every stage refuses it before any

@@ -36,6 +36,19 @@ all-reduced ones): a bucket launched in the current round takes no more grads. T
 the case it sees: a backward after the step's sync without ``zero_grad``; a parameter that
 already had a grad this step (a second micro-batch outside ``no_sync``, or a grad accumulated
 twice in one backward); anything else.
+
+[Note: a step held whole]
+Sharded grads reduce every backward, inside ``no_sync`` too ([Note: sharded grads]), and sharded
+params are gathered for every forward and backward: the least memory, at one reduction and two
+gathers of the model per micro-batch. A pipeline stage runs many micro-batches per step, and
+its schedule interleaves their forwards and backwards; there ``hold_step`` (set by
+``distopt.pipelining.PipelineStage``, ``ddp.hold_step``) trades memory for traffic as FSDP2's
+stages do: a backward under ``no_sync`` launches nothing and frees nothing, so each bucket keeps
+its pool buffer (the grads add in it, [Note: grads written, not zeroed]) and its gathered
+params, until the backward outside ``no_sync`` (the step's last), which launches every bucket
+as its grads are complete and frees each bucket's params as before. A step then costs one
+all-gather (the first forward's) and one reduce-scatter per bucket, as with full buffers, and a
+rank holds the stage's grads and params whole during the step, not between steps.
 """
 
 from __future__ import annotations
@@ -93,6 +106,9 @@ class GradSync:
         self._synced_in_step = False  # for the late grad's message: which case it is
         self._grad_divisor = 1.0  # what this step's reduced grads are divided by (divide())
         self._launches = True  # whether this backward launches buckets as they fill
+        # Under no_sync: keep the step's grads whole in the pool and its params gathered, to
+        # reduce once at the synced backward; see [Note: a step held whole].
+        self.hold_step = False
         self._next_launch = 0  # the first bucket of the launch order not launched yet
         self._next_replica = 0  # the first bucket whose second stage is not started yet
         self._param_index = {p: i for i, p in enumerate(params)}
@@ -125,7 +141,8 @@ class GradSync:
             bucket.wait_reduction()
         if self.policy.reduces_every_backward:
             self.round += 1
-        self._launches = self.sync_enabled or self.policy.reduces_every_backward
+        self._launches = self.sync_enabled or (self.policy.reduces_every_backward
+                                               and not self.hold_step)
         self._advance(SyncState.BACKWARD)
         if on_engine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -237,8 +254,15 @@ class GradSync:
                                                          replicate=self.sync_enabled)
         self._next_launch += 1
 
+    @property
+    def holding(self) -> bool:
+        """Whether this backward keeps the step whole ([Note: a step held whole])."""
+        return self.hold_step and not self.sync_enabled
+
     def _end_backward(self) -> None:
         self._advance(SyncState.ACCUMULATED)
+        if self.holding:  # the grads stay in their buffers, the params gathered
+            return
         for bucket in self.buckets:  # sharded params: nothing gathered after a backward
             bucket.release_params()
         if self.policy.reduces_every_backward:

@@ -46,6 +46,7 @@ rank takes or skips alike (the same step, the same flag) need only ``find_unused
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,8 +64,10 @@ class ParamUnsharder:
 
     def __init__(self, module: nn.Module, units: list[GatherUnit],
                  bucket_of: dict[nn.Parameter, Bucket], launch_order: list[Bucket], *,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, holding: Callable[[], bool] = lambda: False
+                 ) -> None:
         self.module = module
+        self.holding = holding  # a step held whole: nothing freed ([Note: a step held whole])
         self.bucket_of = bucket_of
         self.reshard_after_forward = reshard_after_forward
         # First layers first: forward meets the buckets in the reverse of backward's order.
@@ -160,7 +163,7 @@ class ParamUnsharder:
         unit = self._unit_index.get(module)
         if unit is not None:
             self._prefetch(self._next.get(unit))
-        else:  # a loose bucket's user: the bucket after its last, or that bucket's unit
+        else:  # a loose bucket's user: the bucket after its last
             self._prefetch_bucket(self._position[buckets[-1]] + 1)
 
     def _after_forward(self, module: nn.Module, _args: Any, output: Any) -> None:
@@ -179,7 +182,8 @@ class ParamUnsharder:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda _grads: self._before_backward(module), mode="any")
-        if grad and (module is self.module or not self.reshard_after_forward):
+        if grad and (module is self.module or not self.reshard_after_forward
+                     or self.holding()):
             return  # backward needs them next (the root's) or keeps them
         for bucket in buckets:
             if self._running[bucket] <= 0 and bucket not in self._pinned:
@@ -215,13 +219,12 @@ class ParamUnsharder:
                 bucket.gather_params()
 
     def _prefetch_bucket(self, position: int) -> None:
+        # A loose bucket only: units prefetch units, in the order the forward runs them (the
+        # bucket after a tied head's is the first block's, which the forward just left).
         if 0 <= position < len(self.forward_order):
             bucket = self.forward_order[position]
-            unit = self._unit_of_bucket.get(bucket)
-            if unit is None:
+            if bucket not in self._unit_of_bucket:
                 bucket.gather_params()
-            else:
-                self._prefetch(unit)
 
     def release_all(self) -> None:
         """Every bucket back to its shard (the end of a backward, a step: gathered params

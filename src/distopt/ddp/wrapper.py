@@ -253,6 +253,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self._gathers_in_flight = False
         self._param_wait_hooks: list[Any] = []
         self._unsharder: ParamUnsharder | None = None
+        self._hold_step = False  # see [Note: a step held whole] in ddp/grad_sync.py
         self._backward_seen = False  # a layout may change only before the first backward
         self._owners_set_by: str | None = "the DDP" if whole_costs else None
         self._lay_out(whole_costs)
@@ -330,7 +331,9 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         else:  # see [Note: sharded params] in ddp/param_storage.py
             self._unsharder = ParamUnsharder(
                 self.module, self.gather_units, self._grad_sync.bucket_of, buckets,
-                reshard_after_forward=self.options.reshard_after_forward)
+                reshard_after_forward=self.options.reshard_after_forward,
+                holding=lambda: self._grad_sync.hold_step)
+        self._grad_sync.hold_step = self._hold_step
 
     def _buffer_groups(self, expert: bool) -> dict[str, Any]:
         """The group a buffer's buckets reduce and gather over, this rank's place in it, and
@@ -368,6 +371,19 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self._params_own_storage()
         self._lay_out(whole_tensor_costs)  # the old buffers go once nothing views them
         self._owners_set_by = by
+
+    @property
+    def hold_step(self) -> bool:
+        """With sharded grads or params: whether backwards under ``no_sync()`` keep the step's
+        grads whole and its params gathered, for one reduction and one gather per step (a
+        pipeline stage's micro-batches; ``distopt.pipelining.PipelineStage`` sets it). See
+        [Note: a step held whole] in ddp/grad_sync.py."""
+        return self._hold_step
+
+    @hold_step.setter
+    def hold_step(self, value: bool) -> None:
+        self._hold_step = bool(value)
+        self._grad_sync.hold_step = self._hold_step
 
     @property
     def flat_buffers(self) -> list[ParamAndGradBuffer]:
