@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -338,9 +339,14 @@ def refusals_on_every_stage() -> dict:
     def not_a_distopt_module() -> None:
         PipelineStage(nn.Linear(2, 2), pp_rank, 2, torch.device("cpu"))
 
+    def torch_stage() -> None:  # torch's own class, refused while it is built
+        _, ddp = stage()
+        TorchPipelineStage(ddp, pp_rank, 2, torch.device("cpu"), group=ddp.parallel.pp_group)
+
     return {name: error_of(fn) for name, fn in [
         ("tie_on_one_stage", tie_on_one_stage), ("tie_of_another_module", tie_of_another_module),
-        ("grads_not_zeroed", grads_not_zeroed), ("not_a_distopt_module", not_a_distopt_module)]}
+        ("grads_not_zeroed", grads_not_zeroed), ("not_a_distopt_module", not_a_distopt_module),
+        ("torch_stage", torch_stage)]}
 
 
 PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
@@ -348,7 +354,12 @@ PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
 PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2),
             (2, 2, "1f1b", 1, "muon"), (2, 2, "1f1b", 1, "shard_grads"),
             (2, 2, "1f1b", 1, "shard_params"), (2, 2, "1f1b", 1, "bf16"),
-            (2, 1, "1f1b", 1, "tp")]  # (pp, dp, tp) = (2, 1, 2)
+            (2, 1, "1f1b", 1, "tp"),  # (pp, dp, tp) = (2, 1, 2)
+            # Sharded grads and params under every kind of schedule: the step held whole.
+            *[(2, 2, schedule, chunks, variant)
+              for schedule, chunks in (("gpipe", 1), ("interleaved", 2), ("zero-bubble", 2))
+              for variant in ("shard_grads", "shard_params")]]
+SHARDED_COUNTED = [c for c in PARITY_4 if len(c) > 4 and c[4].startswith("shard")]
 
 
 def _name(config: tuple) -> str:
@@ -399,16 +410,18 @@ def test_four_ranks_train_like_one_process(results_4, config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_one_reduce_scatter_and_all_gather_per_bucket_per_step(results_4, schedule):
-    # On each stage's DP group, whatever the micro-batches: no reduction per non-last one.
-    for rank in case_result(results_4, _name((2, 2, schedule))):
+@pytest.mark.parametrize("config", [(2, 2, "gpipe"), (2, 2, "1f1b"), *SHARDED_COUNTED],
+                         ids=_name)
+def test_one_reduce_scatter_and_all_gather_per_bucket_per_step(results_4, config):
+    # On each stage's DP group, whatever the micro-batches: no reduction per non-last one, and
+    # with sharded params no gather per micro-batch ([Note: a step held whole]).
+    for rank in case_result(results_4, _name(config)):
         for step_calls in rank["calls"]:
-            (calls,) = step_calls
-            (buckets,) = rank["buckets"]
-            assert calls["reduce_scatter"] == buckets, calls
-            assert calls["all_gather"] == buckets, calls
-            assert calls["tied_all_reduce"] == 1, calls  # the tie's shard, over the stages
+            for calls, buckets in zip(step_calls, rank["buckets"], strict=True):
+                assert calls["reduce_scatter"] == buckets, calls
+                assert calls["all_gather"] == buckets, calls
+            # The tie's shard, over the stages, once per step.
+            assert sum(c.get("tied_all_reduce", 0) for c in step_calls) == 1, step_calls
 
 
 def test_inf_on_one_stage_skips_the_step_on_every_stage(results_2):
@@ -442,6 +455,7 @@ REFUSALS = {
     "tie_of_another_module": "is not a trainable parameter of the stage module",
     "grads_not_zeroed": "call optimizer.zero_grad() before each schedule.step()",
     "not_a_distopt_module": "takes a distopt.DistributedDataParallel stage module",
+    "torch_stage": "Use distopt.pipelining.PipelineStage(ddp, stage_index, num_stages, device)",
 }
 
 

@@ -65,6 +65,7 @@ class PipelineStage(TorchPipelineStage):
     """
 
     submod: DistributedDataParallel
+    _distopt_stage = True  # passes the check torch's stage is given: guard_torch_pipeline_stages
 
     def __init__(self, submodule: DistributedDataParallel, stage_index: int, num_stages: int,
                  device: torch.device, *args: Any, group: dist.ProcessGroup | None = None,

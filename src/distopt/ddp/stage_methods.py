@@ -8,9 +8,10 @@ See [Note: pipeline stages] in distopt/pipelining.py. A mixin of ``DistributedDa
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .grad_sync import GradSync
@@ -46,3 +47,37 @@ class PipelineStageMethods:
         self._backward_seen = True
         with self._grad_sync.assigned_grads():
             yield
+
+
+def guard_torch_pipeline_stages(ddp_class: type) -> None:
+    """Have torch's own ``PipelineStage`` refuse a distopt DDP when it is built (idempotent).
+
+    torch's stage knows torch's DDP and FSDP2 only: over distopt's DDP it would run a plain
+    backward per micro-batch, each reducing the grads (the second refused) and dividing a
+    ``p.grad`` that holds none. Its constructor only stores the module, and its first use of it
+    comes after the stages have begun exchanging metadata, where one stage's error leaves the
+    others waiting; so the check is added to torch's constructor, which every rank runs before
+    any micro-batch. distopt's stage is a subclass that passes (``_distopt_stage``). Installed
+    when a DDP is built for a pipeline (a "pp" mesh dimension) or torch's pipelining is
+    imported already (importing it takes a second)."""
+    from torch.distributed.pipelining import stage as torch_stage
+
+    base = torch_stage._PipelineStageBase
+    original = base.__init__
+    if getattr(original, "_distopt_guard", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, submodule: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(submodule, ddp_class) and not getattr(self, "_distopt_stage", False):
+            raise TypeError(
+                "torch.distributed.pipelining.PipelineStage cannot drive a "
+                "distopt.DistributedDataParallel: it would reduce the grads on every "
+                "micro-batch and scale a p.grad that holds none. Use "
+                "distopt.pipelining.PipelineStage(ddp, stage_index, num_stages, device), which "
+                "takes torch's arguments and runs under torch's schedules"
+            )
+        original(self, submodule, *args, **kwargs)
+
+    __init__._distopt_guard = True  # type: ignore[attr-defined]
+    base.__init__ = __init__

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,7 @@ from .module_params import broadcast_initial_weights, trainable_named_params
 from .param_gather import register_param_wait_hooks
 from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
-from .stage_methods import PipelineStageMethods
+from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
 from .state import SyncState
 from .tied import resolve_tied_params
 from .whole_module import WholeModule
@@ -208,6 +209,8 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                                else named[0][1].device)
         # Raises, on every rank alike, where no one group spans the DP ranks.
         adopt_sync_batchnorm_group(module, self.parallel)
+        if self.parallel.pp_group is not None or "torch.distributed.pipelining" in sys.modules:
+            guard_torch_pipeline_stages(DistributedDataParallel)
 
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
