@@ -75,6 +75,8 @@ def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, An
                                   step=compute(m1, m2) + compute(m2, m3)))
     counter.uninstall()
     calls, sent = dict(counter.calls), dict(counter.bytes)
+    # Read before the checksum, whose gather of sharded params is not a step's.
+    own = None if stats is None else (dict(stats.calls), dict(stats.bytes))
     staged.finish_param_sync()
     checksum = float(sum(p.detach().double().sum() for p in staged.whole_model_params()))
     result: dict[str, Any] = {
@@ -91,10 +93,10 @@ def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, An
         "model_source": "distopt.train.stages.GPTStage",
         "checksum": checksum,
     }
-    if stats is not None:
+    if own is not None:
         # On gloo distopt's reductions are point-to-point sends, counted above with the rest;
         # its own counts say what they amount to.
-        result["distopt_comm"] = {"calls": dict(stats.calls), "bytes": dict(stats.bytes),
+        result["distopt_comm"] = {"calls": own[0], "bytes": own[1],
                                   "buckets": len(staged.system.model.buckets),
                                   "bucket_size": staged.system.model.bucket_size}
     if device.type == "cuda":

@@ -33,7 +33,7 @@ from .systems import STAGE_SYSTEMS, System, build_system
 __all__ = ["SCHEDULES", "STAGE_DEFAULT_SYSTEMS", "StagedSystem", "build_staged_system",
            "stage_mesh"]
 
-STAGE_DEFAULT_SYSTEMS = ("fsdp2", "distopt", "distopt-shard-params")
+STAGE_DEFAULT_SYSTEMS = ("fsdp2", "distopt", "distopt-shard-grads", "distopt-shard-params")
 """What ``--pp`` runs when ``--systems`` is not given: FSDP2 stages, the baseline of the
 ratios, beside distopt's stages with sharded optimizer state and with sharded params."""
 
