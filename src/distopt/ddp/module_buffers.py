@@ -62,8 +62,10 @@ class BufferBroadcast:
     broadcasts in; see [Note: buffer broadcasting]."""
 
     def __init__(self, module: nn.Module, parallel: ParallelGroups,
-                 stats: comm.CommStats | None, *, enabled: bool) -> None:
+                 stats: comm.CommStats | None, *, enabled: bool,
+                 ignored: frozenset[str] = frozenset()) -> None:
         self.module = module
+        self.ignored = ignored  # torch DDP's ignore list: each rank keeps its own
         self.enabled = enabled
         self._groups = [("replicate_broadcast_buffers", parallel.replicate_group),
                         ("broadcast_buffers", parallel.dp_group)]
@@ -75,7 +77,8 @@ class BufferBroadcast:
         if not (self._needed and self._next_forward_syncs):
             return
         # Read each time: a module may replace a buffer (torch DDP re-reads them too).
-        buffers = [local_tensor(b) for b in self.module.buffers()]
+        buffers = [local_tensor(b) for n, b in self.module.named_buffers()
+                   if n not in self.ignored]
         with contextlib.ExitStack() as stack:
             for buffer in buffers:
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(buffer))

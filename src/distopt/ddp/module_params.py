@@ -13,10 +13,12 @@ from ..parallel.process_groups import ParallelGroups
 
 
 def trainable_named_params(
-    module: nn.Module, wrappers: tuple[type[nn.Module], ...]
+    module: nn.Module, wrappers: tuple[type[nn.Module], ...],
+    ignored: frozenset[str] = frozenset(),
 ) -> list[tuple[str, nn.Parameter]]:
-    """Validate the module and return its trainable params (shared ones once); a module that
-    is one of ``wrappers`` already is refused."""
+    """Validate the module and return its trainable params (shared ones once), less those of
+    torch DDP's ignore list (``ignored`` names); a module that is one of ``wrappers`` already
+    is refused."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
     if isinstance(module, wrappers):
@@ -24,7 +26,8 @@ def trainable_named_params(
             f"the module is already wrapped in {type(module).__module__}."
             f"{type(module).__name__}; pass the bare module to distopt.DistributedDataParallel"
         )
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in module.named_parameters()
+             if p.requires_grad and n not in ignored]
     if not named:
         raise ValueError("the module has no trainable parameters (all are frozen or absent)")
     devices = sorted({str(p.device) for _, p in named})
@@ -46,11 +49,14 @@ def trainable_named_params(
 
 
 def broadcast_initial_weights(module: nn.Module, parallel: ParallelGroups,
-                              experts: ExpertParams | None, with_buffers: bool) -> None:
+                              experts: ExpertParams | None, with_buffers: bool,
+                              ignored: frozenset[str] = frozenset()) -> None:
     """Torch DDP's rule: every replica starts from the first rank's params (and buffers,
-    unless ``broadcast_buffers=False``); an expert's params from the first rank holding the
-    same experts. Meta tensors have no values yet; see [Note: meta-device models]."""
-    synced = (*module.parameters(), *(module.buffers() if with_buffers else ()))
+    unless ``broadcast_buffers=False``), but those of its ignore list; an expert's params from
+    the first rank holding the same experts. Meta tensors have no values yet; see
+    [Note: meta-device models]."""
+    named = (*module.named_parameters(), *(module.named_buffers() if with_buffers else ()))
+    synced = [t for n, t in named if n not in ignored]
     in_experts = set() if experts is None else {
         id(p) for m in experts.parallel.modules for p in m.parameters()}
     comm.broadcast_from_first_ranks(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +32,7 @@ from ..parallel.experts import ExpertParallel, ExpertParams
 from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from ..parallel.tensor_parallel import TensorParallelMesh, check_params
 from ..sharding import Sharding
-from . import param_owners
+from . import param_owners, torch_spellings
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
 from .gather_units import (
@@ -138,6 +138,16 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             (``mesh["dp"]``) with grads averaged over every token of the batch; the dense params
             are data-parallel over every rank of the mesh. See "Experts" in docs/design.md
             and [Note: expert parallelism] in parallel/experts.py.
+        device_ids, output_device, dim, init_sync, bucket_cap_mb, static_graph,
+        gradient_as_bucket_view, check_reduction: torch DDP's arguments, with torch's meaning
+            for a module on one device: ``device_ids`` None for a CPU module or ``[the
+            module's CUDA device]``, ``dim`` 0, ``init_sync=False`` keeps each rank's own
+            weights, ``bucket_cap_mb`` sizes the buckets in MiB of grads instead of
+            ``bucket_size``; ``static_graph``, ``gradient_as_bucket_view`` and
+            ``check_reduction`` change nothing here. torch's ignore list
+            (``_set_params_and_buffers_to_ignore_for_model``) leaves those params and buffers
+            local. Its experimental arguments are refused by name. See
+            [Note: torch DDP's spellings] in ddp/torch_spellings.py.
     """
 
     def __init__(
@@ -162,10 +172,29 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         whole_tensor_params: Mapping[nn.Parameter, type[torch.optim.Optimizer]] | None = None,
         tied_params: Mapping[str, nn.Parameter] | None = None,
         experts: ExpertParallel | None = None,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        init_sync: bool = True,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        check_reduction: bool = False,
+        **torch_only: Any,
     ) -> None:
         super().__init__()
+        # torch DDP's own arguments, each with torch's meaning or refused naming what works;
+        # see [Note: torch DDP's spellings] in ddp/torch_spellings.py.
+        torch_spellings.positional_device_ids(process_group)
+        torch_spellings.check_refused(torch_only)
+        self.static_graph = static_graph  # nothing depends on it; kept for torch's readers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        ignored = torch_spellings.ignored_names(module)
         named = trainable_named_params(
-            module, (DistributedDataParallel, nn.parallel.DistributedDataParallel))
+            module, (DistributedDataParallel, nn.parallel.DistributedDataParallel), ignored)
+        self.ignored_names = ignored
+        bucket_size = torch_spellings.bucket_size_of(bucket_size, bucket_cap_mb, grad_dtype,
+                                                     {p.dtype for _, p in named})
         self.options = GradSyncOptions(
             grad_dtype=grad_dtype,
             bucket_size=bucket_size,
@@ -207,6 +236,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self.comm_stats = comm.CommStats()
         self._target_device = (target_device(self.process_group) if meta
                                else named[0][1].device)
+        torch_spellings.check_devices(device_ids, output_device, dim, self._target_device)
         # Raises, on every rank alike, where no one group spans the DP ranks.
         adopt_sync_batchnorm_group(module, self.parallel)
         if self.parallel.pp_group is not None or "torch.distributed.pipelining" in sys.modules:
@@ -247,9 +277,11 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                 f"a newer distopt.DistributedDataParallel wrapped its parameter "
                 f"'{older.param_names[param]}'"
             )
-        broadcast_initial_weights(module, self.parallel, self.experts, broadcast_buffers)
+        if init_sync:  # torch DDP's init_sync: every replica starts from the first rank's
+            broadcast_initial_weights(module, self.parallel, self.experts, broadcast_buffers,
+                                      ignored)
         self._buffer_broadcast = BufferBroadcast(module, self.parallel, self.comm_stats,
-                                                 enabled=broadcast_buffers)
+                                                 enabled=broadcast_buffers, ignored=ignored)
 
         # Only these params need their DTensor grads turned into local ones in the hook.
         self._dtensor_params = frozenset(p for p in self.params if is_dtensor(p))
@@ -374,6 +406,13 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self._params_own_storage()
         self._lay_out(whole_tensor_costs)  # the old buffers go once nothing views them
         self._owners_set_by = by
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+            module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
+        """torch DDP's ignore list, set on ``module`` before wrapping it: those params and
+        buffers stay local to each rank; see [Note: torch DDP's spellings]."""
+        torch_spellings.set_ignore_list(module, params_and_buffers_to_ignore)
 
     @property
     def hold_step(self) -> bool:

@@ -70,6 +70,7 @@ def normalize_param_groups(
     """Torch-style param groups, checked to name each trainable model param at most once."""
     known = {p: m for m in models for p in m.params}
     if params is None:
+        _refuse_ignored_trainable(models)
         return [{"params": [p for m in models for p in m.params]}]
     groups = list(params)
     if not groups:
@@ -160,3 +161,20 @@ def default_kernel_kwargs(
     if "foreach" in accepted:
         return {"foreach": True}
     return {}
+
+
+def _refuse_ignored_trainable(models: list[DistributedDataParallel]) -> None:
+    """Every param torch's optimizer over ``model.parameters()`` would step, or an error: the
+    trainable params of torch DDP's ignore list are not the DDP's ([Note: torch DDP's
+    spellings] in ddp/torch_spellings.py), so "every param" would leave them untrained."""
+    for model in models:
+        ignored = [n for n, p in model.module.named_parameters()
+                   if n in model.ignored_names and p.requires_grad]
+        if ignored:
+            raise ValueError(
+                f"params {', '.join(repr(n) for n in ignored)} are in the module's DDP ignore "
+                "list: torch DDP leaves them local, and distopt's optimizer steps the DDP's "
+                "params only. Pass params= (the DDP's params) to distopt.DistributedOptimizer "
+                "and step the ignored ones with a torch optimizer of their own, "
+                "torch.optim.AdamW([p for n, p in model.named_parameters() if n in ignored])"
+            )

@@ -1,0 +1,144 @@
+"""torch DDP's constructor arguments and ignore list under distopt's DDP: torch's meaning, or a
+refusal that names what works ([Note: torch DDP's spellings] in ddp/torch_spellings.py).
+
+One process: the arguments' checks and bucket_cap_mb's size. Two ranks: the ignore list trains
+as torch DDP trains it (those params local to each rank, the rest averaged), against torch's own
+DDP on the same ranks; init_sync=False keeps each rank's weights, as torch's does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+
+from dist_harness import case_result, run_cases
+from models import mlp
+
+IGNORED = ["2.weight", "2.bias"]  # the middle Linear of mlp([6, 8, 8, 3])
+STEPS = 4
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return mlp([6, 8, 8, 3])
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_bucket_cap_mb_sizes_the_buckets_in_mib_of_grads():
+    ddp = distopt.DistributedDataParallel.for_this_process(_model(), bucket_cap_mb=0.0001)
+    assert ddp.bucket_size == int(0.0001 * 2**20 / 4)  # fp32 grads: 26 elements
+    bf16 = distopt.DistributedDataParallel.for_this_process(
+        _model(), bucket_cap_mb=0.0001, grad_dtype=torch.bfloat16)
+    assert bf16.bucket_size == int(0.0001 * 2**20 / 2)
+    with pytest.raises(ValueError, match="pass one"):
+        distopt.DistributedDataParallel.for_this_process(_model(), bucket_size=10,
+                                                         bucket_cap_mb=1)
+
+
+def test_torch_arguments_accepted_or_refused_by_name():
+    make = distopt.DistributedDataParallel.for_this_process
+    ddp = make(_model(), device_ids=None, output_device=None, dim=0, static_graph=True,
+               gradient_as_bucket_view=True, init_sync=True)
+    assert ddp.static_graph and ddp.gradient_as_bucket_view
+    with pytest.raises(ValueError, match="device_ids=None for a CPU module"):
+        make(_model(), device_ids=[0])
+    with pytest.raises(ValueError, match="drop dim"):
+        make(_model(), dim=1)
+    with pytest.raises(ValueError, match="grad_dtype="):
+        make(_model(), mixed_precision=object())
+    with pytest.raises(ValueError, match="find_unused_parameters=True"):
+        make(_model(), skip_all_reduce_unused_params=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        make(_model(), bucket_cap=1)
+    with pytest.raises(TypeError, match="device_ids by keyword"):
+        distopt.DistributedDataParallel(_model(), [0])
+
+
+# ---------------------------------------------------------------- two ranks
+
+
+def ignore_list_like_torch() -> dict:
+    """The same ignore list under torch's DDP and distopt's, AdamW on both: the same params."""
+    rank = dist.get_rank()
+    x_all, y_all = zip(*(_batch(s) for s in range(STEPS)), strict=True)
+    runs = {}
+    for kind in ("torch", "distopt"):
+        model = _model()
+        with torch.no_grad():  # each rank's own ignored layer, which no one averages
+            model[2].weight.add_(rank)
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, IGNORED)
+        ignored = [p for n, p in model.named_parameters() if n in IGNORED]
+        if kind == "torch":
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opts = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+        else:
+            ddp = distopt.DistributedDataParallel(model)
+            refused = ""
+            try:
+                distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+            except ValueError as error:
+                refused = str(error)
+            opts = [distopt.DistributedOptimizer(ddp, torch.optim.AdamW, params=ddp.params,
+                                                 lr=1e-2),
+                    torch.optim.AdamW(ignored, lr=1e-2)]
+        for step in range(STEPS):
+            x, y = x_all[step][rank::2], y_all[step][rank::2]
+            for opt in opts:
+                opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            for opt in opts:
+                opt.step()
+        if kind == "distopt":
+            ddp.finish_param_sync()
+        runs[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    diff = max((runs["torch"][n] - runs["distopt"][n]).abs().max().item() for n in runs["torch"])
+    gathered = [None, None]
+    dist.all_gather_object(gathered, runs["distopt"]["2.weight"])
+    return {"diff": diff, "refused": refused, "local": not torch.equal(*gathered)}
+
+
+def init_sync_off_keeps_each_ranks_weights() -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # other weights on each rank
+    model = mlp([6, 8, 3])
+    own = copy.deepcopy(model.state_dict())
+    distopt.DistributedDataParallel(model, init_sync=False)
+    kept = all(torch.equal(own[k], v) for k, v in model.state_dict().items())
+    torch.manual_seed(rank)
+    synced = mlp([6, 8, 3])
+    distopt.DistributedDataParallel(synced)
+    first = [None, None]
+    dist.all_gather_object(first, synced[0].weight.detach())
+    return {"kept": kept, "synced": torch.equal(*first)}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_cases(2, [("ignore", ignore_list_like_torch, ()),
+                         ("init-sync", init_sync_off_keeps_each_ranks_weights, ())])
+
+
+def test_ignore_list_trains_as_torch_ddp(two):
+    for v in case_result(two, "ignore"):
+        assert v["diff"] <= 1e-6, v
+        assert v["local"]  # the ignored layer differs across ranks, as under torch
+        assert "ignore list" in v["refused"] and "params=" in v["refused"]
+
+
+def test_init_sync_false_keeps_each_ranks_weights(two):
+    for v in case_result(two, "init-sync"):
+        assert v == {"kept": True, "synced": True}
