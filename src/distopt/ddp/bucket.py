@@ -131,6 +131,7 @@ class Bucket:
         """Write (first grad of the step) or add (later ones) ``grad`` into ``main_grad``."""
         if self.state in _LAUNCHED:  # adds to a reduced bucket: every grad is due again
             self.wait_reduction()
+            self.storage.reopen(self)  # see [Note: several backwards per step]
             self._pending = set(self.params)
             self._advance(BucketState.FILLING)
         elif self.state is BucketState.EMPTY:

@@ -45,9 +45,21 @@ class FullGrads:
     def __init__(self, grad_data: torch.Tensor, grad_shard: torch.Tensor) -> None:
         self.grad_data: torch.Tensor | None = grad_data  # [bucket numel]
         self.grad_shard = grad_shard  # [bucket numel / d], a view of grad_data
+        # A reduce-scattered bucket that takes another backward's grads: its reduced shard,
+        # added back once the next reduction is in ([Note: several backwards per step]).
+        self._reduced: torch.Tensor | None = None
 
     def begin_grads(self, bucket: Bucket) -> None:
         """Before the bucket's first grad of a backward: nothing to prepare."""
+
+    def reopen(self, bucket: Any) -> None:
+        """A reduced bucket gets grads again: keep what this rank holds reduced, and have the
+        next grads overwrite the buffer (the other ranks' chunks hold local grads)."""
+        if not bucket.reduce_scatter:
+            return  # all-reduced: the buffer holds the average, the new grads add to it
+        shard = self.grad_shard
+        self._reduced = shard.clone() if self._reduced is None else self._reduced.add_(shard)
+        bucket.forget_written()
 
     def prepare_launch(self, bucket: Bucket) -> None:
         """Before the reduction: the buffer already holds every grad."""
@@ -59,13 +71,17 @@ class FullGrads:
         """Nothing to free when it is waited for."""
 
     def first_stage_done(self, bucket: Bucket) -> None:
-        """The result is in place already."""
+        """The result is in place; an earlier backward's reduced grads are added to it."""
+        if self._reduced is not None:
+            self.grad_shard.add_(self._reduced)
+            self._reduced = None
 
     def replica_started(self) -> None:
         """Nothing to note."""
 
     def forget(self, bucket: Bucket) -> None:
         """A new step: the next grads overwrite the buffer ([Note: grads written, not zeroed])."""
+        self._reduced = None
 
     @property
     def holds_buffer(self) -> bool:
@@ -97,6 +113,10 @@ class ShardedGrads:
     def begin_grads(self, bucket: Bucket) -> None:
         if self.grad_data is None:
             self._take(bucket)
+
+    def reopen(self, bucket: Bucket) -> None:
+        """A reduced bucket gets grads again: they go to a fresh buffer, whose reduction adds
+        into the kept shard (every backward's does)."""
 
     def _take(self, bucket: Bucket) -> None:
         self._buffer = self.pool.acquire()

@@ -19,23 +19,31 @@ the same as with a cleared buffer. Padding between parameters is never written b
 the reduction of zeros, so it stays zero.
 
 [Note: grads after the reduction]
-Once a bucket's reduction has started, a grad that arrives for one of its parameters cannot
-join it: with overlap the bucket is already on the wire, and after a reduce-scatter each rank's
-buffer holds the average only in its own chunk and its local grads elsewhere, so reducing the
-buffer again would mix the two. Such a grad comes from a second backward without ``no_sync``
-or ``zero_grad`` in between, or from a parameter whose grad is accumulated twice in one
-backward (reentrant activation checkpointing); on several ranks it raises in the grad hook,
-rather than give a silently wrong step. What the sharding allows after a reduction is its
-``GradPolicy``'s to say (sharding.py): with all-reduced buckets every rank holds the same
-average once the sync has finished, and a further backward adds to it and reduces again, as
-torch DDP does; with sharded grads every backward reduces and adds to the kept shard, so only a
-grad for a bucket launched in the same backward raises, on one process too ([Note: sharded
-grads] in ddp/grad_pool.py). On one process nothing else is reduced and grads simply
-accumulate. The grad sync counts rounds (a backward with sharded grads, a finished sync with
-all-reduced ones): a bucket launched in the current round takes no more grads. The error names
-the case it sees: a backward after the step's sync without ``zero_grad``; a parameter that
-already had a grad this step (a second micro-batch outside ``no_sync``, or a grad accumulated
-twice in one backward); anything else.
+Once a bucket's reduction has started, a grad that arrives for one of its parameters in the
+same backward cannot join it: with overlap the bucket is already on the wire. Such a grad comes
+from a parameter whose grad is accumulated twice in one backward (reentrant activation
+checkpointing across a bucket); on several ranks it raises in the grad hook, naming the param
+and its model, rather than give a silently wrong step. A grad of a later backward is not late:
+see [Note: several backwards per step]. On one process nothing is reduced and grads simply
+accumulate. The grad sync counts rounds, one per backward: a bucket launched in the current
+round takes no more grads.
+
+[Note: several backwards per step]
+torch DDP reduces on every backward outside ``no_sync`` and adds: gradient accumulation without
+``no_sync``, two losses with a backward each, a GAN's discriminator reached by the generator's
+backward after its own step. distopt does the same in every sharding mode, each backward's
+reduction adding to what the earlier ones reduced: with all-reduced buckets the new grads add
+to the average in the buffer, which is reduced again; with reduce-scattered full buffers the
+bucket is *reopened*: this rank's reduced shard is put aside (a copy, 1/d of the bucket), the
+next grads overwrite the buffer, and once their reduction is in the copy is added back; with
+sharded grads each backward's reduction adds into the kept shard ([Note: sharded grads] in
+ddp/grad_pool.py). The sum of averages equals torch's, rounded once per backward. Which
+buckets a later backward reopens is the params it reaches, the same on every rank that runs
+the same model (torch DDP's own rule). Its reductions start in launch order as buckets
+fill, up to the first bucket an earlier backward reduced that this one has not (yet) reached;
+the rest start in ``finish_grad_sync``, which skips the buckets whose reduction stands. Each
+extra backward costs one more reduction of what it reaches, so ``no_sync()`` on all but the
+last micro-batch stays the cheap way to accumulate (one reduction per step).
 
 [Note: a step held whole]
 Sharded grads reduce every backward, inside ``no_sync`` too ([Note: sharded grads]), and sharded
@@ -100,10 +108,11 @@ class GradSync:
         self.dtensor_params = dtensor_params
         self.experts = experts
         self.markers = GradMarkers(params, param_names)
+        # How errors name the model: "the DDP of <its module's class>" (a GAN has two).
+        self.model_name = "the distopt DDP"
         self.state = SyncState.IDLE
         self.sync_enabled = True  # False inside no_sync()
         self.round = 0  # see [Note: grads after the reduction]
-        self._synced_in_step = False  # for the late grad's message: which case it is
         self._grad_divisor = 1.0  # what this step's reduced grads are divided by (divide())
         self._launches = True  # whether this backward launches buckets as they fill
         # Under no_sync: keep the step's grads whole in the pool and its params gathered, to
@@ -139,8 +148,10 @@ class GradSync:
             self.zero_grad_buffer()
         for bucket in self.buckets:
             bucket.wait_reduction()
-        if self.policy.reduces_every_backward:
-            self.round += 1
+        self.round += 1  # a bucket launched in an earlier backward may take grads again
+        if not self.policy.reduces_every_backward and any(b.launched for b in self.buckets):
+            # Buckets this backward reopens launch again, in order, past those that stand.
+            self._next_launch = self._next_replica = 0
         self._launches = self.sync_enabled or (self.policy.reduces_every_backward
                                                and not self.hold_step)
         self._advance(SyncState.BACKWARD)
@@ -195,52 +206,40 @@ class GradSync:
                 self._launch_ready_buckets()
 
     def _is_late(self, bucket: Bucket) -> bool:
-        # See [Note: grads after the reduction].
+        # See [Note: grads after the reduction]: only a grad for a bucket launched in this
+        # same backward is late; an earlier backward's bucket reduces again and adds.
         if not bucket.launched:
             return False
         if self.parallel.dp_size == 1 and not self.policy.reduces_every_backward:
             return False
-        readds = self.policy.reduces_every_backward or self.policy.reduces_again_after_sync
-        return bucket.launched_round == self.round or not readds
+        return bucket.launched_round == self.round
 
     def _raise_late_grad(self, param: nn.Parameter, bucket: Bucket) -> None:
-        if self._synced_in_step and not self.policy.reduces_every_backward:
-            why = (
-                "this step's grads were already reduced (optimizer.step() or "
-                "ddp.finish_grad_sync() ran) and optimizer.zero_grad() was not called since: "
-                "call optimizer.zero_grad() before the next step's first backward"
-            )
-        elif bucket.wrote(param) and self.policy.reduces_every_backward:
+        if bucket.wrote(param):
             why = (
                 "its grad was accumulated twice in one backward, the second time after its "
                 "bucket was reduced: run each parameter's backward once per backward (no "
                 "reentrant activation checkpointing across a bucket: use_reentrant=False)"
             )
-        elif bucket.wrote(param):
-            why = (
-                "it already had a grad this step, and its bucket was reduced since: accumulate "
-                "micro-batches inside ddp.no_sync() (all but the last), and run each "
-                "parameter's backward once per backward (no reentrant activation "
-                "checkpointing across a bucket: use_reentrant=False)"
-            )
         else:
             why = (
-                "accumulate micro-batches inside ddp.no_sync() (all but the last), call "
-                "optimizer.zero_grad() before the next step's first backward, and run each "
-                "parameter's backward once per step (no reentrant activation checkpointing "
-                "across a bucket)"
+                "run each parameter's backward once per backward (no reentrant activation "
+                "checkpointing across a bucket: use_reentrant=False)"
             )
-        span = "backward" if self.policy.reduces_every_backward else "step"
         raise RuntimeError(
-            f"parameter '{self.param_names[param]}' got a gradient after its bucket's "
-            f"data-parallel reduction had started (bucket {bucket.order} was already "
-            f"{bucket.state.value} in this {span}), so it would be left out of the reduced "
-            f"gradient: {why}"
+            f"parameter '{self.param_names[param]}' of {self.model_name} got a gradient after "
+            f"its bucket's data-parallel reduction had started in the same backward (bucket "
+            f"{bucket.order} was already {bucket.state.value}), so it would be left out of the "
+            f"reduced gradient: {why}"
         )
 
     def _launch_ready_buckets(self) -> None:
-        # Strictly in launch order; see [Note: bucket launch order].
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+        # Strictly in launch order; see [Note: bucket launch order]. A bucket an earlier
+        # backward reduced may still be reopened by this one ([Note: several backwards per
+        # step]): the launches wait there, and finish_grad_sync passes it if it stands.
+        while (self._next_launch < len(self.buckets)
+               and not self._stands(self.buckets[self._next_launch])
+               and self.buckets[self._next_launch].ready):
             self._launch_next()
         # Second stages too, in the same order, as far as first stages have finished.
         while self._next_replica < self._next_launch and self.buckets[
@@ -276,10 +275,18 @@ class GradSync:
     def _launch_rest(self) -> None:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if bucket.launched and bucket.launched_round == self.round:
-                self._next_launch += 1  # launched already in this round
+            if bucket.launched and (bucket.launched_round == self.round
+                                    or self._stands(bucket)):
+                self._next_launch += 1  # launched already in this round, or its result stands
             else:
                 self._launch_next()
+
+    def _stands(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s reduction from an earlier backward of the step stands: with
+        full grads a bucket is reduced again only once reopened by a new grad; with sharded
+        grads every backward reduces every bucket ([Note: sharded grads])."""
+        return (bucket.launched and bucket.launched_round != self.round
+                and not self.policy.reduces_every_backward)
 
     # ------------------------------------------------------------------ the sync
 
@@ -316,7 +323,6 @@ class GradSync:
             self.round += 1
         self._apply_divisor()
         self._advance(SyncState.SYNCED)
-        self._synced_in_step = True
         if self.options.check_for_nan_in_grad:
             raise_on_nonfinite_grad(self.buckets, self.params, self.param_names,
                                     self._nan_check_groups, self.stats)
@@ -360,7 +366,6 @@ class GradSync:
         self.unused_params = frozenset()
         self._release_grad_pools()
         self.round += 1
-        self._synced_in_step = False
         self._grad_divisor = 1.0
         self._advance(SyncState.IDLE)
 

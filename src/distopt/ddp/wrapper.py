@@ -356,6 +356,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self._grad_sync = GradSync(buckets, self.params, self.param_names, self.options,
                                    self.parallel, self.grad_pools, self.comm_stats,
                                    self._dtensor_params, experts=self.experts)
+        self._grad_sync.model_name = f"the distopt DDP of {type(self.module).__name__}"
         for hook in self._param_wait_hooks:
             hook.remove()
         if self._unsharder is not None:
