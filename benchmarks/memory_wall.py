@@ -208,15 +208,22 @@ def launch(system: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-def wall_arithmetic(num_params: int, d: int, memory: dict[str, int]) -> list[str]:
+def wall_arithmetic(num_params: int, d: int, memory: dict[str, int],
+                    lean: bool = False) -> list[str]:
     """What each replicated or partly sharded system needs per rank and for d ranks, from its
-    bytes per parameter (fp32 params and grads, Adam's two fp32 moments)."""
+    bytes per parameter (fp32 params and grads, Adam's two fp32 moments; ``lean``: distopt's
+    lean tier beside them)."""
     import torch
 
     import distopt
 
-    fp32 = torch.float32
-    rows = [
+    fp32, bf16 = torch.float32, torch.bfloat16
+    rows = [] if not lean else [
+        ("distopt lean tier (sharded)",
+         distopt.theoretical_bytes_per_param(bf16, bf16, d, shard_params=True,
+                                             store_param_remainders=True, state_dtype=bf16)),
+    ]
+    rows += [
         ("torch DDP + AdamW", distopt.theoretical_bytes_per_param(fp32, fp32, d,
                                                                    distributed=False)),
         ("distopt ZeRO-1 (default)", distopt.theoretical_bytes_per_param(fp32, fp32, d)),
@@ -226,6 +233,7 @@ def wall_arithmetic(num_params: int, d: int, memory: dict[str, int]) -> list[str
          distopt.theoretical_bytes_per_param(fp32, fp32, d, shard_params=True)),
     ]
     lines = [f"{'system':30s} {'B/param':>8s} {'GiB/rank':>9s} {f'GiB x{d}':>8s}  fits?"]
+    rows = rows[1:] + rows[:1] if lean else rows  # the lean tier last
     for name, per_param in rows:
         rank_bytes = per_param * num_params
         total = rank_bytes * d
@@ -297,10 +305,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lean", action="store_true",
                         help="distopt's lean tier: bf16 params with remainders, bf16 grads, "
                              "bf16 AdamW state (FSDP2 is then reported, not run)")
+    parser.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="glibc's M_MMAP_THRESHOLD for every rank (MALLOC_MMAP_THRESHOLD_): "
+                             "blocks above it are mapped and given back when freed, none left "
+                             "in the heap's holes; default: glibc's own (dynamic, up to 32 MiB)")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="also save and load a distopt checkpoint in DIR, measuring both")
     args = parser.parse_args(argv)
 
+    if args.mmap_threshold is not None:  # read by glibc when each spawned rank starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     memory = meminfo()
     with_torch = build_on_meta(args)
     num_params = sum(p.numel() for p in with_torch.parameters())
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
           f"per rank")
     print(f"machine: {memory['total'] / GiB:.1f} GiB, {memory['available'] / GiB:.1f} GiB "
           f"available at the start; {os.cpu_count()} cores")
-    print("\n".join(wall_arithmetic(num_params, args.nproc, memory)))
+    print("\n".join(wall_arithmetic(num_params, args.nproc, memory, lean=args.lean)))
     baseline = 0.0
     for system in args.systems:
         if args.lean and system == "fsdp2":

@@ -23,6 +23,14 @@ deduplicates across DP replicas, and the scalars are left to its deduplication t
 
 Any split loads at any layout: a load asks for its own pieces and DCP reads every saved chunk
 that overlaps them ([Note: flat shards in DCP] in dcp.py).
+
+[Note: model entries from shards]
+With sharded params no rank holds a param whole, and gathering the model to write it would cost
+every rank the whole model at once. Instead each rank writes the part of each param that its
+shards hold (the part of a piece its replicas split, [Note: each byte written once]) as the
+boxes of the param's own shape that cover that flat range (``dcp.range_as_dcp``): the
+checkpoint holds the same entries, loadable whole or at any layout, and the save holds nothing
+beyond the state. Tensor-parallel, expert and pipeline models still gather for the write.
 """
 
 from __future__ import annotations
@@ -146,13 +154,8 @@ def shards_written_whole(opt: Optimizer, model: Any) -> bool:
 
 
 def _params_from_shards(opt: Optimizer, model: Any) -> dict[torch.Tensor, torch.Tensor]:
-    """[Note: model entries from shards]
-    With sharded params no rank holds a param whole, and gathering the model to write it would
-    cost every rank the whole model at once. Instead each rank writes the part of each param
-    that its shards hold (the part of a piece its replicas split, [Note: each byte written
-    once]) as the boxes of the param's own shape that cover that flat range
-    (``dcp.range_as_dcp``): the checkpoint holds the same entries, loadable whole or at any
-    layout, and the save holds nothing beyond the state."""
+    """Each of ``model``'s params, as the boxes this rank writes of it; see
+    [Note: model entries from shards]."""
     from .dcp import range_as_dcp
 
     if not shards_written_whole(opt, model):

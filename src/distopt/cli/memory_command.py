@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
           f"distopt {dist_total * num_params / GIB:.2f} "
           f"({rep_total / dist_total:.2f}x less); activations not included")
     _print_staging(args, num_params, dp)
-    if args.store_param_remainders:
+    if args.store_param_remainders and not (args.shard_params and model is not None):
         print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
               "bf16/fp16 grads) one bucket's shard at a time; that transient is not included")
     if args.shard_params and model is not None:
@@ -288,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(--gathered-buckets), {transient / GIB:.2f} GiB\nper rank on top, and the "
               f"grads of a few buckets in flight (not included); peak "
               f"{(dist_total * num_params + transient) / GIB:.2f} GiB per rank")
-    if args.shard_grads or args.shard_params:
+    if args.shard_grads or (args.shard_params and model is None):
         print("with --shard-grads each bucket's grads live in a transient buffer from their first "
               "grad of a backward until\nthe bucket's reduce-scatter is done, a few buckets at a "
               "time (not included); no grad buffer is kept whole")
-    if args.state_dtype != "fp32":
+    if args.state_dtype != "fp32" and not (args.shard_params and model is not None):
         print(f"with --state-dtype {args.state_dtype} the step expands one bucket's shard of "
               "the state to fp32 at a time; that transient is not included (the replicated "
               "column keeps torch's fp32 state)")

@@ -22,6 +22,7 @@ from torch import nn
 from ..cross_rank.optimizer import check_same_optimizer, describe_optimizer
 from ..cross_rank.stages import stages_agree
 from ..ddp.wrapper import DistributedDataParallel
+from ..host_memory import release_freed_host_memory
 from ..layout.elementwise import ShardPiece
 from ..options import StepOptions
 from ..parallel.process_groups import ParallelGroups, common_groups
@@ -94,6 +95,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         # next (and before any collective): see docs/design.md, "Construction, one way".
         self._check_arguments(models, optimizer_cls, loss_scaler, model_parallel_group)
         self.models = list(models)
+        self._first_step_done = False
         self.options = options
         self.loss_scaler = loss_scaler
         self.model_parallel_group = model_parallel_group
@@ -286,6 +288,11 @@ class BufferOptimizer(torch.optim.Optimizer):
         unused = {main for model in self.models for param in model.unused_params
                   for main in self._mains_of.get(param, ())}
         result = self._pipeline.run(loss_scaler, unused)
+        if result.updated and not self._first_step_done:
+            # The state was just created between the step's temporaries; see
+            # [Note: stranded host memory] in host_memory.py.
+            self._first_step_done = True
+            release_freed_host_memory()
         if result.updated:
             self._gather_params()
         return result
