@@ -25,7 +25,7 @@ import distopt
 
 from dist_harness import case_result, run_cases
 from helpers import markov_loss, max_diff, same, snapshot, world_params
-from models import TinyTransformer, mlp
+from models import TinyTransformer, markov_batch, mlp
 
 FP32_TOL = 1e-5
 LR = 1e-2
@@ -212,6 +212,45 @@ def zero_grad_ways(way: str) -> torch.Tensor:
     return _flat(model)
 
 
+def grad_readers_written_distopts_way(shard_grads: bool) -> dict:
+    """What torch users read off p.grad, the distopt way: clip_grad_value= as torch's
+    clip_grad_value_ on the averaged grads, and log_grad_norms= as each p.grad.norm() after
+    it, against plain torch on the whole batch (with clip_grad_norm_ after both)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ddp = distopt.DistributedDataParallel(model, bucket_size=5000, shard_grads=shard_grads)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, clip_grad=CLIP,
+                                       clip_grad_value=0.02, log_grad_norms=True)
+    worst_norm, clamped = 0.0, 0
+    def loss(forward, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(forward(tokens).float().flatten(0, 1),
+                                           targets.flatten())
+
+    for step in range(4):
+        tokens, targets = markov_batch(step, global_batch=12)  # divides by 1, 2 and 3
+        per = 12 // world
+        opt.zero_grad()
+        loss(ddp, tokens[rank * per:(rank + 1) * per],
+             targets[rank * per:(rank + 1) * per]).backward()
+        result = opt.step()
+        ref_opt.zero_grad()
+        loss(ref, tokens, targets).backward()
+        clamped += sum(int((p.grad.abs() > 0.02).sum()) for p in ref.parameters())
+        nn.utils.clip_grad_value_(ref.parameters(), 0.02)
+        norms = {n: p.grad.norm().item() for n, p in ref.named_parameters()}
+        nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        assert result.grad_norms is not None and result.grad_norms.keys() == norms.keys()
+        worst_norm = max(worst_norm, *(abs(result.grad_norms[n] - v) / max(v, 1e-12)
+                                       for n, v in norms.items() if v > 1e-6))
+    ddp.finish_param_sync()
+    return {"norm_rtol": worst_norm, "clamped": clamped,
+            "max_diff": max_diff(model, ref)}
+
+
 KINDS = ["step", "unscale-clip", "basic", "distopt-scaler"]
 ZERO_WAYS = ["optimizer", "ddp", "module", "module-keep"]
 
@@ -220,6 +259,7 @@ def _cases() -> list:
     cases = [(f"scaler-{kind}", grad_scaler_run, (kind,)) for kind in KINDS]
     cases += [(f"refused-{s}", grad_utilities_refused, (s,)) for s in (False, True)]
     cases += [(f"zero-{way}", zero_grad_ways, (way,)) for way in ZERO_WAYS]
+    cases += [(f"readers-{s}", grad_readers_written_distopts_way, (s,)) for s in (False, True)]
     return cases
 
 
@@ -340,3 +380,11 @@ def test_main_params_have_no_grad_outside_the_step():
     assert seen == [True, False]
     assert all(m.grad is None for m in opt.main_params)
     assert all(opt.main_grad(m) is not None for m in opt.main_params)
+
+
+@pytest.mark.parametrize("shard_grads", [False, True])
+def test_clip_grad_value_and_per_param_norms_as_torch(world, shard_grads):
+    for value in case_result(world[1], f"readers-{shard_grads}"):
+        assert value["clamped"] > 0  # the bound acts
+        assert value["norm_rtol"] <= 1e-4, value
+        assert value["max_diff"] <= 2 * FP32_TOL, value  # AdamW's roundoff near eps

@@ -201,6 +201,10 @@ class StepOptions:
     """Max global grad norm (one norm over every shard, bucket, dtype and TP rank), or None."""
     log_num_zeros: bool = False
     """Count the zero elements of the clipped grads in every step's result."""
+    clip_grad_value: float | None = None
+    """Clamp each reduced grad element to [-v, v] (torch's ``clip_grad_value_``), or None."""
+    log_grad_norms: bool = False
+    """Give every step's result each param's reduced grad norm, by name."""
     overlap_param_gather: bool = False
     """All-gather updated params in the background; the next forward waits per bucket."""
     store_param_remainders: bool = False
@@ -227,6 +231,9 @@ class StepOptions:
             raise ValueError(
                 f"clip_grad must be a positive max norm or None, got {self.clip_grad}"
             )
+        if self.clip_grad_value is not None and not self.clip_grad_value > 0:
+            raise ValueError(f"clip_grad_value must be a positive bound or None, got "
+                             f"{self.clip_grad_value}")
 
     def check_param_dtypes(self, param_dtypes: set[torch.dtype]) -> None:
         """The check that needs the model: remainders complete bf16 params only."""

@@ -7,8 +7,10 @@ The DDP moves each grad out of ``p.grad`` into its bucket as soon as autograd ha
 in ``p.grad``. A ``p.grad`` of None would let torch's utilities work on nothing, in silence:
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` would return 0 and clip nothing. So once
 its grad is moved, a param's ``.grad`` is a ``GradInBuffer``: a tensor of the param's shape, dtype
-and device without storage, whose every operation raises one error that names the param and the fix
-(``clip_grad=`` on the optimizer; its global norm is ``StepResult.grad_norm``). Every rank runs the
+and device without storage, whose every operation raises one error that names the param and the
+optimizer's options that do what ``p.grad`` is read for (``clip_grad=``, whose global norm is
+``StepResult.grad_norm``; ``clip_grad_value=``; ``log_grad_norms=``, each param's norm in
+``StepResult.grad_norms``). Every rank runs the
 same user code, so every rank raises at the same call, and none is left waiting in a collective. A
 tensor hook that runs before autograd's accumulation removes the marker, so autograd writes the next
 grad as into an empty ``.grad``.
@@ -63,11 +65,12 @@ class GradInBuffer(torch.Tensor):
             "buffers as soon as autograd computes it, and after the reduction each rank holds "
             "the reduced gradient of its own shard only, so no rank has what torch's DDP leaves "
             "in p.grad. "
-            "For clipping pass clip_grad=max_norm to distopt.DistributedOptimizer (or "
-            "BasicOptimizer) instead of calling torch.nn.utils.clip_grad_norm_ / "
-            "clip_grad_value_ / get_total_norm; the global norm is opt.step().grad_norm. With "
-            "torch.amp.GradScaler, scaler.step(opt) unscales before clipping. See "
-            "docs/mixed-precision.md"
+            "Pass the optimizer (distopt.DistributedOptimizer or BasicOptimizer) what you "
+            "read p.grad for: clip_grad=max_norm for torch.nn.utils.clip_grad_norm_ (the "
+            "global norm is opt.step().grad_norm, get_total_norm's), clip_grad_value=v for "
+            "clip_grad_value_, log_grad_norms=True for each param's grad norm "
+            "(opt.step().grad_norms, by name). With torch.amp.GradScaler, scaler.step(opt) "
+            "unscales before clipping. See docs/mixed-precision.md"
         )
 
     def __repr__(self) -> str:  # type: ignore[override]

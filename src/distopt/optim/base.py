@@ -43,7 +43,7 @@ from .state_precision import (
     resolve_block_size,
     resolve_state_dtypes,
 )
-from .step import BucketByBucket, StepPipeline, StepResult, WholeShard
+from .step import BucketByBucket, GradNormLog, StepPipeline, StepResult, WholeShard
 from .tied import tied_grads
 
 
@@ -233,8 +233,24 @@ class BufferOptimizer(torch.optim.Optimizer):
             counted=dict.fromkeys(counted), reduce_groups=self._reduce_groups,
             device=self._device, stats=self.models[0].comm_stats,
             clip_grad=options.clip_grad, log_num_zeros=options.log_num_zeros,
+            clip_grad_value=options.clip_grad_value,
+            grad_norm_log=self._grad_norm_log(counted) if options.log_grad_norms else None,
             state_precision=self.state_precision if state_dtypes else None,
         )
+
+    def _grad_norm_log(self, counted: list[nn.Parameter]) -> GradNormLog:
+        """What ``log_grad_norms`` sums; refused with experts, whose ranks hold other experts
+        under the same names."""
+        if any(model.experts is not None for model in self.models):
+            raise ValueError(
+                "log_grad_norms=True sums each name's norm over the data-parallel ranks, whose "
+                "experts differ under the same names: drop it with experts, or log the global "
+                "norm (clip_grad=..., StepResult.grad_norm)"
+            )
+        names = {p: n for model in self.models for p, n in model.param_names.items()}
+        groups = [g for g in self._reduce_groups if g is not self.parallel.pp_group]
+        return GradNormLog([names[self.piece_info(m)[0]] for m in counted],
+                           sorted(set(names.values())), groups)
 
     def _alias_torch_optimizer(self, inner_groups: list[dict[str, Any]]) -> None:
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state, and these

@@ -84,3 +84,19 @@ def any_rank_found_inf(
     """Whether any rank raised its ``found_inf`` flag."""
     all_reduce_small(found_inf, dist.ReduceOp.MAX, groups, stats)
     return bool(found_inf.item() > 0)
+
+
+def norms_by_name(norms: list[torch.Tensor | None], names: list[str], all_names: list[str],
+                  groups: Groups, device: torch.device, stats: CommStats | None = None
+                  ) -> dict[str, float]:
+    """Each of ``all_names``' L2 norm over ``groups``' ranks, from this rank's pieces' norms
+    (``norms[i]`` of a piece of ``names[i]``; None: no grad): one all-reduce of a vector in
+    the sorted order of ``all_names``, which every rank of the groups shares."""
+    order = sorted(set(all_names))
+    index = {name: i for i, name in enumerate(order)}
+    squares = torch.zeros(len(order), dtype=torch.float32, device=device)
+    for norm, name in zip(norms, names, strict=True):
+        if norm is not None:
+            squares[index[name]] += norm.float().square()
+    all_reduce_small(squares, dist.ReduceOp.SUM, groups, stats)
+    return dict(zip(order, squares.sqrt_().tolist(), strict=True))

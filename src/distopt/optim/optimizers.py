@@ -82,6 +82,12 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         overlap_param_gather: all-gather the updated params in the background and let the next
             forward wait for each bucket just before its first use.
         log_num_zeros: count the zero elements of the clipped grads in every step's result.
+        clip_grad_value: clamp every element of the reduced grads to [-v, v] before the step
+            (torch's ``clip_grad_value_``, which ``p.grad`` cannot take under distopt), before
+            ``clip_grad``'s norm; None: no clamp.
+        log_grad_norms: each step's result carries ``grad_norms``, every param's reduced grad
+            norm by name (after unscaling and ``clip_grad_value``, before ``clip_grad``): the
+            per-layer norms torch users log from ``p.grad``; one small all-reduce per step.
         model_parallel_group: the ranks that hold the other parts of the model (tensor or
             pipeline parallel), or None. The inf/nan verdict is agreed over it and the grad
             norm and zero count are summed over it, besides the data-parallel group; each
@@ -118,6 +124,8 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         overlap_param_gather: bool = False,
         *,
         log_num_zeros: bool = False,
+        clip_grad_value: float | None = None,
+        log_grad_norms: bool = False,
         model_parallel_group: dist.ProcessGroup | None = None,
         store_param_remainders: bool = False,
         state_dtype: StateDtype = None,
@@ -134,6 +142,7 @@ class DistributedOptimizer(_CheckpointedOptimizer):
                     "all-reduces them: rebuild it, or use distopt.BasicOptimizer"
                 )
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
+                              clip_grad_value=clip_grad_value, log_grad_norms=log_grad_norms,
                               overlap_param_gather=overlap_param_gather,
                               store_param_remainders=store_param_remainders,
                               state_dtype=state_dtype, state_block_size=state_block_size,
@@ -153,8 +162,9 @@ class BasicOptimizer(_CheckpointedOptimizer):
 
     Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
     (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
-    plain ``nn.Module`` trained on one process. ``model_parallel_group``, ``state_dtype``,
-    ``state_block_size`` and ``state_rounding`` are as for DistributedOptimizer.
+    plain ``nn.Module`` trained on one process. ``model_parallel_group``, ``clip_grad_value``,
+    ``log_grad_norms``, ``state_dtype``, ``state_block_size`` and ``state_rounding`` are as for
+    DistributedOptimizer; ``grad_dtype`` is the grad buffer's dtype of a plain module.
     """
 
     _sharded = False
@@ -168,6 +178,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
         loss_scaler: LossScaler | None = None,
         *,
         log_num_zeros: bool = False,
+        clip_grad_value: float | None = None,
+        log_grad_norms: bool = False,
         grad_dtype: torch.dtype | None = torch.float32,
         model_parallel_group: dist.ProcessGroup | None = None,
         state_dtype: StateDtype = None,
@@ -189,6 +201,7 @@ class BasicOptimizer(_CheckpointedOptimizer):
                     "use distopt.DistributedOptimizer"
                 )
         options = StepOptions(clip_grad=clip_grad, log_num_zeros=log_num_zeros,
+                              clip_grad_value=clip_grad_value, log_grad_norms=log_grad_norms,
                               state_dtype=state_dtype, state_block_size=state_block_size,
                               state_rounding=state_rounding)
         super().__init__(

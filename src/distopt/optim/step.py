@@ -62,6 +62,10 @@ class StepResult:
     updated: bool
     grad_norm: float | None = None
     num_zeros: int | None = None
+    grad_norms: dict[str, float] | None = None
+    """Each param's reduced grad norm (after unscaling and value clipping, before norm
+    clipping), by the DDP's name; with ``log_grad_norms``: what torch users read off
+    ``p.grad.norm()`` for logging, which distopt's ``p.grad`` markers refuse."""
 
 
 class Unscaler(Protocol):
@@ -173,6 +177,18 @@ def _masters_and_grads(
         yield mains, fresh
 
 
+@dataclass(frozen=True, slots=True)
+class GradNormLog:
+    """What ``log_grad_norms`` needs: each counted piece's param name (``counted``'s order),
+    every param name of this rank's models (the same on every rank summed over), and the
+    groups the squares are summed over (the data-parallel and tensor-parallel ones: a
+    pipeline stage logs its own params)."""
+
+    names: list[str]
+    all_names: list[str]
+    groups: list[Any]
+
+
 @dataclass(kw_only=True, slots=True)
 class StepPipeline:
     """The two passes of [Note: step chunks] over one optimizer's main params."""
@@ -187,6 +203,11 @@ class StepPipeline:
     stats: CommStats | None
     clip_grad: float | None
     log_num_zeros: bool
+    clip_grad_value: float | None = None
+    """Clamp every reduced grad element to [-v, v] (torch's ``clip_grad_value_``)."""
+    grad_norm_log: GradNormLog | None = None
+    """With ``log_grad_norms``: which param each counted piece is of, and over which ranks
+    the pieces' squares are summed."""
     state_precision: StatePrecision | None = None
     """With state held below fp32: expands each chunk's state around its inner step."""
 
@@ -207,13 +228,15 @@ class StepPipeline:
 
         self.source.begin()
         norms: dict[nn.Parameter, torch.Tensor] = {}
-        if inv_scale is not None or self.clip_grad is not None:
+        wants_norms = self.clip_grad is not None or self.grad_norm_log is not None
+        if inv_scale is not None or wants_norms or self.clip_grad_value is not None:
             found_inf = grad_stats.inf_flag(device)
             for chunk in self.source.grad_chunks():
                 with chunk as mains:
                     if inv_scale is not None:
                         grad_stats.unscale_(_grads(mains), found_inf, inv_scale)
-                    if self.clip_grad is not None:
+                    self._clamp(_grads(mains))
+                    if wants_norms:
                         mine = [m for m in mains if m in counted]
                         norms.update(zip(mine, grad_stats.grad_norms(_grads(mine)), strict=True))
             if loss_scaler is not None:
@@ -222,6 +245,12 @@ class StepPipeline:
                 if found:
                     return StepResult(updated=False)
 
+        per_param = None
+        log = self.grad_norm_log
+        if log is not None:
+            per_param = grad_stats.norms_by_name(
+                [norms.get(m) for m in counted], log.names, log.all_names, log.groups, device,
+                stats)
         grad_norm, coef = None, None
         if self.clip_grad is not None:
             total_norm = grad_stats.global_norm([norms[m] for m in counted], groups, device, stats)
@@ -234,6 +263,8 @@ class StepPipeline:
                 grads = _grads(mains)
                 if fresh and inv_scale is not None:
                     grad_stats.unscale_(grads, grad_stats.inf_flag(device), inv_scale)
+                if fresh:
+                    self._clamp(grads)
                 if coef is not None and grads:
                     torch._foreach_mul_(grads, coef)
                 if zeros is not None:
@@ -244,7 +275,15 @@ class StepPipeline:
                     self._inner_step(stepped)
         self.source.end()
         num_zeros = None if zeros is None else grad_stats.total_zeros(zeros, groups, stats)
-        return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros)
+        return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros,
+                          grad_norms=per_param)
+
+    def _clamp(self, grads: list[torch.Tensor]) -> None:
+        # torch's clip_grad_value_, on the reduced grads this rank holds: element-wise, so
+        # the same as on the whole averaged grad.
+        if self.clip_grad_value is not None and grads:
+            torch._foreach_clamp_min_(grads, -self.clip_grad_value)
+            torch._foreach_clamp_max_(grads, self.clip_grad_value)
 
     def _inner_step(self, mains: list[nn.Parameter]) -> None:
         """Step ``mains`` with the inner optimizers: every group at once when they are all of
