@@ -199,3 +199,44 @@ def test_ignore_list_trains_as_torch_ddp(two):
 def test_init_sync_false_keeps_each_ranks_weights(two):
     for v in case_result(two, "init-sync"):
         assert v == {"kept": True, "synced": True}
+
+
+class _WithEmptyParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.empty = nn.Parameter(torch.zeros(0))  # torch DDP and torch.optim take it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.empty.sum()
+
+
+def test_a_zero_size_param_is_taken_as_torch_takes_it():
+    torch.manual_seed(0)
+    model = _WithEmptyParam()
+    ref = copy.deepcopy(model)
+    opt = distopt.BasicOptimizer(model, torch.optim.SGD, params=list(model.parameters()),
+                                 lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _batch(0)
+    for m, o in ((opt.models[0], opt), (ref, ref_opt)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(x), y[:, :3]).backward()
+        o.step()
+    assert torch.equal(model.lin.weight.detach(), ref.lin.weight.detach())
+
+
+def test_requires_grad_changed_after_wrapping_is_refused_at_the_forward():
+    model = _model()
+    ddp = distopt.DistributedDataParallel.for_this_process(model)
+    x, _ = _batch(0)
+    ddp(x)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="'0.weight' became frozen after the module was"):
+        ddp(x)
+    model[0].weight.requires_grad_(True)
+    model[2].bias.requires_grad_(False)
+    frozen = distopt.DistributedDataParallel.for_this_process(model)
+    model[2].bias.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="'2.bias' became trainable"):
+        frozen(x)

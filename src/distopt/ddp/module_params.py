@@ -26,8 +26,10 @@ def trainable_named_params(
             f"the module is already wrapped in {type(module).__module__}."
             f"{type(module).__name__}; pass the bare module to distopt.DistributedDataParallel"
         )
+    # A zero-size param has nothing to reduce or step (torch's optimizers step it as nothing
+    # too): it stays out of the buffers and keeps autograd's own empty p.grad.
     named = [(n, p) for n, p in module.named_parameters()
-             if p.requires_grad and n not in ignored]
+             if p.requires_grad and n not in ignored and p.numel() > 0]
     if not named:
         raise ValueError("the module has no trainable parameters (all are frozen or absent)")
     devices = sorted({str(p.device) for _, p in named})

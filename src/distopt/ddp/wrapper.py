@@ -245,6 +245,9 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
+        # Every param whose requires_grad the forward checks is unchanged since wrapping.
+        self._watched = [(n, p, p in self._param_index) for n, p in module.named_parameters()
+                         if p.numel() > 0 and n not in ignored]
         # One stage's refusal is every stage's: [Note: refusals across stages].
         with stages_agree(self.parallel.pp_group):
             # Known by the tie's name from here on; see [Note: tied stage params].
@@ -408,6 +411,20 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self._lay_out(whole_tensor_costs)  # the old buffers go once nothing views them
         self._owners_set_by = by
 
+    def _check_trainable_unchanged(self) -> None:
+        """Refuse a param whose ``requires_grad`` changed since wrapping (the buffers hold the
+        params that were trainable then): it would never be stepped, or be stepped frozen. The
+        same on every rank that runs the same code, before any collective of the forward."""
+        for name, param, wrapped in self._watched:
+            if param.requires_grad != wrapped:
+                became = "trainable" if param.requires_grad else "frozen"
+                raise RuntimeError(
+                    f"parameter '{name}' became {became} after the module was wrapped: "
+                    "distopt laid its buffers out for the params trainable then. Set "
+                    "requires_grad before distopt.DistributedDataParallel(...), or wrap the "
+                    "module again (ddp.release(), then a new DDP and optimizer)"
+                )
+
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(
             module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
@@ -494,6 +511,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
     # ------------------------------------------------------------------ forward / backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_trainable_unchanged()
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
         if self._unsharder is not None:  # see [Note: where a param is used]

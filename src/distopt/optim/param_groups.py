@@ -84,6 +84,7 @@ def normalize_param_groups(
             raise TypeError("each param group must be a dict with a 'params' entry")
         plist = group["params"]
         plist = [plist] if isinstance(plist, torch.Tensor) else list(plist)
+        plist = [p for p in plist if p.numel() > 0]  # nothing to step, as in torch.optim
         for p in plist:
             if p not in known:
                 raise ValueError(
