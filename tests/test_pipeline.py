@@ -349,6 +349,60 @@ def refusals_on_every_stage() -> dict:
         ("torch_stage", torch_stage)]}
 
 
+def experts_in_stages(schedule: str, variant: str = "") -> float:
+    """A GPT with a mixture of experts in 2 stages over (pp, dp) = (2, 2), each stage's 2 DP
+    ranks one expert-parallel group of 2 (their expert mesh a ("dp", "ep") = (1, 2) slice of a
+    (pp, dp, ep) mesh): the largest difference from one process's AdamW (clipped) on the whole
+    batch, every expert local, over 3 steps. find_unused_parameters: an expert no token reached
+    is left out of the step, as torch.optim leaves a param whose grad is None."""
+    from distopt.train.model import GPT, GPTConfig
+    from distopt.train.stages import GPTStage, stage_loss
+
+    pp, ep = 2, 2
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(pp, 2), mesh_dim_names=("pp", "dp"))
+    experts_mesh = DeviceMesh("cpu", torch.arange(4).reshape(pp, 1, ep),
+                              mesh_dim_names=("pp", "dp", "ep"))["dp", "ep"]
+    pp_rank, dp_rank = mesh.get_coordinate()
+    cfg = GPTConfig(seq_len=8, n_layer=2, n_head=2, n_embd=16, vocab_size=32, n_experts=4,
+                    top_k=2)
+    torch.manual_seed(7)
+    stage = GPTStage(GPT(cfg, ep_group=experts_mesh["ep"].get_group()), pp_rank, pp)
+    torch.manual_seed(7)
+    ref = GPT(cfg)
+    ddp = distopt.DistributedDataParallel(
+        stage, device_mesh=mesh, tied_params=stage.tied_params(), bucket_size=2000,
+        find_unused_parameters=True, **VARIANTS[variant],
+        experts=distopt.ExpertParallel(experts_mesh, stage.expert_lists()))
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, clip_grad=CLIP, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    sched = SCHEDULES[schedule](PipelineStage(ddp, pp_rank, pp, torch.device("cpu")),
+                                n_microbatches=2, loss_fn=stage_loss)
+    worst = 0.0
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randint(0, 32, (8, 8), generator=g)
+        y = torch.roll(x, -1, dims=1)
+        mine = slice(dp_rank * 4, dp_rank * 4 + 4)
+        opt.zero_grad()
+        sched.step(*((x[mine],) if pp_rank == 0 else ()),
+                   **({"target": y[mine]} if pp_rank == pp - 1 else {}))
+        opt.step()
+        ddp.finish_param_sync()
+        ref_opt.zero_grad()
+        ref(x, y)[1].backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        want = dict(ref.named_parameters())
+        with ddp.gathered_params():
+            for name, param in stage.named_parameters():
+                name = ddp.experts.global_name(name)
+                target = want["wte.weight" if name == "lm_head.weight" else name]
+                worst = max(worst, (param.detach() - target.detach()).abs().max().item())
+    return worst
+
+
+EXPERT_STAGES = [("1f1b", ""), ("gpipe", ""), ("1f1b", "shard_grads")]
+
 PARITY_2 = [(2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "interleaved", 2),
             (2, 1, "zero-bubble", 2), (2, 1, "zbv", 2), (2, 1, "1f1b", 1, "muon")]
 PARITY_4 = [(2, 2, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b"), (4, 1, "interleaved", 2),
@@ -376,7 +430,16 @@ def results_2():
 
 @pytest.fixture(scope="module")
 def results_4():
-    return run_cases(4, [(_name(c), parity, c) for c in PARITY_4])
+    return run_cases(4, [(_name(c), parity, c) for c in PARITY_4]
+                     + [(f"experts-{s}-{v}", experts_in_stages, (s, v))
+                        for s, v in EXPERT_STAGES])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,variant", EXPERT_STAGES)
+def test_experts_in_stages_train_like_one_process(results_4, schedule, variant):
+    for worst in case_result(results_4, f"experts-{schedule}-{variant}"):
+        assert worst < FP32_TOL, worst
 
 
 # variant -> (param tolerance, grad-norm tolerance); fp32 otherwise. In bf16, a wrong tie moves
@@ -591,10 +654,11 @@ RESUMED = {"flat-from-pp": ("pp", ())}
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory) -> dict[str, dict]:
     """distopt train at 4 ranks, 2 micro-batches per step: 2 stages x 2 DP ranks, and the
-    unpipelined run with the same global batch; then the unpipelined run resumed at step 4
-    from the pipelined run's checkpoint. Each run's final held-out loss, and the step it
-    resumed at (None: it did not)."""
-    runs = {"pp": ("--pp", "2"), "flat": ()}
+    unpipelined run with the same global batch, each also with a mixture of experts; then the
+    unpipelined run resumed at step 4 from the pipelined run's checkpoint. Each run's final
+    held-out loss, and the step it resumed at (None: it did not)."""
+    runs = {"pp": ("--pp", "2"), "flat": (), "pp-moe": ("--pp", "2", "--moe", "4", "--ep", "2"),
+            "flat-moe": ("--moe", "4", "--ep", "2")}
     outs = {name: tmp_path_factory.mktemp(f"train-{name}") for name in [*runs, *RESUMED]}
     run_cases(4, [(name, train_in_pool, (*SMALL_TRAIN, "--out", str(outs[name]),
                                          "--grad-accum", "2", *extra))
@@ -617,6 +681,13 @@ def train_runs(tmp_path_factory) -> dict[str, dict]:
 def test_train_pp_2_learns_what_the_unpipelined_run_learns(train_runs):
     # fp32 and the same global batch: equal up to the order of the sums.
     assert train_runs["pp"]["heldout"] == pytest.approx(train_runs["flat"]["heldout"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_train_pp_2_with_experts_learns_what_the_unpipelined_run_learns(train_runs):
+    # Experts inside the stages: each stage's two DP ranks one expert-parallel group.
+    assert train_runs["pp-moe"]["heldout"] == pytest.approx(train_runs["flat-moe"]["heldout"],
+                                                            rel=1e-5)
 
 
 @pytest.mark.slow

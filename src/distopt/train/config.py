@@ -278,7 +278,7 @@ class TrainConfig:
             problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got "
                             f"{self.schedule}")
         for flag, on in (("--no-shard", self.no_shard), ("--shard-size", self.shard_size),
-                         ("--dtype fp16", self.dtype == "fp16"), ("--moe", self.moe)):
+                         ("--dtype fp16", self.dtype == "fp16")):
             if on:
                 problems.append(f"--pp does not compose with {flag} in distopt train yet; drop "
                                 "one of them")

@@ -35,6 +35,11 @@ class GPTStage(nn.Module):
         if self.last:
             self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
 
+    def expert_lists(self) -> list[nn.ModuleList]:
+        """Each of this stage's blocks' list of (this rank's) experts, as
+        ``GPT.expert_lists`` gives the whole model's (``distopt.ExpertParallel`` takes it)."""
+        return [e for e in map(GPT.experts_of, self.blocks.values()) if e is not None]
+
     def tied_params(self) -> dict[str, nn.Parameter]:
         """The embedding, which the first and the last stage both hold."""
         if self.first and self.last:

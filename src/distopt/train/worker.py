@@ -144,9 +144,13 @@ class Trainer:
             return None, None
         from torch.distributed.device_mesh import init_device_mesh
 
-        ep = self.config.ep
-        mesh = init_device_mesh(self.device.type, (self.world // ep, ep),
-                                mesh_dim_names=("dp", "ep"))
+        ep, pp = self.config.ep, self.config.pp
+        if pp == 1:
+            mesh = init_device_mesh(self.device.type, (self.world // ep, ep),
+                                    mesh_dim_names=("dp", "ep"))
+        else:  # within each stage's data-parallel ranks: a slice of a (pp, dp, ep) mesh
+            mesh = init_device_mesh(self.device.type, (pp, self.world // pp // ep, ep),
+                                    mesh_dim_names=("pp", "dp", "ep"))["dp", "ep"]
         return mesh, mesh["ep"].get_group()
 
     def _data_parallel_mesh(self) -> Any:
