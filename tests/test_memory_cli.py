@@ -322,3 +322,22 @@ def test_shard_params_peak_of_a_resized_preset(capsys):
         state + float(match.group(1)) + float(match.group(2)), abs=0.02)
     assert main(["--params", "7e9", "--layers", "3"]) == 2
     assert "--layers, --width and --heads change a --model preset" in capsys.readouterr().err
+
+
+def test_pipeline_stages_state_the_step_held_whole(capsys):
+    """With sharded grads or params a stage holds its step whole (one reduction per step):
+    its grads, and with sharded params its params, whole during the step."""
+    assert main(["--model", "small", "--pp", "2", "--dp", "2", "--dtype", "fp32",
+                 "--grad-dtype", "fp32", "--shard-params"]) == 0
+    out = capsys.readouterr().out
+    total = [float(v) for v in re.search(r"^total\s+([\d.]+) MiB\s+([\d.]+) MiB", out,
+                                         re.M).groups()]
+    during = [float(v) for v in re.search(r"^during a step\s+([\d.]+) MiB\s+([\d.]+) MiB", out,
+                                          re.M).groups()]
+    # fp32 params and grads, 8 B/param, half of them on each of d = 2 ranks between steps.
+    counts = [int(v.replace(",", "")) for v in re.search(
+        r"^params\s+([\d,]+)\s+([\d,]+)", out, re.M).groups()]
+    for t, d, n in zip(total, during, counts, strict=True):
+        assert d == pytest.approx(t + 8 * n / 2 / 2**20, abs=0.011)
+    assert main(["--model", "small", "--pp", "2", "--dp", "2"]) == 0
+    assert "during a step" not in capsys.readouterr().out  # full buffers hold it all along

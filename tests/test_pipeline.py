@@ -203,17 +203,21 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
     last = stages - 1 in indices
     per = BATCH // dp
     worst = worst_norm = 0.0
-    calls, zeros = [], []
+    calls, zeros, held = [], [], []
     for step in range(STEPS):
         x, y = batch(step)
         mine = slice(dp_rank * per, (dp_rank + 1) * per)
         opt.zero_grad()
         for ddp in ddps:
             ddp.comm_stats.reset()
+            for pool in (*ddp.grad_pools.values(), *ddp.param_pools.values()):
+                pool.reset_peak()
         kwargs = {}
         if last:
             kwargs["target"] = y[mine]
         sched.step(*((x[mine],) if first else ()), **kwargs)
+        held.append([(sum(p.peak_buffers for p in ddp.grad_pools.values()),
+                      sum(p.peak_bytes for p in ddp.param_pools.values())) for ddp in ddps])
         result = opt.step()
         calls.append([dict(ddp.comm_stats.calls) for ddp in ddps])
 
@@ -246,6 +250,11 @@ def parity(pp: int, dp: int, schedule: str, chunks: int = 1, variant: str = "") 
         "norm_diff": worst_norm,
         "calls": calls,
         "buckets": [len(ddp.buckets) for ddp in ddps],
+        # During each step: grad pool buffers, and bytes of gathered params (sharded params);
+        # the whole buckets' param bytes of each stage.
+        "held": held,
+        "param_bytes": [sum(b.numel * b.param_shard.dtype.itemsize for b in ddp.buckets)
+                        for ddp in ddps],
         "tie_equal": tie_equal,
         "tie_copies": len(copies),
         "zeros": zeros,
@@ -485,6 +494,15 @@ def test_one_reduce_scatter_and_all_gather_per_bucket_per_step(results_4, config
                 assert calls["all_gather"] == buckets, calls
             # The tie's shard, over the stages, once per step.
             assert sum(c.get("tied_all_reduce", 0) for c in step_calls) == 1, step_calls
+        # A sharded stage held its step whole: a grad buffer per bucket, every param gathered
+        # (what `distopt memory --pp` states for the step).
+        variant = config[4] if len(config) > 4 else ""
+        for step_held in rank["held"]:
+            for (grad_buffers, gathered), buckets, whole in zip(
+                    step_held, rank["buckets"], rank["param_bytes"], strict=True):
+                if variant.startswith("shard"):
+                    assert grad_buffers == buckets, (grad_buffers, buckets)
+                assert gathered == (whole if variant == "shard_params" else 0), gathered
 
 
 def test_inf_on_one_stage_skips_the_step_on_every_stage(results_2):

@@ -74,9 +74,20 @@ def print_stage_table(counts: list[int], ours: BytesPerParam, dp: int,
             f"{_mib(per_rank[name] * n):>{width}}" for n in counts))
     totals = [ours.total(dp) * n for n in counts]
     print(f"{'total':<18}" + "".join(f"{_mib(t):>{width}}" for t in totals))
+    # A sharded stage holds its step whole: see [Note: a step held whole] in ddp/grad_sync.py.
+    whole = ((ours.grads if ours.shard_grads or ours.shard_params else 0)
+             + (ours.params if ours.shard_params else 0)) * (1 - 1 / dp)
+    if whole:
+        during = [t + whole * n for t, n in zip(totals, counts, strict=True)]
+        print(f"{'during a step':<18}" + "".join(f"{_mib(t):>{width}}" for t in during))
     busiest = max(range(len(counts)), key=totals.__getitem__)
     print(f"\nbusiest stage: {busiest}, {_mib(totals[busiest])} per rank "
           f"({ours.total(dp):.3f} B/param x {counts[busiest]:,} params)")
+    if whole:
+        held = "grads and params" if ours.shard_params else "grads"
+        print(f"during a step a stage holds its {held} whole, from the first micro-batch to the "
+              "last backward (one reduction and one gather per step, as FSDP2's stages); "
+              "their shards alone between steps")
     if len(counts) > 1:
         print("the tied embedding/head is counted on the first and on the last stage, which "
               "each hold a copy;\npadding and activations not included")
