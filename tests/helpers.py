@@ -167,7 +167,7 @@ def numbers_by_name(model: nn.Module, opt) -> dict[str, torch.Tensor]:
     """Every number the model and this rank's optimizer state hold, copied, by name (the
     names of the optimizer's state dict: an order-free comparison across a save and load)."""
     values = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    sd = opt.state_dict()
+    sd = opt.sharded_state_dict()
     values |= {f"main/{k}": s.local.clone() for k, s in sd["main_params"].items()}
     for name, entries in sd["state"].items():
         values |= {f"state/{name}/{k}": v.local.clone() if hasattr(v, "local") else v.clone()

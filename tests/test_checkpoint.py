@@ -89,7 +89,7 @@ def save_and_continue(name: str, root: Path) -> dict:
     saved = distopt.save_checkpoint(root / name, ddp, opt,
                                     extra={"step": SAVE_AT, "sched": sched.state_dict()})
     ref = {"saved": params_of(model), "sched": sched.state_dict()}
-    sd = opt.state_dict()
+    sd = opt.sharded_state_dict()
     torch.save(sd, root / f"{name}-sd-{dist.get_rank()}.pt")  # the in-memory format, per rank
     train(ddp, opt, sched, range(SAVE_AT, EXPORT_TO))
     ref["export"] = params_of(model)

@@ -84,7 +84,7 @@ def save_hierarchical(replicate: int, shard: int, path: str) -> dict:
     saved = distopt.save_checkpoint(path, ddp, opt)
     # The same state saved in the background: its parts are the synchronous save's.
     saved_async = distopt.save_checkpoint(f"{path}-async", ddp, opt, async_save=True).wait(120)
-    torch.save(opt.state_dict(), f"{path}-sd-{dist.get_rank()}.pt")
+    torch.save(opt.sharded_state_dict(), f"{path}-sd-{dist.get_rank()}.pt")
     ref = {"saved": _params(model)}
     _train(ddp, opt, range(SAVE_AT, END))
     ref["final"] = _params(model)

@@ -158,7 +158,7 @@ def checkpoints() -> dict:
     train(ddp, opt, range(3))
     distopt.save_checkpoint(path, ddp, opt)
     saved_masters, saved_states = _masters(opt), _states(opt)
-    in_memory = opt.state_dict()
+    in_memory = opt.sharded_state_dict()
     train(ddp, opt, range(3, 5))
     out = {"placeholders_kept": all(m.stride() == (0,) for m in opt.main_params)}
 
@@ -176,7 +176,7 @@ def checkpoints() -> dict:
     distopt.load_checkpoint(path, fp32_ddp, fp32_opt)
     out["into_fp32_masters"] = _equal(_masters(fp32_opt), saved_masters)
     back_ddp, back = build(True)  # and the fp32-master path's state dict back into remainders
-    back.load_state_dict(fp32_opt.state_dict())
+    back.load_state_dict(fp32_opt.sharded_state_dict())
     out["from_fp32_masters"] = _equal(_masters(back), saved_masters)
     out["from_fp32_states"] = _same_states(_states(back), saved_states)
     memory_ddp, from_memory = build(True)

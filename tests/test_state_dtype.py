@@ -243,7 +243,7 @@ def _train(model, ddp, opt, steps: range) -> None:
 
 def _state_by_name(opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every rank's per-element state, whole, by param name (a collective)."""
-    sd = opt.state_dict()
+    sd = opt.sharded_state_dict()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {n: {k: (v.offset, v.numel, v.local.clone())
                                           for k, v in e.items() if k != "step"}
@@ -278,7 +278,7 @@ def checkpoints() -> dict[str, bool]:
     distopt.save_checkpoint(path, ddp, opt, name="bf16")
     bf16_state = _state_by_name(opt)
     out["bf16_checkpoint_holds_bf16"] = all(
-        v.local.dtype == BF16 for e in opt.state_dict()["state"].values()
+        v.local.dtype == BF16 for e in opt.sharded_state_dict()["state"].values()
         for k, v in e.items() if k != "step")
 
     resumed_model, resumed_ddp, resumed = _build("adamw", BF16)
@@ -301,11 +301,11 @@ def checkpoints() -> dict[str, bool]:
     # In memory: a bf16 run's state_dict loads into an fp32-state run and back.
     model, ddp, opt = _build("adamw", BF16)
     _train(model, ddp, opt, range(2))
-    sd = opt.state_dict()
+    sd = opt.sharded_state_dict()
     _, _, other = _build("adamw", None)
     other.load_state_dict(copy.deepcopy(sd))
     _, _, back = _build("adamw", BF16)
-    back.load_state_dict(other.state_dict())
+    back.load_state_dict(other.sharded_state_dict())
     got, want = _state_by_name(back), _state_by_name(opt)
     out["state_dict_round_trip"] = got.keys() == want.keys() and all(
         got[n][k].dtype == BF16 and torch.equal(got[n][k], v)

@@ -91,7 +91,7 @@ def _quantize_reference(pieces, dtypes, block) -> None:
 
 
 def _state_equal(opt, pieces, dtypes) -> dict[str, bool]:
-    sd = opt.state_dict()
+    sd = opt.sharded_state_dict()
     names = {main: name for name, main in _mains(opt).items()}
     masters_ok = state_ok = dtypes_ok = True
     for (piece, main, state, master), value in zip(pieces, opt.main_param_values(),
@@ -138,7 +138,7 @@ def one_step(state_dtype) -> bool:
         _train(model, ddp, opt, range(1))
     (_, _, fp32), (_, _, low) = runs
     block = low.state_precision.block_size
-    want, got = fp32.state_dict()["state"], low.state_dict()["state"]
+    want, got = fp32.sharded_state_dict()["state"], low.sharded_state_dict()["state"]
     return all(
         torch.equal(dequantized(got[name], key), quantized(want[name][key].local, state_dtype,
                                                            block))
@@ -179,7 +179,7 @@ def memory(kind: str, state_dtype) -> dict:
 def _state_by_name(opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every rank's per-element state, whole, by param name (a collective); fp8 travels as
     its bytes (pickle does not hold fp8 tensors)."""
-    sd = opt.state_dict()
+    sd = opt.sharded_state_dict()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {
         n: {k: (v.offset, v.numel, v.local.dtype, v.local.view(torch.uint8).clone()
@@ -210,7 +210,7 @@ def _full(opt) -> dict[str, dict[str, torch.Tensor]]:
 
 def _pieces_hold(opt, full, dtype) -> bool:
     """This rank's state equals ``full`` quantized with this rank's blocks."""
-    sd = opt.state_dict()["state"]
+    sd = opt.sharded_state_dict()["state"]
     block = opt.state_precision.block_size
     ok = True
     for name, entries in sd.items():
@@ -241,7 +241,7 @@ def checkpoints() -> dict[str, bool]:
     saved = _full(opt)
     out["checkpoint_holds_e4m3_and_exponents"] = all(
         e[k].local.dtype == E4M3 and e[k + ".exponents"].local.dtype == torch.int8
-        for e in opt.state_dict()["state"].values() for k in ("exp_avg", "exp_avg_sq"))
+        for e in opt.sharded_state_dict()["state"].values() for k in ("exp_avg", "exp_avg_sq"))
 
     resumed_model, resumed_ddp, resumed = _build("adamw", E4M3, bucket_size=300)
     distopt.load_checkpoint(f"{path}/e4m3", resumed_ddp, resumed)
@@ -269,9 +269,9 @@ def checkpoints() -> dict[str, bool]:
     model, ddp, opt = _build("adamw", E4M3)
     _train(model, ddp, opt, range(2))
     _, _, other = _build("adamw", None)
-    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    other.load_state_dict(copy.deepcopy(opt.sharded_state_dict()))
     _, _, back = _build("adamw", E4M3)
-    back.load_state_dict(other.state_dict())
+    back.load_state_dict(other.sharded_state_dict())
     got, want = _full(back), _full(opt)
     out["state_dict_round_trip"] = got.keys() == want.keys() and all(
         torch.equal(got[n][k], v) for n, e in want.items() for k, v in e.items())
@@ -315,7 +315,7 @@ def stochastic_trajectory(state_dtype) -> list[dict[str, bool]]:
     for step in range(STEPS):
         step_both(model, ddp, opt, masters, ref_opts, step)
         pieces = _ref_by_main(opt, model, masters, ref_opts)
-        sd = opt.state_dict()["state"]
+        sd = opt.sharded_state_dict()["state"]
         names = {main: name for name, main in _mains(opt).items()}
         verdict = {"masters": True, "either_side": True, "not_all_nearest": False}
         for (piece, main, state, master), value in zip(pieces, opt.main_param_values(),

@@ -9,6 +9,7 @@ DDP on the same ranks; init_sync=False keeps each rank's weights, as torch's doe
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 import distopt
 
 from dist_harness import case_result, run_cases
+from helpers import shared_tmpdir
 from models import mlp
 
 IGNORED = ["2.weight", "2.bias"]  # the middle Linear of mlp([6, 8, 8, 3])
@@ -173,11 +175,61 @@ def dcgan_loop(mode: str) -> float:
     return max((a - b).abs().max().item() for a, b in zip(*ends, strict=True))
 
 
+def saved_the_torch_way() -> dict:
+    """torch's way: ``torch.save(opt.state_dict())`` on rank 0 (after consolidate_state_dict),
+    the default ``torch.load`` on every rank, then training on, at d = 2 and on one process:
+    where the uninterrupted run ends ([Note: torch's way of saving the optimizer])."""
+    rank = dist.get_rank()
+    path = Path(shared_tmpdir("distopt-torch-save-")) / "ckpt.pt"
+
+    def build(seed: int, one_process: bool = False):
+        torch.manual_seed(seed)
+        model = mlp([6, 8, 8, 3])
+        ddp = (distopt.DistributedDataParallel.for_this_process(model) if one_process
+               else distopt.DistributedDataParallel(model))
+        return model, ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+
+    def train(ddp, opt, steps: range, world: int) -> None:
+        for step in steps:
+            x, y = _batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x[rank % world::world]),
+                                   y[rank % world::world]).backward()
+            opt.step()
+        ddp.finish_param_sync()
+
+    model, ddp, opt = build(0)
+    train(ddp, opt, range(4), 2)
+    want = [p.detach().clone() for p in model.parameters()]
+    model, ddp, opt = build(0)
+    train(ddp, opt, range(2), 2)
+    refused = ""
+    try:
+        opt.state_dict()
+    except RuntimeError as error:
+        refused = str(error)
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    dist.barrier()
+    ckpt = torch.load(path)  # the default: weights only
+    diffs = {}
+    for where in ("same-d", "one-process"):
+        resumed, ddp, opt = build(1, one_process=where == "one-process")
+        resumed.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        train(ddp, opt, range(2, 4), 2 if where == "same-d" else 1)
+        diffs[where] = max((p.detach() - w).abs().max().item()
+                           for p, w in zip(resumed.parameters(), want, strict=True))
+    return {"refused": refused, **diffs}
+
+
 @pytest.fixture(scope="module")
 def two():
     return run_cases(2, [("ignore", ignore_list_like_torch, ()),
                          ("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
-                         *[(f"dcgan-{m}", dcgan_loop, (m,)) for m in DCGAN_MODES]])
+                         *[(f"dcgan-{m}", dcgan_loop, (m,)) for m in DCGAN_MODES],
+                         ("torch-save", saved_the_torch_way, ())])
 
 
 DCGAN_MODES = ["optim", "grads", "params"]
@@ -240,3 +292,10 @@ def test_requires_grad_changed_after_wrapping_is_refused_at_the_forward():
     model[2].bias.requires_grad_(True)
     with pytest.raises(RuntimeError, match="'2.bias' became trainable"):
         frozen(x)
+
+
+def test_torch_save_of_the_optimizer_on_rank_0_resumes_everywhere(two):
+    for v in case_result(two, "torch-save"):
+        assert "consolidate_state_dict(to=0)" in v["refused"]
+        assert v["same-d"] <= 1e-6, v
+        assert v["one-process"] <= 1e-5, v  # the same sums, in another order

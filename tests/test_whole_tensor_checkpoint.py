@@ -144,7 +144,7 @@ def save_and_continue(run: str, root: Path) -> dict:
     train(ddp, opt, sched, range(SAVE_AT))
     distopt.save_checkpoint(root / run, ddp, opt, extra={"step": SAVE_AT,
                                                          "sched": sched.state_dict()})
-    torch.save(opt.state_dict(), root / f"{run}-sd-{dist.get_rank()}.pt")
+    torch.save(opt.sharded_state_dict(), root / f"{run}-sd-{dist.get_rank()}.pt")
     ref = {"saved": params_of(model), "sched": sched.state_dict()}
     train(ddp, opt, sched, range(SAVE_AT, END))
     ref["final"] = params_of(model)
@@ -263,7 +263,7 @@ def save_factored(root: Path) -> None:
     model, ddp, opt, sched = build(FactoredAdamW)
     train(ddp, opt, sched, range(2))
     distopt.save_checkpoint(root / "factored", ddp, opt)
-    torch.save(opt.state_dict(), root / f"factored-sd-{dist.get_rank()}.pt")
+    torch.save(opt.sharded_state_dict(), root / f"factored-sd-{dist.get_rank()}.pt")
 
 
 # ---------------------------------------------------------------------- the groups

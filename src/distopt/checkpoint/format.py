@@ -144,6 +144,11 @@ class FlatShard:
         return self.offset + self.local.numel()
 
 
+# The default torch.load (weights_only) reads a saved state dict's shards; see
+# [Note: torch's way of saving the optimizer] in state_dict.py.
+torch.serialization.add_safe_globals([FlatShard])
+
+
 @dataclass(frozen=True, slots=True)
 class OwnedPiece:
     """One piece this rank updates: its parameter's name, the model param, the fp32 main param."""

@@ -1,7 +1,22 @@
 """``opt.state_dict()`` and ``opt.load_state_dict()``: the optimizer state in memory.
 
-The format is [Note: DP-size independent state] (format.py). The public optimizers' two methods
+The format is [Note: DP-size independent state] (format.py). The public optimizers' methods
 (optim/optimizers.py) call these functions; see [Note: one-way imports].
+
+[Note: torch's way of saving the optimizer]
+A torch DDP script saves the optimizer on one rank, ``torch.save(opt.state_dict(), path)``
+under ``if rank == 0``, and loads it on every rank. A sharded optimizer's rank holds its own
+shard of the state only, so such a file would resume no other rank, and it would fail only at
+the load, maybe days later. So, as torch's ``ZeroRedundancyOptimizer``: ``state_dict()`` of a
+sharded optimizer over several ranks is refused, naming the ways that work, unless
+``opt.consolidate_state_dict(to=r)`` ran on every rank first; then rank ``r``'s
+``state_dict()`` is the whole state (each flat shard covering its whole param), which loads on
+every rank at any data-parallel size (a load slices its own pieces out of it). The
+consolidation gathers every rank's shard to rank ``r``: the whole optimizer state there, once.
+``opt.sharded_state_dict()`` is each rank's own part, for code that keeps one file per rank
+(and merges them; a load takes any set of shards that covers its pieces), and
+``distopt.save_checkpoint`` writes a sharded checkpoint without gathering. ``FlatShard`` is
+registered with torch's safe globals, so the default ``torch.load`` reads such a file.
 """
 
 from __future__ import annotations
@@ -93,3 +108,56 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
                    for key, value in sd["state"].get(owned.name, {}).items()}
         values.append((owned, main, entries))
     return values
+
+
+def consolidated_state_dict(opt: Optimizer, to: int) -> dict[str, Any] | None:
+    """Every rank's ``state_dict`` merged on data-parallel rank ``to`` (None on the others);
+    collective over the data-parallel group. See [Note: torch's way of saving the
+    optimizer]."""
+    import torch.distributed as dist
+
+    from ..comm import collectives as comm
+
+    group = opt.parallel.dp_group
+    size = comm.group_size(group)
+    if not 0 <= to < size:
+        raise ValueError(f"consolidate_state_dict(to={to}): to must be a data-parallel rank in "
+                         f"[0, {size})")
+    mine = state_dict(opt)
+    if size == 1:
+        return _merged([mine])
+    rank = comm.group_rank(group)
+    gathered: list[Any] | None = [None] * size if rank == to else None
+    dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, to), group=group)
+    return None if gathered is None else _merged(gathered)
+
+
+def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state dict whose flat shards cover whole params, from the ranks' dicts."""
+    out = {**parts[0], "main_params": {}, "state": {}}
+    shards: dict[str, list[FlatShard]] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name, shard in part["main_params"].items():
+            shards.setdefault(name, []).append(shard)
+        for name, values in part["state"].items():
+            for key, value in values.items():
+                entries.setdefault(name, {}).setdefault(key, []).append(value)
+    out["main_params"] = {name: _whole(pieces) for name, pieces in shards.items()}
+    for name, values in entries.items():
+        out["state"][name] = {
+            key: _whole(pieces) if isinstance(pieces[0], FlatShard) else pieces[0]
+            for key, pieces in values.items()}
+    return out
+
+
+def _whole(pieces: list[FlatShard]) -> FlatShard:
+    numel = pieces[0].numel
+    whole = torch.empty(numel, dtype=pieces[0].local.dtype)
+    covered = 0
+    for piece in pieces:
+        whole[piece.offset : piece.end].copy_(piece.local)
+        covered += piece.local.numel()
+    if covered != numel:
+        raise CheckpointError(f"the ranks' shards cover {covered} of {numel} elements")
+    return FlatShard(whole, 0, numel)

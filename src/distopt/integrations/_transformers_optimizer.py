@@ -15,8 +15,8 @@ def carry_state(old: distopt.DistributedOptimizer, new: distopt.DistributedOptim
     """``old``'s optimizer state (moments, step counts, the groups' options, the loss scale)
     into ``new``, built over the same model wrapped anew. The main params stay ``new``'s, the
     model's values now: the Trainer may have loaded other weights since (its best model)."""
-    state = old.state_dict()
-    state["main_params"] = new.state_dict()["main_params"]
+    state = old.sharded_state_dict()
+    state["main_params"] = new.sharded_state_dict()["main_params"]
     new.load_state_dict(state)  # collective, as every rank builds its optimizer
 
 
@@ -74,7 +74,7 @@ class TrainerOptimizer(torch.optim.Optimizer):
         return self.last_result is not None and not self.last_result.updated
 
     def state_dict(self) -> dict[str, Any]:
-        return self.distributed.state_dict()
+        return self.distributed.sharded_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.distributed.load_state_dict(state_dict)

@@ -96,6 +96,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         self._check_arguments(models, optimizer_cls, loss_scaler, model_parallel_group)
         self.models = list(models)
         self._first_step_done = False
+        self._consolidated: dict[str, Any] | None = None  # see consolidate_state_dict
         self.options = options
         self.loss_scaler = loss_scaler
         self.model_parallel_group = model_parallel_group

@@ -50,9 +50,46 @@ class _CheckpointedOptimizer(BufferOptimizer):
     """A BufferOptimizer whose state dict is distopt's DP-size independent format."""
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state, keyed by parameter name; see
-        [Note: DP-size independent state] in distopt/checkpoint/format.py."""
+        """The optimizer state, keyed by parameter name ([Note: DP-size independent state] in
+        distopt/checkpoint/format.py): whole on one process or replicated; sharded over
+        several ranks, the one ``consolidate_state_dict`` gathered to this rank, else refused
+        ([Note: torch's way of saving the optimizer] in checkpoint/state_dict.py)."""
+        if not self._state_is_sharded():
+            return state_dict_format.state_dict(self)
+        if self._consolidated is not None:
+            return self._consolidated
+        raise RuntimeError(
+            f"opt.state_dict() of a sharded optimizer over {self.parallel.dp_size} ranks: "
+            "each rank holds its own shard of the state, so a file of it would resume no other "
+            "rank. Call opt.consolidate_state_dict(to=0) on every rank first (then rank 0's "
+            "opt.state_dict() is the whole state, loadable on every rank at any data-parallel "
+            "size), or save with distopt.save_checkpoint(path, ddp, opt) (collective, sharded), "
+            "or keep each rank's part with opt.sharded_state_dict()"
+        )
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state (a shard of each param it owns), in
+        ``state_dict()``'s format: one file per rank, or merged with the others' (a load takes
+        any shards that cover its own pieces)."""
         return state_dict_format.state_dict(self)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard of the state to data-parallel rank ``to``, whose
+        ``state_dict()`` is then the whole state, as torch's ``ZeroRedundancyOptimizer``
+        does; collective over the data-parallel group. Refused with tensor or pipeline
+        parallelism or experts, whose ranks hold other params: use distopt.save_checkpoint."""
+        if (self.parallel.tp is not None or self.parallel.pp_group is not None
+                or any(m.experts is not None for m in self.models)):
+            raise ValueError(
+                "consolidate_state_dict() gathers the data-parallel ranks' shards; with tensor "
+                "or pipeline parallelism or experts other ranks hold other params: save with "
+                "distopt.save_checkpoint(path, ddp, opt), which writes one checkpoint of the "
+                "whole model"
+            )
+        self._consolidated = state_dict_format.consolidated_state_dict(self, to)
+
+    def _state_is_sharded(self) -> bool:
+        return self.sharded and self.parallel.dp_size > 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict of ``state_dict()``'s format, written at any DP size; collective."""
