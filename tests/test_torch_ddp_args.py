@@ -299,3 +299,23 @@ def test_torch_save_of_the_optimizer_on_rank_0_resumes_everywhere(two):
         assert "consolidate_state_dict(to=0)" in v["refused"]
         assert v["same-d"] <= 1e-6, v
         assert v["one-process"] <= 1e-5, v  # the same sums, in another order
+
+
+def test_comm_hooks_and_join_accepted_or_refused_by_name():
+    from torch.distributed.algorithms import Join
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    ddp = distopt.DistributedDataParallel.for_this_process(_model())
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # what distopt does already
+    with pytest.raises(ValueError, match="grad_dtype=torch.bfloat16"):
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    with pytest.raises(ValueError, match="grad_dtype=torch.float16"):
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with pytest.raises(ValueError, match="powerSGD_hook"):
+        ddp.register_comm_hook(None, powerSGD_hook.powerSGD_hook)
+    with pytest.raises(RuntimeError, match="drop_last=True"):
+        with ddp.join():
+            pass
+    with pytest.raises(RuntimeError, match="drop_last=True"):
+        with Join([ddp]):
+            pass

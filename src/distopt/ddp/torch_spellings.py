@@ -23,7 +23,14 @@ before any collective, naming what works:
   optimizer that steps them;
 * torch's experimental ``mixed_precision``, ``delay_all_reduce_named_params``,
   ``param_to_hook_all_reduce`` and ``skip_all_reduce_unused_params``: refused by name, with
-  distopt's way to the same end.
+  distopt's way to the same end;
+* ``register_comm_hook``: torch's default ``allreduce_hook`` is accepted (it is what distopt
+  does); its fp16 and bf16 compression hooks are refused naming ``grad_dtype=`` (grads held and
+  reduced in that dtype, with ``reduce_scatter_with_fp32_accumulation=True`` summed in fp32),
+  and any other hook (PowerSGD, a user's) by name, since hooks run on torch's own buckets;
+* ``join()`` and ``torch.distributed.algorithms.Join([ddp])`` for uneven inputs: refused; a
+  rank that ran out of data would have to shadow every reduction and gather of the others, so
+  give every rank the same number of batches (``DistributedSampler(..., drop_last=True)``).
 """
 
 from __future__ import annotations
@@ -131,3 +138,36 @@ def positional_device_ids(process_group: Any) -> None:
             f"got {process_group!r}: pass torch's device_ids by keyword "
             "(DistributedDataParallel(module, device_ids=[...]))"
         )
+
+
+def check_comm_hook(hook: Any) -> None:
+    """Accept torch's default all-reduce hook, refuse any other by name; see
+    [Note: torch DDP's spellings]."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if hook is default_hooks.allreduce_hook:
+        return
+    if hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook):
+        dtype = "float16" if hook is default_hooks.fp16_compress_hook else "bfloat16"
+        raise ValueError(
+            f"register_comm_hook({hook.__name__}): distopt reduces its own buckets, so torch's "
+            f"hook would not run; to communicate grads in {dtype} build the DDP with "
+            f"grad_dtype=torch.{dtype} (and reduce_scatter_with_fp32_accumulation=True to sum "
+            "them in fp32)"
+        )
+    name = getattr(hook, "__qualname__", type(hook).__name__)
+    raise ValueError(
+        f"register_comm_hook({name}): torch DDP's hooks run on its own flattened buckets, which "
+        "distopt's DDP does not have (it reduce-scatters its own); distopt takes only torch's "
+        "default allreduce_hook. For bf16 or fp16 communication pass grad_dtype=torch.bfloat16 "
+        "(or torch.float16) to the DDP instead"
+    )
+
+
+def refuse_join() -> None:
+    raise RuntimeError(
+        "join() (uneven inputs) is not supported by distopt's DDP: a rank that ran out of data "
+        "would have to shadow every reduction and gather of the others. Give every rank the "
+        "same number of batches, e.g. DistributedSampler(dataset, drop_last=True) and a "
+        "DataLoader with drop_last=True"
+    )

@@ -425,6 +425,21 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                     "module again (ddp.release(), then a new DDP and optimizer)"
                 )
 
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """torch DDP's communication hook: torch's default ``allreduce_hook`` is what distopt
+        does already and is accepted; any other hook is refused, naming distopt's way to its
+        end (hooks run on torch's own flattened buckets, which distopt does not have). See
+        [Note: torch DDP's spellings] in ddp/torch_spellings.py."""
+        torch_spellings.check_comm_hook(hook)
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """torch DDP's uneven-inputs context: refused (see ``torch_spellings.refuse_join``)."""
+        torch_spellings.refuse_join()
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """What ``torch.distributed.algorithms.Join([ddp])`` asks for: refused as ``join``."""
+        torch_spellings.refuse_join()
+
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(
             module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
