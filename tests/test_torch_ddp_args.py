@@ -313,9 +313,7 @@ def test_comm_hooks_and_join_accepted_or_refused_by_name():
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     with pytest.raises(ValueError, match="powerSGD_hook"):
         ddp.register_comm_hook(None, powerSGD_hook.powerSGD_hook)
-    with pytest.raises(RuntimeError, match="drop_last=True"):
-        with ddp.join():
-            pass
-    with pytest.raises(RuntimeError, match="drop_last=True"):
-        with Join([ddp]):
-            pass
+    with pytest.raises(RuntimeError, match="drop_last=True"), ddp.join():
+        pass
+    with pytest.raises(RuntimeError, match="drop_last=True"), Join([ddp]):
+        pass
