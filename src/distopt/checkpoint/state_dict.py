@@ -36,6 +36,7 @@ from .format import (
     class_path,
     hyper_params,
     loaded_entry,
+    merge_state_dicts,
     owned_pieces,
     piece_of,
     saved_group_classes,
@@ -134,20 +135,11 @@ def consolidated_state_dict(opt: Optimizer, to: int) -> dict[str, Any] | None:
 
 def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One state dict whose flat shards cover whole params, from the ranks' dicts."""
-    out = {**parts[0], "main_params": {}, "state": {}}
-    shards: dict[str, list[FlatShard]] = {}
-    entries: dict[str, dict[str, Any]] = {}
-    for part in parts:
-        for name, shard in part["main_params"].items():
-            shards.setdefault(name, []).append(shard)
-        for name, values in part["state"].items():
-            for key, value in values.items():
-                entries.setdefault(name, {}).setdefault(key, []).append(value)
-    out["main_params"] = {name: _whole(pieces) for name, pieces in shards.items()}
-    for name, values in entries.items():
-        out["state"][name] = {
-            key: _whole(pieces) if isinstance(pieces[0], FlatShard) else pieces[0]
-            for key, pieces in values.items()}
+    out = merge_state_dicts(parts)
+    out["main_params"] = {name: _whole(pieces) for name, pieces in out["main_params"].items()}
+    out["state"] = {name: {key: _whole(value) if isinstance(value, list) else value
+                           for key, value in entries.items()}
+                    for name, entries in out["state"].items()}
     return out
 
 
