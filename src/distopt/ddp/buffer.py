@@ -72,9 +72,11 @@ class ParamAndGradBuffer:
             None if sharded else torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
         )
         shard_total = sum(b.shard_size for b in self.layout.buckets)
-        # [sum of the buckets' shard sizes]: bucket by bucket, this rank's reduced grads.
+        # [sum of the buckets' shard sizes]: bucket by bucket, this rank's reduced grads. Left
+        # unwritten (its pages untouched until then): a step's first reduction of each bucket
+        # writes its shard whole ([Note: sharded grads] in ddp/grad_pool.py).
         self.grad_shards = (
-            torch.zeros(shard_total, dtype=grad_dtype, device=device) if sharded else None
+            torch.empty(shard_total, dtype=grad_dtype, device=device) if sharded else None
         )
         # Padding must be zero: it is reduced and gathered with the rest and must stay finite.
         self.param_data = (
