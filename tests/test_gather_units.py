@@ -215,9 +215,37 @@ def checkpoint_from_shards() -> dict:
             "same": all(torch.equal(expected[k], loaded[k]) for k in expected)}
 
 
+def module_load_state_dict() -> dict:
+    """``ddp.module.load_state_dict(sd)`` after wrapping with sharded params, every rank
+    loading the whole state dict (torch's pattern): the values land in the shards, the tied
+    head and the buffers too, strict, and the next step trains from them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    source = TiedLM()
+    sd = copy.deepcopy(source.state_dict())
+    torch.manual_seed(1)  # other values, replaced by the load
+    model = TiedLM()
+    ddp = distopt.DistributedDataParallel(model, shard_params=True, gather_units=_Block,
+                                          bucket_size=1500)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW)
+    result = ddp.module.load_state_dict(sd)
+    loaded = ddp.full_state_dict()
+    same = all(torch.equal(loaded[k], v) for k, v in sd.items())
+    opt.zero_grad()
+    _loss(ddp, rank_slice(_tokens(0), rank, world)).backward()
+    opt.step()
+    ref_opt = torch.optim.AdamW(source.parameters(), **ADAMW)
+    source.loss(_tokens(0)).backward()
+    ref_opt.step()
+    after = ddp.full_state_dict()
+    diff = max((after[k] - v).abs().max().item() for k, v in source.state_dict().items())
+    return {"same": same, "missing": list(result.missing_keys),
+            "unexpected": list(result.unexpected_keys), "diff": diff}
+
+
 def _cases() -> list:
     return [("train", trains_like_torch, ()), ("meta", meta_built_as_one_process, ()),
-            ("checkpoint", checkpoint_from_shards, ())]
+            ("checkpoint", checkpoint_from_shards, ()), ("load", module_load_state_dict, ())]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda d: f"d{d}")
@@ -242,3 +270,9 @@ def test_checkpoint_written_from_shards_loads_whole(world):
     for v in case_result(world[1], "checkpoint"):
         assert v["gathered_for_save"] == 0
         assert v["same"]
+
+
+def test_module_load_state_dict_writes_the_shards(world):
+    for v in case_result(world[1], "load"):
+        assert v["same"] and v["missing"] == [] and v["unexpected"] == [], v
+        assert v["diff"] <= TOL, v

@@ -163,9 +163,10 @@ class ParamAndGradBuffer:
                     full[shard.start : shard.end])
                 offset += shard.size
 
-    def write_shard(self, param: nn.Parameter) -> None:
-        """Copy the slices of ``param``'s values that fall in this rank's shard of its bucket
-        into ``param_shards`` (a meta-device model, materialized module by module)."""
+    def write_shard(self, param: nn.Parameter, values: torch.Tensor | None = None) -> None:
+        """Copy the slices of ``param``'s values (or of ``values``, the whole param's: a state
+        dict loaded into a sharded model) that fall in this rank's shard of its bucket into
+        ``param_shards`` (a meta-device model, materialized module by module)."""
         index = next(i for i, p in enumerate(self.params) if p is param)
         slot = self.layout.params[index]
         bucket = self.layout.buckets[slot.bucket]
@@ -174,7 +175,7 @@ class ParamAndGradBuffer:
         if owned is None:
             return
         offset = sum(b.shard_size for b in self.layout.buckets[: slot.bucket])
-        values = local_tensor(param).detach().reshape(-1)
+        values = (local_tensor(param) if values is None else values).detach().reshape(-1)
         start = owned.start - slot.bucket_range.start
         self.param_shards[offset + owned.start - shard.start : offset + owned.end - shard.start
                           ].copy_(values[start : start + owned.size])

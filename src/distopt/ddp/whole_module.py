@@ -39,6 +39,34 @@ class WholeModule:
         finally:
             self._unsharder.release_all()
 
+    def _load_into_shards(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                          *_args: Any) -> None:
+        """``module.load_state_dict`` under sharded params (a pre-hook of the wrapped module):
+        every rank holds the whole state dict, so each writes the parts of the trainable
+        params that fall in its shards, with no communication, and takes those entries out
+        of the load (their params are placeholders between uses); the rest (buffers, frozen
+        params) load as usual. Keys taken out are forgotten as missing by
+        ``_forget_loaded_keys``."""
+        self._loaded_keys: set[str] = set()
+        with torch.no_grad():
+            for name, param in module.named_parameters(remove_duplicate=False):
+                key = prefix + name
+                buffer = self._buffer_of.get(param)
+                if buffer is None or key not in state_dict:
+                    continue
+                value = state_dict.pop(key)
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    buffer.write_shard(param, value.to(param.dtype))
+                    self._loaded_keys.add(key)
+                else:
+                    state_dict[key] = value  # the module's own load names the mismatch
+        self._unsharder.release_all()
+
+    def _forget_loaded_keys(self, _module: nn.Module, incompatible: Any) -> None:
+        for key in getattr(self, "_loaded_keys", ()):
+            if key in incompatible.missing_keys:
+                incompatible.missing_keys.remove(key)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's ``state_dict()`` with every param whole, under the module's own names,
         on every rank: copies, for saving or evaluating elsewhere. Collective with sharded
@@ -102,7 +130,8 @@ class WholeModule:
             self._params_own_storage()
             self._unsharder.remove_hooks()
         self._gathers_in_flight = False
-        for handle in (*self._grad_hooks, *self._param_wait_hooks):
+        for handle in (*self._grad_hooks, *self._param_wait_hooks,
+                       *getattr(self, "_load_hooks", ())):
             handle.remove()
         self._grad_hooks, self._param_wait_hooks = [], []
         with torch.no_grad():

@@ -300,6 +300,10 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self._grad_sync.markers = GradMarkers(self.params, self.param_names)  # on device
         # After materializing: the registry's weak references would forbid swapping tensors.
         param_owners.claim(self.params, self)
+        # ``module.load_state_dict`` writes the shards of sharded params (whole_module.py).
+        self._load_hooks = [] if self._unsharder is None or self.parallel.tp is not None else [
+            module.register_load_state_dict_pre_hook(self._load_into_shards),
+            module.register_load_state_dict_post_hook(self._forget_loaded_keys)]
         # The grad sync of the current layout runs them; see ddp/grad_sync.py.
         self._grad_hooks = [
             hook for p in self.params for hook in (
