@@ -210,6 +210,8 @@ class _Staging:
 
 
 class _Done:
+    """The handle of a scatter on one process: the copy is done already."""
+
     def wait(self) -> None:
         pass
 
