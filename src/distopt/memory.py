@@ -336,7 +336,7 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
     ``transient_bound_of_model`` states the same from a model's tree alone (``distopt
     memory``).
     """
-    bucket_of = ddp._grad_sync.bucket_of
+    bucket_of = {p: bucket for bucket in ddp.buckets for p in bucket.params}
     units = [{bucket_of[p] for p in unit.params} for unit in ddp.gather_units]
     in_units = set().union(*units) if units else set()
 

@@ -48,23 +48,19 @@ class GradPolicy:
     """Every backward reduces its grads, inside ``no_sync()`` too, and adds them to the kept
     shard: a backward may follow a reduction (but no grad may reach a bucket its own backward
     launched)."""
-    reduces_again_after_sync: bool
-    """Every rank holds the whole average after the sync, so a further backward may add to it
-    and reduce again, as torch's DDP does."""
     full_params: bool = True
     """Every rank holds every param all step long (False: its shard, gathered around use)."""
 
 
 POLICIES: dict[Sharding, GradPolicy] = {
     Sharding.NONE: GradPolicy(reduce_scatter=False, full_grads=True,
-                              reduces_every_backward=False, reduces_again_after_sync=True),
+                              reduces_every_backward=False),
     Sharding.OPTIM: GradPolicy(reduce_scatter=True, full_grads=True,
-                               reduces_every_backward=False, reduces_again_after_sync=False),
+                               reduces_every_backward=False),
     Sharding.OPTIM_GRADS: GradPolicy(reduce_scatter=True, full_grads=False,
-                                     reduces_every_backward=True, reduces_again_after_sync=False),
+                                     reduces_every_backward=True),
     Sharding.OPTIM_GRADS_PARAMS: GradPolicy(reduce_scatter=True, full_grads=False,
-                                            reduces_every_backward=True,
-                                            reduces_again_after_sync=False, full_params=False),
+                                            reduces_every_backward=True, full_params=False),
 }
 
 

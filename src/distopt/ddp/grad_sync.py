@@ -319,8 +319,6 @@ class GradSync:
         self._next_launch = self._next_replica = 0
         for bucket in self.buckets:
             bucket.expect_every_grad()
-        if self.policy.reduces_again_after_sync:
-            self.round += 1
         self._apply_divisor()
         self._advance(SyncState.SYNCED)
         if self.options.check_for_nan_in_grad:

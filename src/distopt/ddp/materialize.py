@@ -8,9 +8,10 @@ process from the same RNG state has, so a run does not depend on where it was bu
 
 * over one flat data-parallel group (the common case) only its first rank initializes: it gives
   each module's own params and buffers memory on the target device (each tensor swapped in
-  place, so that the objects the DDP and its buckets hold stay the module's), runs its
-  ``reset_parameters()``, copies each trainable param into its bucket's staging buffer and
-  frees it again; a bucket whose params are all in is scattered, each rank receiving its shard
+  place, so that the objects the DDP and its buckets hold stay the module's), a trainable
+  param as a view of its bucket's staging buffer, runs its ``reset_parameters()`` (which
+  writes the values there) and lets the param go again; a bucket whose params are all in is
+  scattered, each rank receiving its shard
   straight into its ``param_shards``, while the first rank goes on with the next modules (one
   scatter in flight). The other ranks allocate nothing but their shards, the module buffers and
   any frozen params, which the first rank broadcasts (torch DDP's rule: every replica starts

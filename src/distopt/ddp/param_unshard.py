@@ -4,13 +4,13 @@
 Params are gathered by gather unit ([Note: gather units] in ddp/gather_units.py): a unit's
 forward pre-hook gathers its buckets (waiting for them) and starts gathering the next unit's,
 so one unit's all-gather overlaps the compute of the one before it; its forward hook frees its
-buckets (``reshard_after_forward=True``, the default; the root's unit stays gathered, as
-backward needs it at once) and hooks the unit's outputs, so that its backward gathers them
-again first and starts gathering the unit the forward ran before it, as soon as the unit whose
-backward ran just before is freed (its last grads may still be accumulating: waiting for them
-keeps backward at two units, the one running and the one prefetched). The grad sync frees a
-bucket once every param of it has its grad. The units' order is the first forward's order of
-their pre-hooks (registration order until then).
+buckets (``reshard_after_forward=True``, the default; what the root module itself reads
+stays gathered, as backward needs it at once) and hooks the unit's outputs, so that its
+backward gathers them again first and starts gathering the unit the forward ran before it, as
+soon as the unit whose backward ran just before is freed (its last grads may still be
+accumulating: waiting for them keeps backward at two units, the one running and the one
+prefetched). The grad sync frees a bucket once every param of it has its grad. The units'
+order is the first forward's order of their pre-hooks (registration order until then).
 
 A unit's params may also be read outside its forward: a parent may read a child's param (a
 head tied to an embedding as ``F.linear(h, self.emb.weight)``). The first forward through the
@@ -24,9 +24,10 @@ unit where the first forward did not (another branch) reads the placeholder: a b
 calls the unit's module itself is always safe.
 
 The transient memory is then: the units running (nested ones inside their parents), the next
-unit prefetched, the root's unit, and buckets whose grads are not all in yet; with
+unit prefetched, the loose buckets in use, and buckets whose grads are not all in yet; with
 ``reshard_after_forward=False`` every unit the forward ran, until its grads are in.
-``ParamPool.peak_bytes`` measures it; ``distopt.memory.gathered_bound`` states it.
+``ParamPool.peak_bytes`` measures it; ``distopt.transient_bound`` states it ([Note: transient
+bound] in memory.py).
 
 [Note: every rank runs the same modules]
 A user's hooks gather on every rank at once, so every rank must run the forward of the same

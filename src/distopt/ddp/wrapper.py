@@ -245,6 +245,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
+        self._unit_of: dict[nn.Parameter, int] | None = None  # sharded params' gather units
         # Every param whose requires_grad the forward checks is unchanged since wrapping.
         self._watched = [(n, p, p in self._param_index) for n, p in module.named_parameters()
                          if p.numel() > 0 and n not in ignored]
@@ -314,7 +315,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
 
     def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
         experts = frozenset() if self.experts is None else self.experts.params
-        units = getattr(self, "_unit_of", None)
+        units = self._unit_of
         return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p),
                           alone=p in self.tied_params, expert=p in experts,
                           unit=None if units is None else units.get(p, -1))
