@@ -251,7 +251,8 @@ def no_sync_accumulation(device: torch.device, shard_grads: bool = False) -> dic
     torch.manual_seed(0)
     model = AwkwardLM().to(device)
     ref = copy.deepcopy(model)
-    ddp = distopt.DistributedDataParallel(model, bucket_size=40, shard_grads=shard_grads)
+    ddp = distopt.DistributedDataParallel(model, find_unused_parameters=True, bucket_size=40,
+                                          shard_grads=shard_grads)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     worst = 0.0
@@ -288,7 +289,7 @@ def held_state_one_step(device: torch.device, state_dtype: torch.dtype) -> dict:
     for dtype in (torch.float32, state_dtype):
         torch.manual_seed(0)
         model = AwkwardLM().to(device)
-        ddp = distopt.DistributedDataParallel(model, bucket_size=40)
+        ddp = distopt.DistributedDataParallel(model, find_unused_parameters=True, bucket_size=40)
         opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2, state_dtype=dtype)
         tokens, targets = _on(device, 0)
         opt.zero_grad()

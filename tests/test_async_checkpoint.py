@@ -40,7 +40,7 @@ SAVE_AT, END = 2, 4
 def _build():
     torch.manual_seed(0)
     model = AwkwardLM()
-    ddp = distopt.DistributedDataParallel(model, bucket_size=100)
+    ddp = distopt.DistributedDataParallel(model, find_unused_parameters=True, bucket_size=100)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
     return model, ddp, opt
 

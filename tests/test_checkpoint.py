@@ -43,9 +43,9 @@ CONFIGS = {
     # param groups, clipping, params unused on odd steps, an LR schedule in `extra`
     "adamw": dict(dtype=torch.float32, cls=torch.optim.AdamW, groups=True, clip=0.5,
                   unused=True, kwargs={"lr": 1e-2, "betas": (0.8, 0.95)}),
-    # the default param group (every trainable param), zero grads for unused params
+    # the default param group (every trainable param)
     "sgd": dict(dtype=torch.float32, cls=torch.optim.SGD, groups=False, clip=None,
-                unused=False, kwargs={"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+                unused=True, kwargs={"lr": 0.1, "momentum": 0.9, "nesterov": True}),
     # bf16 params with fp32 main params, which the checkpoint must keep at full precision
     "bf16": dict(dtype=torch.bfloat16, cls=torch.optim.AdamW, groups=False, clip=0.5,
                  unused=True, kwargs={"lr": 1e-2}),

@@ -10,7 +10,8 @@ compares against one process training the whole batch with every expert local (f
 * parity at (dp, ep) = (1, 2), (2, 2), (1, 4), top-1 and top-2, two micro-batches, a clip that
   clips, experts idle on some ranks (checked to happen) and one expert idle everywhere (the
   router never picks it), which ``find_unused_parameters`` leaves out of the step as torch
-  skips a grad of None, and without it steps on a zero grad; Muon on the expert matrices beside
+  skips a grad of None, and without it is refused on the ranks that hold it, as torch DDP
+  refuses it; Muon on the expert matrices beside
   AdamW; sharded grads; sharded params (idle experts run on no rows); bf16 params with fp32
   grads within the bf16 tolerance of one process with fp32 masters;
 * the collectives: expert buckets reduce-scatter and gather over the expert-DP group only,
@@ -148,7 +149,7 @@ def reference(top_k: int, steps: range, *, idle: bool, find_unused: bool, muon: 
     return after, norms
 
 
-def build(dp: int, ep: int, top_k: int, *, idle: bool = False, find_unused: bool = False,
+def build(dp: int, ep: int, top_k: int, *, idle: bool = False, find_unused: bool = True,
           muon: bool = False, shard_grads: bool = False, shard_params: bool = False,
           seed: int = SEED):
     """The model on a (dp, ep) mesh of the first dp * ep ranks, its DDP and optimizer. With
@@ -204,7 +205,7 @@ def rdiffs(got: list[float], want: list[float]) -> list[float]:
     return [abs(a - b) / b for a, b in zip(got, want, strict=True)]
 
 
-def parity(dp: int, ep: int, top_k: int, idle: bool = False, find_unused: bool = False,
+def parity(dp: int, ep: int, top_k: int, idle: bool = False, find_unused: bool = True,
            muon: bool = False, shard_grads: bool = False, shard_params: bool = False) -> dict:
     """Train at (dp, ep) and compare with one process after every step."""
     want, want_norms = reference(top_k, range(STEPS), idle=idle, find_unused=find_unused,
@@ -255,7 +256,7 @@ def build_any(layout: tuple[int, int] | None, seed: int):
     torch.manual_seed(seed)
     model = GPT(config(2))
     route(model, False)
-    ddp = distopt.DistributedDataParallel(model, bucket_size=2000)
+    ddp = distopt.DistributedDataParallel(model, bucket_size=2000, find_unused_parameters=True)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, weight_decay=WD,
                                        clip_grad=CLIP)
     return model, ddp, opt
@@ -277,7 +278,7 @@ def finish_from(path: str, loads_at: list[tuple[int, int] | None]) -> dict:
     """For each of ``loads_at``, a model built from another seed loads the checkpoint at
     ``path`` and trains the rest: the largest difference from one process that trained every
     step, per layout."""
-    want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
+    want, _ = reference(2, range(STEPS), idle=False, find_unused=True, muon=False)
     out = {}
     for layout in loads_at:
         model, ddp, opt = build_any(layout, SEED + 1)
@@ -318,7 +319,7 @@ def bf16(dp: int, ep: int) -> list[float]:
     route(model, False)
     ddp = distopt.DistributedDataParallel(
         model, experts=distopt.ExpertParallel(mesh, model.expert_lists()), bucket_size=2000,
-        grad_dtype=torch.float32)
+        grad_dtype=torch.float32, find_unused_parameters=True)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, weight_decay=WD,
                                        clip_grad=CLIP)
     got, _ = train(model, ddp, opt, range(STEPS))
@@ -349,7 +350,7 @@ def exported(dp: int, ep: int) -> float | None:
             torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
             adamw.step()
             adamw.zero_grad()
-        want, _ = reference(2, range(STEPS), idle=False, find_unused=False, muon=False)
+        want, _ = reference(2, range(STEPS), idle=False, find_unused=True, muon=False)
         diff = max((p - want[n][-1]).abs().max().item() for n, p in plain.named_parameters())
     dist.barrier()  # the others leave the directory to rank 0 until it is done
     return diff
@@ -409,11 +410,26 @@ def refused(what: str) -> str:
     return "no error"
 
 
+def refused_unused() -> str:
+    """Every expert on every rank (a (2, 1) mesh), one of them idle everywhere, without
+    ``find_unused_parameters``: the step's error on each rank, after its reductions, before
+    any param moves (the params after the refused step equal those before it)."""
+    model, ddp, opt = build(dist.get_world_size(), 1, 2, idle=True, find_unused=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        train(model, ddp, opt, range(1))
+    except RuntimeError as e:
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters(),
+                                                          strict=True))
+        return f"moved={moved} {e}"
+    return "no error"
+
+
 def _cases_2() -> list:
     return [
         ("parity-dp1-ep2-top1", parity, (1, 2, 1)),
         ("parity-dp1-ep2-top2", parity, (1, 2, 2)),
-        ("parity-dp1-ep2-top1-idle-unused", parity, (1, 2, 1, True, True)),
+        ("parity-dp1-ep2-top1-idle-unused", parity, (1, 2, 1, True)),
         ("parity-dp1-ep2-top2-idle-shard-params", parity,
          (1, 2, 2, True, False, False, False, True)),
         ("collectives-dp1-ep2", collectives, (1, 2)),
@@ -422,6 +438,7 @@ def _cases_2() -> list:
         ("exported-dp1-ep2", exported, (1, 2)),
         ("bf16-dp1-ep2", bf16, (1, 2)),
         *((f"refused-{what}", refused, (what,)) for what in REFUSALS),
+        ("refused-unused", refused_unused, ()),
     ]
 
 
@@ -431,9 +448,9 @@ def _cases_4() -> list:
         ("parity-dp2-ep2-top2", parity, (2, 2, 2)),
         ("parity-dp1-ep4-top1", parity, (1, 4, 1)),
         ("parity-dp1-ep4-top2", parity, (1, 4, 2)),
-        ("parity-dp2-ep2-top2-idle", parity, (2, 2, 2, True, False)),
+        ("parity-dp2-ep2-top2-idle-unused", parity, (2, 2, 2, True)),
         ("parity-dp2-ep2-top2-idle-unused-muon", parity, (2, 2, 2, True, True, True)),
-        ("parity-dp2-ep2-top2-shard-grads", parity, (2, 2, 2, False, False, False, True)),
+        ("parity-dp2-ep2-top2-shard-grads", parity, (2, 2, 2, False, True, False, True)),
         ("parity-dp2-ep2-top2-idle-shard-params", parity,
          (2, 2, 2, True, False, False, False, True)),
         ("collectives-dp2-ep2", collectives, (2, 2)),
@@ -504,6 +521,13 @@ def test_bad_configurations_refused_on_every_rank(grid2, what: str) -> None:
     messages = case_result(grid2, f"refused-{what}")
     assert REFUSALS[what] in messages[0], messages[0]
     assert len(set(messages)) == 1, messages
+
+
+def test_unused_param_refused_on_every_rank_holding_it(grid2) -> None:
+    for message in case_result(grid2, "refused-unused"):
+        assert message.startswith("moved=False "), message
+        assert f"'blocks.0.mlp.experts.{IDLE}.c_fc.weight'" in message, message
+        assert "find_unused_parameters=True" in message, message
 
 
 def _check_collectives(values: list[dict]) -> None:

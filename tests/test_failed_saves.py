@@ -129,7 +129,7 @@ def failed_save(case: str, root: str) -> dict:
     run_dir = Path(root) / case.replace(" ", "-").replace(",", "")
     torch.manual_seed(0)
     model = AwkwardLM()
-    ddp = distopt.DistributedDataParallel(model, bucket_size=100)
+    ddp = distopt.DistributedDataParallel(model, find_unused_parameters=True, bucket_size=100)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
     _step(ddp, opt, 0)
     distopt.save_checkpoint(run_dir, ddp, opt, extra={"step": 1})

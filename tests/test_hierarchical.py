@@ -55,7 +55,8 @@ SAVE_AT, END = 3, 6
 def _build_for_checkpoint(mesh):
     torch.manual_seed(0)
     model = AwkwardLM()
-    ddp = distopt.DistributedDataParallel(model, bucket_size=40, device_mesh=mesh)
+    ddp = distopt.DistributedDataParallel(model, find_unused_parameters=True, bucket_size=40,
+                                          device_mesh=mesh)
     opt = distopt.DistributedOptimizer(
         ddp, torch.optim.AdamW, params=parity_groups(model, "adamw"), clip_grad=CLIP, lr=1e-2
     )
@@ -194,7 +195,8 @@ def nan_check_names_the_rank() -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = AwkwardLM()
-    ddp = distopt.DistributedDataParallel(model, bucket_size=40, overlap_grad_reduce=False,
+    ddp = distopt.DistributedDataParallel(model, find_unused_parameters=True, bucket_size=40,
+                                          overlap_grad_reduce=False,
                                           check_for_nan_in_grad=True, device_mesh=_mesh(2, 2))
     tokens, targets = (rank_slice(t, rank, world) for t in batches(0))
     lm_loss(ddp, tokens, targets, 0).backward()

@@ -307,7 +307,8 @@ def nan_check() -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = AwkwardLM()
-    ddp = distopt.DistributedDataParallel(model, bucket_size=40, check_for_nan_in_grad=True,
+    ddp = distopt.DistributedDataParallel(model, find_unused_parameters=True, bucket_size=40,
+                                          check_for_nan_in_grad=True,
                                           shard_grads=True)
     poison = [False]
     model.l1.weight.register_hook(

@@ -8,6 +8,7 @@ DDP on the same ranks; init_sync=False keeps each rank's weights, as torch's doe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -224,12 +225,103 @@ def saved_the_torch_way() -> dict:
     return {"refused": refused, **diffs}
 
 
+class _WithUnusedHead(nn.Module):
+    """A head no forward uses: torch DDP refuses it without find_unused_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+UNUSED_MODES = {"optim": {}, "grads": {"shard_grads": True}, "params": {"shard_params": True}}
+
+
+def unused_param_like_torch(mode: str) -> dict:
+    """A param no rank uses: without find_unused_parameters torch DDP raises at the next
+    forward and distopt at the step, before any param moves; with it, both leave the param
+    out of AdamW's step (weight decay too) and train the rest alike."""
+    rank = dist.get_rank()
+    out: dict = {}
+    for find_unused in (False, True):
+        runs = {}
+        for kind in ("torch", "distopt"):
+            model = _WithUnusedHead()
+            before = [p.detach().clone() for p in model.parameters()]
+            if kind == "torch":
+                ddp = nn.parallel.DistributedDataParallel(
+                    model, find_unused_parameters=find_unused)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            else:
+                ddp = distopt.DistributedDataParallel(
+                    model, find_unused_parameters=find_unused, **UNUSED_MODES[mode])
+                opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2,
+                                                   weight_decay=0.1)
+            try:
+                for step in range(STEPS):
+                    x, y = _batch(step)
+                    opt.zero_grad()
+                    nn.functional.mse_loss(ddp(x[rank::2]), y[rank::2]).backward()
+                    opt.step()
+            except RuntimeError as error:
+                runs[kind] = str(error)
+                if kind == "distopt":
+                    with ddp.gathered_params():
+                        out["unmoved"] = all(torch.equal(b, p.detach()) for b, p in
+                                             zip(before, model.parameters(), strict=True))
+                continue
+            if kind == "distopt":
+                ddp.finish_param_sync()
+            with ddp.gathered_params() if kind == "distopt" else contextlib.nullcontext():
+                runs[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if find_unused:
+            out["diff"] = max((runs["torch"][n] - runs["distopt"][n]).abs().max().item()
+                              for n in runs["torch"])
+            out["head_kept"] = torch.equal(runs["distopt"]["head.weight"],
+                                           _WithUnusedHead().head.weight)
+        else:
+            out["torch_error"], out["error"] = runs["torch"], runs["distopt"]
+    return out
+
+
+def state_dict_under_sharded_params() -> dict:
+    """The ways torch users read a model's weights, between steps, with sharded params: each
+    refused (the module's and a submodule's state_dict()) or whole (inside
+    gathered_params(), full_state_dict()), never a placeholder."""
+    rank = dist.get_rank()
+    model = _model()
+    ddp = distopt.DistributedDataParallel(model, shard_params=True)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+    x, y = _batch(0)
+    nn.functional.mse_loss(ddp(x[rank::2]), y[rank::2]).backward()
+    opt.step()
+    refusals = []
+    for reader in (model.state_dict, model[2].state_dict, ddp.state_dict):
+        try:
+            reader()
+            refusals.append("no error")
+        except RuntimeError as error:
+            refusals.append(str(error))
+    with ddp.gathered_params():
+        inside = model.state_dict()
+        finite = all(v.isfinite().all().item() for v in inside.values())
+        inside = {k: v.clone() for k, v in inside.items()}
+    full = ddp.full_state_dict()
+    same = all(torch.equal(inside[k], full[k]) for k in full)
+    return {"refusals": refusals, "finite": finite, "same": same}
+
+
 @pytest.fixture(scope="module")
 def two():
     return run_cases(2, [("ignore", ignore_list_like_torch, ()),
                          ("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
                          *[(f"dcgan-{m}", dcgan_loop, (m,)) for m in DCGAN_MODES],
-                         ("torch-save", saved_the_torch_way, ())])
+                         ("torch-save", saved_the_torch_way, ()),
+                         *[(f"unused-{m}", unused_param_like_torch, (m,)) for m in UNUSED_MODES],
+                         ("state-dict", state_dict_under_sharded_params, ())])
 
 
 DCGAN_MODES = ["optim", "grads", "params"]
@@ -239,6 +331,24 @@ DCGAN_MODES = ["optim", "grads", "params"]
 def test_dcgan_loop_ends_where_torch_ddp_ends(two, mode):
     for diff in case_result(two, f"dcgan-{mode}"):
         assert diff <= 1e-6, diff
+
+
+@pytest.mark.parametrize("mode", list(UNUSED_MODES))
+def test_unused_param_refused_as_torch_refuses_it_or_left_out_as_torch_leaves_it(two, mode):
+    for v in case_result(two, f"unused-{mode}"):
+        assert "not used in producing loss" in v["torch_error"]  # torch's own refusal
+        assert "'head.weight'" in v["error"] and "find_unused_parameters=True" in v["error"]
+        assert v["unmoved"]  # refused before the step moved anything
+        assert v["diff"] <= 1e-6, v
+        assert v["head_kept"]
+
+
+def test_state_dict_between_steps_is_refused_or_whole_under_sharded_params(two):
+    for v in case_result(two, "state-dict"):
+        names = ["'0.weight'", "'2.weight'", "'0.weight'"]  # by the wrapped model's names
+        for refusal, name in zip(v["refusals"], names, strict=True):
+            assert name in refusal and "ddp.full_state_dict()" in refusal, refusal
+        assert v["finite"] and v["same"], v
 
 
 def test_ignore_list_trains_as_torch_ddp(two):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as comm
+from ..ddp.whole_module import module_entries
 from . import background, files
 from .checks import (
     Models,
@@ -139,7 +140,7 @@ def _current_models(opt: Optimizer, whole: WholeModel | None
              dict(names_everywhere(model, [(model.param_names[p], list(p.shape))
                                            for p in model.params])),
              dict(names_everywhere(model, [(k, describe(v)[0])
-                                           for k, v in model.module.state_dict().items()])))
+                                           for k, v in module_entries(model.module).items()])))
             for prefix, model in zip(model_prefixes(opt), opt.models, strict=True)]
 
 
@@ -184,7 +185,7 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
             targets.append((owned, slots))
         for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
             trainable = {id(p) for p in model.params}
-            for key, value in model.module.state_dict(keep_vars=True).items():
+            for key, value in module_entries(model.module, keep_vars=True).items():
                 # Trainable params come from the fp32 main params below; the rest as saved.
                 if isinstance(value, torch.Tensor) and id(value) not in trainable:
                     state[f"model/{prefix}{global_name(model, key)}"] = value.detach()

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as comm
+from ..ddp.whole_module import module_entries
 from .format import (
     FlatShard,
     Optimizer,
@@ -192,7 +193,7 @@ def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:
         buffers = buffer_keys(model.module)
         expert = model.experts.is_expert_entry if model.experts is not None else None
         from_shards = _params_from_shards(opt, model)
-        for key, value in model.module.state_dict(keep_vars=True).items():
+        for key, value in module_entries(model.module, keep_vars=True).items():
             fqn = f"model/{prefix}{global_name(model, key)}"
             if isinstance(value, torch.Tensor):
                 if value in from_shards:

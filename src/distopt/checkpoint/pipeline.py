@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..comm import collectives as comm
+from ..ddp.whole_module import module_entries
 from .files import CheckpointError
 from .format import Optimizer, describe, hyper_params, param_names, whole_names
 
@@ -60,7 +61,7 @@ def whole_model(opt: Optimizer) -> WholeModel:
         for name, p in model.module.named_parameters():
             mine["parameters"].append([names.get(p, name), list(p.shape), p.requires_grad])
             seen[name] = names.get(p, name)
-        mine["state_dict"] += [[k, *describe(v)] for k, v in model.module.state_dict().items()]
+        mine["state_dict"] += [[k, *describe(v)] for k, v in module_entries(model.module).items()]
     mine["groups"] = [group["params"] for group in hyper_params(opt)]
     mine["whole"] = sorted(whole_names(opt))
     every = comm.all_gather_object(mine, opt.parallel.pp_group)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..ddp.whole_module import module_entries
 from ..optim.remainders import bf16_of_fp32
 from .checks import Models, check_pair, check_same_model
 from .files import CheckpointError
@@ -88,7 +89,7 @@ def _plan(ckpt: Any, opt: Optimizer
     all_names, trainable_names, model_values = [], [], {}
     for prefix, model, sd in zip(model_prefixes(opt), opt.models, sds, strict=True):
         check_same_model({k: describe(v)[0] for k, v in sd.items()},
-                         {k: describe(v)[0] for k, v in model.module.state_dict().items()},
+                         {k: describe(v)[0] for k, v in module_entries(model.module).items()},
                          "state_dict entries", "the plain checkpoint")
         for n, p in model.module.named_parameters():
             all_names.append(prefix + n)

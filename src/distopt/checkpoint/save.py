@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as comm
+from ..ddp.whole_module import module_entries
 from . import background, files, parts
 from .background import AsyncCheckpoint
 from .checks import Models, check_pair
@@ -212,7 +213,7 @@ def _manifest(opt: Optimizer, sequence: int, name: str,
             "parameters": [[n, list(p.shape), p.requires_grad] for n, p in names_everywhere(
                 model, list(module.named_parameters()))],
             "state_dict": [[k, *describe(v)] for k, v in names_everywhere(
-                model, list(module.state_dict().items()))],
+                model, list(module_entries(module).items()))],
         })
     return {
         "format": files.FORMAT,

@@ -57,6 +57,17 @@ params, until the backward outside ``no_sync`` (the step's last), which launches
 as its grads are complete and frees each bucket's params as before. A step then costs one
 all-gather (the first forward's) and one reduce-scatter per bucket, as with full buffers, and a
 rank holds the stage's grads and params whole during the step, not between steps.
+
+[Note: params without a grad]
+A param that got no grad in any backward of a step is torch DDP's error unless
+``find_unused_parameters`` is set: torch refuses it at the next forward. Stepping it on a zero
+grad instead would move it where ``torch.optim`` leaves it (weight decay, momentum), so
+``finish`` refuses it too, naming it. The refusal comes after the step's reductions, which
+every rank runs alike whatever it used: where the params without a grad differ by rank (an
+expert no token of this rank's batch chose), the ranks that used everything are not left
+waiting in a collective, and the step stops before any param moves. With
+``find_unused_parameters`` the ranks agree which params no rank used (one small all-reduce)
+and leave those out of the step; a param used on some ranks only is stepped on the average.
 """
 
 from __future__ import annotations
@@ -121,7 +132,7 @@ class GradSync:
         self._next_launch = 0  # the first bucket of the launch order not launched yet
         self._next_replica = 0  # the first bucket whose second stage is not started yet
         self._param_index = {p: i for i, p in enumerate(params)}
-        self._used = bytearray(len(params))  # with find_unused_parameters
+        self._used = bytearray(len(params))  # which params got a grad this step, on this rank
         self.unused_params: frozenset[nn.Parameter] = frozenset()
         # Over the replicas and TP groups too, so that every rank of the mesh raises, or none
         # does, and each learns which rank produced the nan.
@@ -197,8 +208,7 @@ class GradSync:
             grad = local_grad(param, grad)
         bucket.add_grad(param, grad)
         self.markers.mark(param)
-        if self.options.find_unused_parameters:
-            self._used[self._param_index[param]] = 1
+        self._used[self._param_index[param]] = 1
         if self._launches and bucket.mark_ready(param):
             # Every param of the bucket has its grad: no backward node reads them any more.
             bucket.release_params()
@@ -311,19 +321,38 @@ class GradSync:
             bucket.wait_reduction()
         self._release_grad_pools()
         unused: frozenset[nn.Parameter] = frozenset()
+        unused_here: list[nn.Parameter] = []
         if self.options.find_unused_parameters:
             unused = frozenset(p for p, u in zip(self.params, self._used_anywhere(), strict=True)
                                if not u)
-            self._used = bytearray(len(self.params))
+        elif self.state is SyncState.ACCUMULATED:
+            unused_here = [p for p, u in zip(self.params, self._used, strict=True) if not u]
+        self._used = bytearray(len(self.params))
         self.unused_params = unused
         self._next_launch = self._next_replica = 0
         for bucket in self.buckets:
             bucket.expect_every_grad()
         self._apply_divisor()
         self._advance(SyncState.SYNCED)
+        if unused_here:
+            self._raise_unused(unused_here)
         if self.options.check_for_nan_in_grad:
             raise_on_nonfinite_grad(self.buckets, self.params, self.param_names,
                                     self._nan_check_groups, self.stats)
+
+    def _raise_unused(self, unused: list[nn.Parameter]) -> None:
+        # See [Note: params without a grad]: after the reductions, so that a rank that used
+        # every param is not left waiting in one.
+        names = [self.param_names[p] for p in unused]
+        shown = ", ".join(f"'{n}'" for n in names[:5]) + (
+            f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise RuntimeError(
+            f"{len(names)} parameter(s) of {self.model_name} got no gradient in this step on "
+            f"this rank ({shown}), and find_unused_parameters is False: torch DDP refuses "
+            f"this too. Pass find_unused_parameters=True, which reduces the others and leaves "
+            f"a parameter no rank used out of the step, as torch.optim skips a grad of None; "
+            f"or freeze it (requires_grad=False) before wrapping; or use it in the forward"
+        )
 
     def divide(self, divisor: float) -> None:
         """Divide this step's grads by ``divisor``: the part each rank holds reduced, once it

@@ -17,6 +17,21 @@ from torch import nn
 
 from ..parallel.dtensor import alias_local, local_tensor
 from . import param_owners
+from .state import ParamState
+
+_entries_read = 0  # > 0 inside module_entries(): the refusal of placeholders is off
+
+
+def module_entries(module: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
+    """``module.state_dict()`` as it stands, sharded params as their placeholders: for
+    distopt's own readers of names, shapes, dtypes and buffers (checkpoints write the values
+    of sharded params from the shards), which a user's ``state_dict()`` is refused."""
+    global _entries_read
+    _entries_read += 1
+    try:
+        return module.state_dict(keep_vars=keep_vars)
+    finally:
+        _entries_read -= 1
 
 
 class WholeModule:
@@ -66,6 +81,29 @@ class WholeModule:
         for key in getattr(self, "_loaded_keys", ()):
             if key in incompatible.missing_keys:
                 incompatible.missing_keys.remove(key)
+
+    def _refuse_placeholders(self, module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
+        """``state_dict()`` of a module whose sharded params are placeholders (a state-dict
+        pre-hook of each module that registers one): refused, naming the ways that give the
+        full values, rather than a state dict of NaN placeholders that a ``torch.save``
+        would write as the user's weights. Inside a forward or ``gathered_params()`` the
+        params are whole and the state dict is the module's own."""
+        if _entries_read:
+            return
+        bucket_of = self._grad_sync.bucket_of
+        for name, param in module.named_parameters(recurse=False):
+            bucket = bucket_of.get(param)
+            if bucket is not None and bucket.params_store.state is not ParamState.GATHERED:
+                where = next(n for n, m in self.module.named_modules() if m is module)
+                full_name = f"{where}.{name}" if where else name
+                raise RuntimeError(
+                    f"state_dict() of a module wrapped with shard_params=True read parameter "
+                    f"'{full_name}' between forwards, where each rank holds only its shard: "
+                    f"the state dict would hold a placeholder, not its values. Call "
+                    f"ddp.full_state_dict() on every rank (every param whole), or call "
+                    f"state_dict() inside 'with ddp.gathered_params():' on every rank, or save "
+                    f"with distopt.save_checkpoint (sharded, nothing gathered)"
+                )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's ``state_dict()`` with every param whole, under the module's own names,
@@ -131,7 +169,7 @@ class WholeModule:
             self._unsharder.remove_hooks()
         self._gathers_in_flight = False
         for handle in (*self._grad_hooks, *self._param_wait_hooks,
-                       *getattr(self, "_load_hooks", ())):
+                       *getattr(self, "_state_dict_hooks", ())):
             handle.remove()
         self._grad_hooks, self._param_wait_hooks = [], []
         with torch.no_grad():

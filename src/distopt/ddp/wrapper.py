@@ -78,7 +78,8 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         find_unused_parameters: track which parameters got a grad on any rank; parameters
             that got none anywhere are left out of the optimizer step, as torch.optim skips
             parameters whose ``.grad`` is None. Costs one small all-reduce per step. When
-            False an unused parameter's grad is zero and the optimizer still steps it.
+            False, as in torch DDP, a parameter that got no grad in a step is an error at
+            the step, before any parameter moves.
         check_for_nan_in_grad: after the reduction, raise on every rank, naming the first
             parameter (in registration order) whose grad holds a nan or inf.
         reduce_scatter_with_fp32_accumulation: with bf16 or fp16 grads, send them in their own
@@ -302,9 +303,17 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         # After materializing: the registry's weak references would forbid swapping tensors.
         param_owners.claim(self.params, self)
         # ``module.load_state_dict`` writes the shards of sharded params (whole_module.py).
-        self._load_hooks = [] if self._unsharder is None or self.parallel.tp is not None else [
+        loads_shards = self._unsharder is not None and self.parallel.tp is None
+        self._state_dict_hooks = [
             module.register_load_state_dict_pre_hook(self._load_into_shards),
-            module.register_load_state_dict_post_hook(self._forget_loaded_keys)]
+            module.register_load_state_dict_post_hook(self._forget_loaded_keys),
+        ] if loads_shards else []
+        if self._unsharder is not None:  # no state dict of placeholders (whole_module.py)
+            trainable = set(self.params)
+            self._state_dict_hooks += [
+                owner.register_state_dict_pre_hook(self._refuse_placeholders)
+                for owner in module.modules()
+                if any(p in trainable for p in owner.parameters(recurse=False))]
         # The grad sync of the current layout runs them; see ddp/grad_sync.py.
         self._grad_hooks = [
             hook for p in self.params for hook in (

@@ -225,9 +225,11 @@ class BasicOptimizer(_CheckpointedOptimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         if isinstance(model, nn.Module) and not isinstance(model, DistributedDataParallel):
-            # A plain module: the same buffers and hooks, on this process alone.
+            # A plain module: the same buffers and hooks, on this process alone; as with
+            # torch.optim, a param that got no grad is left out of the step.
             model = DistributedDataParallel.for_this_process(
-                model, grad_dtype=grad_dtype, use_distributed_optimizer=False
+                model, grad_dtype=grad_dtype, use_distributed_optimizer=False,
+                find_unused_parameters=True,
             )
         models = as_model_list(model, "BasicOptimizer")
         for m in models:

@@ -104,6 +104,9 @@ class Trainer:
             reduce_scatter_with_fp32_accumulation=config.reduce_scatter_fp32_accumulation,
             shard_grads=config.shard_grads,
             shard_params=config.shard_params,
+            # An expert no token chose gets no grad: left out of the step where no rank ran
+            # it, as torch.optim skips it ([Note: params without a grad]).
+            find_unused_parameters=bool(config.moe) and not config.shard_params,
         )
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
