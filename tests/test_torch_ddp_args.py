@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from pathlib import Path
 
 import pytest
@@ -244,7 +245,7 @@ def unused_param_like_torch(mode: str) -> dict:
     """A param no rank uses: without find_unused_parameters torch DDP raises at the next
     forward and distopt at the step, before any param moves; with it, both leave the param
     out of AdamW's step (weight decay too) and train the rest alike."""
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {}
     for find_unused in (False, True):
         runs = {}
@@ -264,7 +265,7 @@ def unused_param_like_torch(mode: str) -> dict:
                 for step in range(STEPS):
                     x, y = _batch(step)
                     opt.zero_grad()
-                    nn.functional.mse_loss(ddp(x[rank::2]), y[rank::2]).backward()
+                    nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world]).backward()
                     opt.step()
             except RuntimeError as error:
                 runs[kind] = str(error)
@@ -289,8 +290,8 @@ def unused_param_like_torch(mode: str) -> dict:
 
 def state_dict_under_sharded_params() -> dict:
     """The ways torch users read a model's weights, between steps, with sharded params: each
-    refused (the module's and a submodule's state_dict()) or whole (inside
-    gathered_params(), full_state_dict()), never a placeholder."""
+    refused (the module's, a submodule's and the DDP's state_dict(), a deep copy) or whole
+    (inside gathered_params(), full_state_dict()), never a placeholder."""
     rank = dist.get_rank()
     model = _model()
     ddp = distopt.DistributedDataParallel(model, shard_params=True)
@@ -299,7 +300,8 @@ def state_dict_under_sharded_params() -> dict:
     nn.functional.mse_loss(ddp(x[rank::2]), y[rank::2]).backward()
     opt.step()
     refusals = []
-    for reader in (model.state_dict, model[2].state_dict, ddp.state_dict):
+    for reader in (model.state_dict, model[2].state_dict, ddp.state_dict,
+                   functools.partial(copy.deepcopy, model)):
         try:
             reader()
             refusals.append("no error")
@@ -309,33 +311,81 @@ def state_dict_under_sharded_params() -> dict:
         inside = model.state_dict()
         finite = all(v.isfinite().all().item() for v in inside.values())
         inside = {k: v.clone() for k, v in inside.items()}
+        plain = copy.deepcopy(model)  # whole, and without distopt's hooks
     full = ddp.full_state_dict()
     same = all(torch.equal(inside[k], full[k]) for k in full)
-    return {"refusals": refusals, "finite": finite, "same": same}
+    copied = all(torch.equal(v, full[k]) for k, v in plain.state_dict().items())
+    return {"refusals": refusals, "finite": finite, "same": same and copied}
+
+
+def ema_under_sharded_params() -> float:
+    """torch's own EMA, ``AveragedModel`` with ``get_ema_multi_avg_fn``, built and updated
+    inside ``gathered_params()`` under sharded params, against the same EMA over torch DDP:
+    the largest difference of the averaged weights after 4 steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ema_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    ends = []
+    for kind in ("torch", "distopt"):
+        model = _model()
+        if kind == "torch":
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            gathered = contextlib.nullcontext
+        else:
+            ddp = distopt.DistributedDataParallel(model, shard_params=True)
+            opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+            gathered = ddp.gathered_params
+        with gathered():
+            ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=ema_fn)
+        for step in range(STEPS):
+            x, y = _batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world]).backward()
+            opt.step()
+            with gathered():
+                ema.update_parameters(model)
+        ends.append([p.detach().clone() for p in ema.module.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*ends, strict=True))
+
+
+def _both_sizes() -> list:
+    """The cases that run at d = 2 and d = 3."""
+    return [*[(f"dcgan-{m}", dcgan_loop, (m,)) for m in DCGAN_MODES],
+            *[(f"unused-{m}", unused_param_like_torch, (m,)) for m in UNUSED_MODES],
+            ("ema", ema_under_sharded_params, ())]
+
+
+@pytest.fixture(scope="module")
+def three():
+    return run_cases(3, _both_sizes())
 
 
 @pytest.fixture(scope="module")
 def two():
     return run_cases(2, [("ignore", ignore_list_like_torch, ()),
                          ("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
-                         *[(f"dcgan-{m}", dcgan_loop, (m,)) for m in DCGAN_MODES],
                          ("torch-save", saved_the_torch_way, ()),
-                         *[(f"unused-{m}", unused_param_like_torch, (m,)) for m in UNUSED_MODES],
-                         ("state-dict", state_dict_under_sharded_params, ())])
+                         ("state-dict", state_dict_under_sharded_params, ()),
+                         *_both_sizes()])
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["d2", "d3"])
+def both(request, two, three):
+    return {2: two, 3: three}[request.param]
 
 
 DCGAN_MODES = ["optim", "grads", "params"]
 
 
 @pytest.mark.parametrize("mode", DCGAN_MODES)
-def test_dcgan_loop_ends_where_torch_ddp_ends(two, mode):
-    for diff in case_result(two, f"dcgan-{mode}"):
+def test_dcgan_loop_ends_where_torch_ddp_ends(both, mode):
+    for diff in case_result(both, f"dcgan-{mode}"):
         assert diff <= 1e-6, diff
 
 
 @pytest.mark.parametrize("mode", list(UNUSED_MODES))
-def test_unused_param_refused_as_torch_refuses_it_or_left_out_as_torch_leaves_it(two, mode):
-    for v in case_result(two, f"unused-{mode}"):
+def test_unused_param_refused_as_torch_refuses_it_or_left_out_as_torch_leaves_it(both, mode):
+    for v in case_result(both, f"unused-{mode}"):
         assert "not used in producing loss" in v["torch_error"]  # torch's own refusal
         assert "'head.weight'" in v["error"] and "find_unused_parameters=True" in v["error"]
         assert v["unmoved"]  # refused before the step moved anything
@@ -345,10 +395,15 @@ def test_unused_param_refused_as_torch_refuses_it_or_left_out_as_torch_leaves_it
 
 def test_state_dict_between_steps_is_refused_or_whole_under_sharded_params(two):
     for v in case_result(two, "state-dict"):
-        names = ["'0.weight'", "'2.weight'", "'0.weight'"]  # by the wrapped model's names
+        names = ["'0.weight'", "'2.weight'", "'0.weight'", "'0.weight'"]  # the model's names
         for refusal, name in zip(v["refusals"], names, strict=True):
             assert name in refusal and "ddp.full_state_dict()" in refusal, refusal
         assert v["finite"] and v["same"], v
+
+
+def test_torch_ema_inside_gathered_params_averages_as_over_torch_ddp(both):
+    for diff in case_result(both, "ema"):
+        assert diff <= 1e-6, diff
 
 
 def test_ignore_list_trains_as_torch_ddp(two):

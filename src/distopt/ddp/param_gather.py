@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from .module_hooks import ModuleHook
+
 if TYPE_CHECKING:
     from .bucket import Bucket
 
@@ -33,7 +35,7 @@ def register_param_wait_hooks(
         )
         if buckets:
             hooks.append(submodule.register_forward_pre_hook(
-                _wait_hook(buckets, gathers_in_flight)))
+                ModuleHook(_wait_hook(buckets, gathers_in_flight))))
     return hooks
 
 

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_flatten
 
 from .bucket import Bucket
 from .gather_units import GatherUnit
+from .module_hooks import ModuleHook
 
 
 class ParamUnsharder:
@@ -114,8 +115,8 @@ class ParamUnsharder:
         self._previous = {u: self._order[k - 1] if k > 0 else None
                           for k, u in enumerate(self._order)}
         self.hooks = [hook for user in self._users for hook in (
-            user.register_forward_pre_hook(self._before_forward),
-            user.register_forward_hook(self._after_forward),
+            user.register_forward_pre_hook(ModuleHook(self._before_forward)),
+            user.register_forward_hook(ModuleHook(self._after_forward)),
         )]
 
     # ------------------------------------------------------------------ a forward
@@ -253,8 +254,8 @@ class _UseRecorder(TorchFunctionMode):
         self.unit_order: list[nn.Module] = []
         self.readers: dict[nn.Module, set[Bucket]] = {}
         self._hooks = [hook for m in unsharder.module.modules() for hook in (
-            m.register_forward_pre_hook(self._enter, prepend=True),
-            m.register_forward_hook(self._leave),
+            m.register_forward_pre_hook(ModuleHook(self._enter), prepend=True),
+            m.register_forward_hook(ModuleHook(self._leave)),
         )]
 
     def _enter(self, module: nn.Module, _args: Any) -> None:

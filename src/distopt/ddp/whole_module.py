@@ -82,8 +82,10 @@ class WholeModule:
             if key in incompatible.missing_keys:
                 incompatible.missing_keys.remove(key)
 
-    def _refuse_placeholders(self, module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
-        """``state_dict()`` of a module whose sharded params are placeholders (a state-dict
+    def _refuse_placeholders(self, module: nn.Module, _prefix: str, _keep_vars: bool, *,
+                             reader: str = "state_dict()") -> None:
+        """``state_dict()`` (or ``copy.deepcopy``, [Note: a copy of a wrapped module] in
+        ddp/module_hooks.py) of a module whose sharded params are placeholders (a state-dict
         pre-hook of each module that registers one): refused, naming the ways that give the
         full values, rather than a state dict of NaN placeholders that a ``torch.save``
         would write as the user's weights. Inside a forward or ``gathered_params()`` the
@@ -97,11 +99,11 @@ class WholeModule:
                 where = next(n for n, m in self.module.named_modules() if m is module)
                 full_name = f"{where}.{name}" if where else name
                 raise RuntimeError(
-                    f"state_dict() of a module wrapped with shard_params=True read parameter "
+                    f"{reader} of a module wrapped with shard_params=True read parameter "
                     f"'{full_name}' between forwards, where each rank holds only its shard: "
-                    f"the state dict would hold a placeholder, not its values. Call "
+                    f"it would hold a placeholder, not its values. Call "
                     f"ddp.full_state_dict() on every rank (every param whole), or call "
-                    f"state_dict() inside 'with ddp.gathered_params():' on every rank, or save "
+                    f"{reader} inside 'with ddp.gathered_params():' on every rank, or save "
                     f"with distopt.save_checkpoint (sharded, nothing gathered)"
                 )
 

@@ -47,6 +47,7 @@ from .grad_pool import GradPool, grad_pools_for
 from .grad_sync import GradSync
 from .materialize import check_materializable, has_meta_tensors, materialize_shards, target_device
 from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
+from .module_hooks import ModuleHook
 from .module_params import broadcast_initial_weights, trainable_named_params
 from .param_gather import register_param_wait_hooks
 from .param_storage import ParamPool, param_pools_for
@@ -305,13 +306,16 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         # ``module.load_state_dict`` writes the shards of sharded params (whole_module.py).
         loads_shards = self._unsharder is not None and self.parallel.tp is None
         self._state_dict_hooks = [
-            module.register_load_state_dict_pre_hook(self._load_into_shards),
-            module.register_load_state_dict_post_hook(self._forget_loaded_keys),
+            module.register_load_state_dict_pre_hook(ModuleHook(self._load_into_shards)),
+            module.register_load_state_dict_post_hook(ModuleHook(self._forget_loaded_keys)),
         ] if loads_shards else []
         if self._unsharder is not None:  # no state dict of placeholders (whole_module.py)
             trainable = set(self.params)
             self._state_dict_hooks += [
-                owner.register_state_dict_pre_hook(self._refuse_placeholders)
+                owner.register_state_dict_pre_hook(ModuleHook(
+                    self._refuse_placeholders,
+                    on_copy=functools.partial(self._refuse_placeholders, owner, "", False,
+                                              reader="copy.deepcopy()")))
                 for owner in module.modules()
                 if any(p in trainable for p in owner.parameters(recurse=False))]
         # The grad sync of the current layout runs them; see ddp/grad_sync.py.
