@@ -72,3 +72,11 @@ for extra in hf lightning; do
     check "$extra" "$extra"
     rm -rf "${WORK:?}/$extra"
 done
+# The README's third install line: pip builds distopt from a git URL itself (here the
+# repository's own HEAD, as a remote's URL would give a commit of it).
+start=$SECONDS
+echo "== from a git URL, in a fresh venv"
+new_venv git
+add git "torch-distopt @ git+file://$REPO"
+check git none
+rm -rf "${WORK:?}/git"

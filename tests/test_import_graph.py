@@ -1,4 +1,5 @@
-"""distopt's modules import each other one way: the import graph of src/distopt is acyclic.
+"""distopt's modules import each other one way: the import graph of src/distopt is acyclic, and
+every import runs down distopt's layers.
 
 The graph is read from the source with ``ast``, so it sees every import statement at any depth:
 one deferred into a function to get past a cycle at import time still closes the cycle here.
@@ -11,6 +12,14 @@ An edge goes to the module an import names: ``from .checkpoint import files`` to
 ``distopt.checkpoint`` (its ``__init__``). The parent packages Python imports on the way are
 not edges: a package's ``__init__`` importing its own submodules would otherwise close a
 cycle with every one of them.
+
+``LAYERS`` lists the layers, lowest first, as docs/design.md does. A layer is a set of
+distopt's top-level modules and subpackages (``"ddp"`` is every module under distopt/ddp/,
+``"__init__"`` the package itself). A module imports modules of its own layer (acyclically)
+and of the layers below it, never of a layer above: where a lower layer needs something of a
+higher one, the higher one hands it down when it is imported ([Note: one-way imports] in
+checkpoint/__init__.py). A module that no layer names fails the test, so that a new one is
+placed on purpose.
 """
 
 from __future__ import annotations
@@ -19,6 +28,27 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+LAYERS: list[tuple[str, ...]] = [
+    # the package's plumbing: its version and install name, the extras' check, torch's import,
+    # the ranks' fork server and frozen heap, the host memory given back
+    ("_version", "_extras", "_torch_import", "_forkserver", "_frozen_heap", "host_memory"),
+    ("dtypes", "sharding", "options"),  # dtype names, the sharding strategy, options checked
+    ("layout",),  # bucket and shard arithmetic, no communication
+    ("comm",),  # collectives
+    ("parallel",),  # process groups, meshes, tensor and expert parallelism
+    ("cross_rank",),  # what every rank must build alike
+    ("ddp",),  # the data-parallel runtime
+    ("optim",),  # the optimizers
+    ("checkpoint",),  # saves, loads, exports and the optimizers' state dicts
+    ("pipelining", "memory", "plan"),  # pipeline stages, the memory theory, the plans
+    ("__init__",),  # the public names of ``import distopt``
+    ("integrations",),  # the Trainer's and Lightning's doors
+    ("train",),  # distopt train and its demo GPT
+    ("bench",),  # distopt bench
+    ("cli", "__main__"),  # the commands
+]
+"""distopt's layers, lowest first: top-level modules and subpackages of src/distopt."""
 
 
 def module_names(src: Path) -> dict[str, Path]:
@@ -66,6 +96,21 @@ def import_graph(src: Path) -> dict[str, set[str]]:
     return {name: imported_modules(name, path, known) for name, path in modules.items()}
 
 
+def layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
+    """The index in ``layers`` of the layer that holds ``module``, or None."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    return next((index for index, layer in enumerate(layers) if top in layer), None)
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[str]:
+    """Every import of ``graph`` from a lower layer to a higher one, as ``importer -> imported``
+    (each module in some layer)."""
+    level = {module: layer_of(module, layers) for module in graph}
+    return [f"{importer} -> {imported}" for importer in sorted(graph)
+            for imported in sorted(graph[importer]) if level[imported] > level[importer]]
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """Some cycle of ``graph`` as a path that starts and ends at the same module, or None."""
     done: set[str] = set()
@@ -96,6 +141,33 @@ def test_import_graph_is_acyclic():
     assert "distopt.optim.optimizers" in graph and "distopt.ddp.wrapper" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_run_down_the_layers():
+    graph = import_graph(SRC)
+    unplaced = sorted(module for module in graph if layer_of(module, LAYERS) is None)
+    assert not unplaced, "modules in no layer of LAYERS: " + ", ".join(unplaced)
+    tops = {module.split(".")[1] if "." in module else "__init__" for module in graph}
+    stale = sorted(name for layer in LAYERS for name in layer if name not in tops)
+    assert not stale, "LAYERS names what distopt does not hold: " + ", ".join(stale)
+    upward = upward_imports(graph, LAYERS)
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_the_layers_catch_an_upward_import(tmp_path):
+    package = tmp_path / "distopt"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("from .high import g\n")
+    (package / "low" / "__init__.py").write_text("")
+    (package / "low" / "a.py").write_text("def f():\n    from ..high import g\n    return g\n")
+    (package / "low" / "b.py").write_text("")
+    (package / "high.py").write_text("from .low import b\n\ng = b\n")
+    graph = import_graph(tmp_path)
+    layers = [("low",), ("high",), ("__init__",)]
+    assert upward_imports(graph, layers) == ["distopt.low.a -> distopt.high"]
+    # within one layer the same import is allowed; the cycle check covers it
+    assert upward_imports(graph, [("low", "high"), ("__init__",)]) == []
+    assert layer_of("distopt.other", layers) is None
 
 
 def test_the_graph_sees_deferred_and_relative_imports(tmp_path):

@@ -171,3 +171,25 @@ def test_buffers_are_laid_out_once_for_the_optimizer_and_never_again():
     # An element-wise optimizer agrees with that layout and trains on the grads already there.
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-3)
     assert opt.step().updated
+
+
+def test_whole_tensor_params_are_costed_by_the_table_of_classes():
+    """``DistributedDataParallel(whole_tensor_params=...)`` lays the buffers out before any
+    optimizer, with the costs of the table of classes (a user's declared class too); the
+    optimizer then finds its owners laid out. An element-wise class or a tensor that is not a
+    trainable param is refused, by name."""
+    model = _model()
+    ddp = distopt.DistributedDataParallel(model, bucket_size=40, whole_tensor_params={
+        model[0].weight: torch.optim.Muon, model[2].weight: WholeAdamW})
+    assert ddp.whole_tensor_costs == {model[0].weight: 7 * 5 * 5, model[2].weight: 3 * 7}
+    distopt.DistributedOptimizer(ddp, torch.optim.AdamW, params=[
+        {"params": [model[0].weight], "optimizer": torch.optim.Muon, "lr": 0.02},
+        {"params": [model[2].weight], "optimizer": WholeAdamW},
+        {"params": [model[0].bias, model[2].bias]}], lr=1e-3)
+    model = _model()
+    with pytest.raises(ValueError, match="gives parameter '0.bias' AdamW, which shards element"):
+        distopt.DistributedDataParallel(model, whole_tensor_params={
+            model[0].bias: torch.optim.AdamW})
+    with pytest.raises(ValueError, match="not a trainable parameter of this model"):
+        distopt.DistributedDataParallel(model, whole_tensor_params={
+            nn.Parameter(torch.zeros(2)): torch.optim.Muon})

@@ -1,7 +1,8 @@
 """The library needs only torch; the applications' packages come with the ``train`` extra, and
 ``distopt train`` / ``distopt bench`` without them say so in one line. The wheel that
 ``python -m build`` makes holds every file of the package and one version, the one
-``distopt --version`` shows (.ci/wheel_smoke.sh installs it and tries it outside the tree)."""
+``distopt --version`` shows (.ci/wheel_smoke.sh installs it and tries it outside the tree).
+The README's install lines are the forms CI runs."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import distopt
+from distopt._extras import BENCH_NEEDS, TRAIN_NEEDS, missing
 from distopt._version import DISTRIBUTION
 from distopt.cli import main
-from distopt.cli.needs import BENCH_NEEDS, TRAIN_NEEDS, missing
 
 from early_launches import Command, launch_early
 
@@ -188,7 +189,8 @@ def _build_wheel(workdir: Path) -> list[Command]:
 
 WHEEL_BUILD = launch_early(("test_wheel_holds_every_file_of_the_package",
                             "test_wheel_installs_distopt_and_its_metadata_only",
-                            "test_one_version_in_the_wheel_the_package_and_the_command"),
+                            "test_one_version_in_the_wheel_the_package_and_the_command",
+                            "test_readme_names_the_wheel_the_build_makes"),
                            _build_wheel)
 
 
@@ -250,3 +252,53 @@ def test_installed_metadata_is_this_version():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip(f"{DISTRIBUTION} is not installed in this environment (make setup does it)")
     assert installed.version == distopt.__version__
+
+
+# ---------------------------------------------------------------- the README's install lines
+
+README_INSTALL = {  # each form of install line the README may give, and who runs it in CI
+    "clone": (re.compile(r"^pip install -e '\.\[(?P<extras>[\w,]+)\]'$"),
+              "Makefile", "-e '.[train,dev,hf,lightning]'"),
+    "wheel": (re.compile(r"^python -m build && pip install 'dist/(?P<wheel>[\w.-]+\.whl)"
+                         r"\[(?P<extras>[\w,]+)\]'$"),
+              ".ci/wheel_smoke.sh", 'add base "$WHEEL[train]"'),
+    "git": (re.compile(r"^pip install 'torch-distopt\[(?P<extras>[\w,]+)\] @ git\+\S+'$"),
+            ".ci/wheel_smoke.sh", 'add git "torch-distopt @ git+file://$REPO"'),
+}
+
+
+def readme_install_lines() -> list[str]:
+    """The commands of the README's first code block under "## Install", comments cut."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Install\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_readme_install_lines_are_the_ones_ci_runs():
+    """Each install line of the README is a form that CI runs (an editable install from the
+    clone, the built wheel, a git URL), with extras that exist and the wheel of this version;
+    the Makefile and .ci/wheel_smoke.sh run each form."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+                 ["optional-dependencies"])
+    seen = set()
+    for line in readme_install_lines():
+        form = next((name for name, (pattern, _, _) in README_INSTALL.items()
+                     if pattern.match(line)), None)
+        assert form is not None, f"the README installs with a form CI does not run: {line}"
+        pattern, runner, command = README_INSTALL[form]
+        match = pattern.match(line)
+        assert set(match["extras"].split(",")) <= extras, line
+        if form == "wheel":
+            assert match["wheel"] == (f"{DISTRIBUTION.replace('-', '_')}-"
+                                      f"{distopt.__version__}-py3-none-any.whl"), line
+        assert command in (ROOT / runner).read_text(), (runner, command)
+        seen.add(form)
+    assert seen == set(README_INSTALL), seen
+
+
+@pytest.mark.slow  # builds the wheel
+def test_readme_names_the_wheel_the_build_makes(wheel):
+    (built,) = (WHEEL_BUILD.workdir / "dist").glob("*.whl")
+    assert f"dist/{built.name}[" in (ROOT / "README.md").read_text()

@@ -318,6 +318,40 @@ def state_dict_under_sharded_params() -> dict:
     return {"refusals": refusals, "finite": finite, "same": same and copied}
 
 
+def dcp_state_dict_functions() -> dict:
+    """torch's DCP state-dict functions, as torchtitan calls them: each refused on every rank
+    with a distopt optimizer (before any collective: the case would hang otherwise), the model
+    alone taken as any module's."""
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    ddp = distopt.DistributedDataParallel(model)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+    x, y = _batch(0)
+    nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world]).backward()
+    opt.step()
+    ddp.finish_param_sync()
+    calls = {
+        "get_state_dict": lambda: dcp_sd.get_state_dict(model, opt),
+        "get_optimizer_state_dict": lambda: dcp_sd.get_optimizer_state_dict(model, opt),
+        "set_state_dict": lambda: dcp_sd.set_state_dict(
+            model, opt, model_state_dict=model.state_dict(), optim_state_dict={}),
+        "set_optimizer_state_dict": lambda: dcp_sd.set_optimizer_state_dict(model, opt, {}),
+    }
+    refusals = {}
+    for name, call in calls.items():
+        try:
+            call()
+            refusals[name] = "no error"
+        except TypeError as error:
+            refusals[name] = str(error)
+    whole = dcp_sd.get_model_state_dict(model, options=dcp_sd.StateDictOptions(
+        full_state_dict=True))
+    own = model.state_dict()
+    return {"refusals": refusals, "model": all(torch.equal(whole[k], own[k]) for k in own)}
+
+
 def ema_under_sharded_params() -> float:
     """torch's own EMA, ``AveragedModel`` with ``get_ema_multi_avg_fn``, built and updated
     inside ``gathered_params()`` under sharded params, against the same EMA over torch DDP:
@@ -366,6 +400,7 @@ def two():
                          ("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
                          ("torch-save", saved_the_torch_way, ()),
                          ("state-dict", state_dict_under_sharded_params, ()),
+                         ("dcp-state-dict", dcp_state_dict_functions, ()),
                          *_both_sizes()])
 
 
@@ -404,6 +439,16 @@ def test_state_dict_between_steps_is_refused_or_whole_under_sharded_params(two):
 def test_torch_ema_inside_gathered_params_averages_as_over_torch_ddp(both):
     for diff in case_result(both, "ema"):
         assert diff <= 1e-6, diff
+
+
+def test_torch_dcp_state_dict_functions_refuse_the_optimizer_on_every_rank(two):
+    values = case_result(two, "dcp-state-dict")
+    for v in values:
+        for name, refusal in v["refusals"].items():
+            assert "distopt.save_checkpoint" in refusal, (name, refusal)
+            assert "consolidate_state_dict(to=0)" in refusal, (name, refusal)
+        assert v["model"]
+    assert values[0] == values[1]
 
 
 def test_ignore_list_trains_as_torch_ddp(two):

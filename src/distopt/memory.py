@@ -108,21 +108,31 @@ def bytes_per_param_breakdown(
 ) -> BytesPerParam:
     """The bytes-per-parameter table of docs/design.md for one choice of dtypes, by component.
 
-    ``grad_dtype=None`` means grads in the param dtype. ``optimizer_state_bytes`` is 8 for
-    Adam's two fp32 moments, 4 for SGD with momentum. ``store_param_remainders`` (bf16 params
-    only) keeps 2-byte remainders instead of 4-byte fp32 main params, and steps one bucket at
-    a time, so bf16/fp16 grads get their fp32 copies only for that bucket's step (none kept).
-    ``state_dtype`` (e.g. torch.bfloat16) holds every per-element state tensor in that dtype,
-    so ``optimizer_state_bytes`` (counted in fp32) shrinks by its itemsize over 4; for a mix
-    of dtypes per key pass ``optimizer_state_bytes=distopt.optim.kinds.state_bytes(cls,
-    (1,), None, {key: dtype})`` instead. fp16 and fp8 state adds one byte of scale per
-    ``state_block_size`` elements (None: 32). See [Note: state precision] in
-    optim/state_precision.py. ``shard_grads`` keeps only each rank's reduced shard of the
-    grads between steps (``DistributedDataParallel(shard_grads=True)``): the grads are sharded
-    too. See [Note: sharded grads] in ddp/grad_pool.py. ``shard_params`` keeps only each
-    rank's shard of the params too, between uses (``shard_params=True``, which implies sharded
-    grads): every component is sharded; the gathered buckets a forward or backward holds are
-    transient and not counted here. See [Note: sharded params] in ddp/param_storage.py.
+    Args:
+        param_dtype: the model params' dtype; the optimizer steps fp32 main params beside
+            params of any other dtype.
+        grad_dtype: the grad buffer's dtype (the DDP's ``grad_dtype``); None: grads in the
+            param dtype.
+        optimizer_state_bytes: bytes of fp32 state per parameter: 8 for Adam's two moments
+            (the default), 4 for SGD with momentum.
+        store_param_remainders: keep 2-byte remainders instead of 4-byte fp32 main params
+            (bf16 params only), stepping one bucket at a time, so bf16/fp16 grads get their
+            fp32 copies only for that bucket's step (none kept).
+        state_dtype: hold every per-element state tensor in that dtype (e.g.
+            torch.bfloat16), so ``optimizer_state_bytes`` (counted in fp32) shrinks by its
+            itemsize over 4; for a mix of dtypes per key pass
+            ``optimizer_state_bytes=distopt.optim.kinds.state_bytes(cls, (1,), None, {key:
+            dtype})`` instead. None: fp32. See [Note: state precision] in
+            optim/state_precision.py.
+        shard_grads: keep only each rank's reduced shard of the grads between steps
+            (``DistributedDataParallel(shard_grads=True)``): the grads are sharded too. See
+            [Note: sharded grads] in ddp/grad_pool.py.
+        state_block_size: elements per scale of fp16 and fp8 state, which adds one byte of
+            scale per block; None: 32. Refused for other state dtypes.
+        shard_params: keep only each rank's shard of the params too, between uses
+            (``shard_params=True``, which implies sharded grads): every component is sharded;
+            the gathered buckets a forward or backward holds are transient and not counted
+            here. See [Note: sharded params] in ddp/param_storage.py.
     """
     grad_dtype = grad_dtype or param_dtype
     if state_dtype is not None:
@@ -176,19 +186,32 @@ def theoretical_bytes_per_param(
 ) -> float:
     """Bytes per parameter of params, grads, fp32 main params/grads and optimizer state.
 
-    ``optimizer_state_bytes`` is 8 for Adam's two fp32 moments, 4 for SGD with momentum.
-    ``distributed=False`` gives the replicated (DDP + torch optimizer) figure.
-    ``store_param_remainders``: int16 remainders instead of fp32 main params, and no
-    persistent fp32 main grads (bf16 params).
-    ``state_dtype``: the state held in that dtype (bf16 params and grads, remainders, bf16
-    state: 4 + 6/d; fp32 params and grads with bf16 state: 8 + 4/d; fp16 and fp8 state add
-    one byte of scale per ``state_block_size`` state elements, e.g. Adam's fp8 moments take
-    2 + 2/32 B/param).
-    ``shard_grads``: only each rank's reduced shard of the grads is kept between steps (bf16
-    params and grads with remainders: 2 + 12/d; fp32: 4 + 12/d).
-    ``shard_params``: the params too, between uses: everything is sharded (fp32: 16/d; bf16
-    params and grads with remainders: 14/d, with bf16 state 10/d).
-    ``bytes_per_param_breakdown`` gives the same figure component by component.
+    The table of docs/design.md, for one rank; ``bytes_per_param_breakdown`` gives the same
+    figure component by component.
+
+    Args:
+        param_dtype: the model params' dtype.
+        grad_dtype: the grad buffer's dtype (the DDP's ``grad_dtype``); None: the params'.
+        dp_size: d, the number of data-parallel ranks the sharded components are split over;
+            at least 1.
+        distributed: the distributed optimizer, whose main params, main grads and state are
+            split over the d ranks (True, the default); False gives the replicated (DDP +
+            torch optimizer, or BasicOptimizer) figure, every rank holding everything.
+        optimizer_state_bytes: bytes of fp32 state per parameter: 8 for Adam's two moments
+            (the default), 4 for SGD with momentum.
+        store_param_remainders: int16 remainders instead of fp32 main params, and no
+            persistent fp32 main grads (bf16 params only).
+        state_dtype: the state held in that dtype, ``optimizer_state_bytes`` scaled by its
+            itemsize over 4 (bf16 params and grads, remainders, bf16 state: 4 + 6/d; fp32
+            params and grads with bf16 state: 8 + 4/d). None: fp32.
+        shard_grads: only each rank's reduced shard of the grads is kept between steps (bf16
+            params and grads with remainders: 2 + 12/d; fp32: 4 + 12/d).
+        state_block_size: elements per scale of fp16 and fp8 state, which adds one byte per
+            block (Adam's fp8 moments take 2 + 2/32 B/param); None: 32. Refused for other
+            dtypes.
+        shard_params: the params too, between uses: everything is sharded (fp32: 16/d; bf16
+            params and grads with remainders: 14/d, with bf16 state 10/d); the buckets a
+            forward or backward gathers are transient and not counted.
     """
     _check_dp_size(dp_size)
     breakdown = bytes_per_param_breakdown(
@@ -225,14 +248,24 @@ def checkpoint_bytes_per_param(
 
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
-    """Bytes one rank holds, by role; ``num_params`` counts the model's trainable elements."""
+    """Bytes one rank holds, by role; ``measure_state_bytes`` makes it. Each storage counts
+    once, so views cost nothing; ``total`` is their sum, ``bytes_per_param`` that sum per
+    element of ``num_params``."""
 
     num_params: int
+    """The model's trainable elements (of a tensor-parallel param, its local shard only)."""
     params: int
+    """The model params' buffers: whole, or with sharded params this rank's shard."""
     grads: int
+    """The grad buffers: whole, or with sharded grads the shards kept between steps."""
     main_params: int
+    """The fp32 main params of this rank's pieces, or with ``store_param_remainders`` their
+    int16 remainders; nothing beyond the params themselves for fp32 params."""
     main_grads: int
+    """The fp32 copies of the grads kept for the step (low-precision grads); 0 where the
+    step reads the reduced grads in place or copies them one bucket at a time."""
     optimizer_state: int
+    """The inner optimizer's state tensors (Adam's moments), step counters aside."""
 
     @property
     def total(self) -> int:
@@ -263,7 +296,14 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int
 
 
 def measure_state_bytes(optimizer) -> MemoryReport:
-    """Measure what this rank holds for the models and the distopt optimizer given."""
+    """Measure what this rank holds for the models and the distopt optimizer given.
+
+    Args:
+        optimizer: a ``DistributedOptimizer`` or ``BasicOptimizer``; its models' param and
+            grad buffers are counted with its main params, main grads and state, each storage
+            once, from the tensors as they are now (call it after a step: the state exists
+            from the first step on).
+    """
     seen: set[int] = set()
 
     def counted(tensors) -> int:
@@ -321,6 +361,15 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
                     state_dtype: torch.dtype | None = None) -> TransientBound:
     """The transient bound of ``ddp`` (a ``DistributedDataParallel(shard_params=True)``), from
     its real layout: see [Note: transient bound].
+
+    Args:
+        ddp: the model, wrapped with sharded params; its buckets, gather units and grad pools
+            give the figures.
+        store_param_remainders: the optimizer's option of that name: the step's temporaries
+            then hold the fp32 masters and fp32 grads of the shard being stepped too.
+        state_dtype: the optimizer's ``state_dtype`` as one dtype: state below fp32 is
+            expanded to fp32 for the step, two tensors (Adam's moments) of the shard being
+            stepped. None: fp32 state, nothing to expand.
 
     [Note: transient bound]
     Between steps a rank with sharded params holds its state alone. During a step it also

@@ -62,6 +62,22 @@ class PipelineStage(TorchPipelineStage):
     Takes torch's arguments; ``group`` defaults to the DDP's pipeline group (the "pp" dimension
     of its mesh), so ``PipelineStage(ddp, stage_index, num_stages, device)`` is enough. See
     [Note: pipeline stages].
+
+    Args:
+        submodule: the stage's module wrapped in ``distopt.DistributedDataParallel``, built on a
+            mesh with a "pp" dimension (or with ``group`` given here); any other module is a
+            TypeError: wrap the stage first.
+        stage_index: this stage's place in the pipeline, 0 to ``num_stages - 1``, as torch's.
+        num_stages: the number of stages in the pipeline, as torch's.
+        device: the device this stage runs on (the module's), as torch's.
+        *args: torch's other positional arguments (``input_args``, ``output_args``, ...),
+            passed on unchanged.
+        group: the pipeline's process group, over which the stages send activations and
+            grads; None: the DDP's pipeline group (the "pp" dimension of its mesh), which a
+            DDP without one does not have.
+        **kwargs: torch's other keyword arguments, passed on unchanged; ``dw_builder`` is
+            refused, since it computes the weight grads into ``p.grad``, which distopt's
+            buffers never see (zero-bubble schedules work without one).
     """
 
     submod: DistributedDataParallel
@@ -97,16 +113,46 @@ class PipelineStage(TorchPipelineStage):
     # ---------------------------------------------------------------- what torch's stage calls
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        """torch's forward of one micro-batch, inside ``ddp.no_sync()`` but for the step's last.
+
+        Args:
+            fwd_chunk_id: the micro-batch's index in the step; the last (``chunks - 1``) runs
+                outside ``no_sync()``, so that module buffers are broadcast as torch's DDP
+                broadcasts them ([Note: buffer broadcasting] in ddp/module_buffers.py).
+            *args: torch's other arguments (the micro-batch's inputs, ...), passed on.
+            **kwargs: the same, by keyword.
+        """
         # Only the step's last micro-batch runs outside no_sync(); see [Note: pipeline stages].
         self._forward_syncs = self.chunks is None or fwd_chunk_id == self.chunks - 1
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the DDP on one micro-batch, inside ``no_sync()`` unless ``forward_one_chunk``
+        found it the step's last.
+
+        Args:
+            *args: the stage module's positional inputs, passed on unchanged.
+            **kwargs: its keyword inputs, passed on unchanged.
+        """
         with self._sync_if(self._forward_syncs):
             return self.submod(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> Any:
+        """torch's backward of one micro-batch, inside ``ddp.no_sync()`` but for the step's
+        last, which reduces the grads. See [Note: pipeline stages].
+
+        Args:
+            backward_type: torch's "full", or "input" and "weight", the two halves of a split
+                backward (zero-bubble schedules); a weight half runs inside
+                ``ddp.assigned_grads()``, which puts the grads it assigns to ``p.grad`` into the
+                buckets.
+            bwd_kwargs: torch's arguments of the backward (the stage's outputs, their grads,
+                its inputs), passed on unchanged.
+            last_backward: whether this is the step's last backward: it runs outside
+                ``no_sync()``, so its grads are reduced, and (but for an input half, which makes
+                no weight grads) it ends the step held whole.
+        """
         base = super().backward_maybe_with_nosync
         if last_backward and backward_type != "input":  # reduces, frees: [Note: a step held
             self.submod.hold_step = False               # whole]; an input half makes no grads
@@ -139,6 +185,13 @@ class PipelineStage(TorchPipelineStage):
         agree_over_stages(problem, self.group)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
+        """Divide the reduced grads this rank holds (``ddp.divide_grads``), where torch's stage
+        would divide every ``p.grad``.
+
+        Args:
+            grad_scale_factor: the schedule's divisor: the number of micro-batches for a loss
+                with mean reduction, 1 (nothing to do) for a sum. Exact when a power of two.
+        """
         if grad_scale_factor != 1:
             self.submod.divide_grads(grad_scale_factor)
 

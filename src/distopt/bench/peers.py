@@ -75,7 +75,7 @@ INSTALL_HINT = (
 
 def missing_peers(systems: list[str]) -> list[str]:
     """The packages that configurations ``systems`` need and this environment lacks."""
-    from ..cli.needs import missing
+    from .._extras import missing
 
     needs = {"megatron": MEGATRON_SYSTEMS, "deepspeed": DEEPSPEED_SYSTEMS}
     wanted = [package for package, names in needs.items() if set(systems) & set(names)]

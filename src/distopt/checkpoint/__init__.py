@@ -38,14 +38,17 @@ The modules, each importing only modules listed before it:
     plain.py       ``load_plain_checkpoint``: a distopt run from a plain file
 
 [Note: one-way imports]
-This package builds on the optimizer's shared class (``distopt.optim.base.BufferOptimizer``),
-reading it only through the interface the ``Optimizer`` protocol of format.py names (its pieces,
-param groups, inner optimizers and parallel groups), and the public classes in
-``distopt.optim.optimizers``
-build on this package: their ``state_dict()`` and ``load_state_dict()`` are methods, as
-torch.optim's are, whose work is done in ``state_dict.py`` with the same checks and install path
-as the other loaders. So the graph runs optim.base -> checkpoint -> optimizer, one way, and
-distopt's import graph has no cycle (tests/test_import_graph.py).
+This package builds on the optimizers (``distopt.optim``), a layer below it: it reads the
+optimizer's shared class (``distopt.optim.base.BufferOptimizer``) only through the interface
+the ``Optimizer`` protocol of format.py names (its pieces, param groups, inner optimizers and
+parallel groups). The public classes in ``distopt.optim.optimizers`` have ``state_dict()`` and
+``load_state_dict()`` as methods, as torch.optim's do, and their work is done in
+``state_dict.py`` with the same checks and install path as the other loaders. The optimizers
+do not import this package for it: ``state_dict.py``, when it is imported (this ``__init__``
+imports it, and ``import distopt`` imports this package before any optimizer can be built),
+hands its functions to ``distopt.optim.optimizers.use_state_dict_functions``. So every import
+runs from checkpoint down to optim, never back, as distopt's layers require
+(tests/test_import_graph.py, docs/design.md).
 
 One import is deferred on purpose: ``dcp.py`` imports torch.distributed.checkpoint, which is
 slow to import, so the functions that save, load or export import it when they run and ``import
@@ -55,7 +58,9 @@ back, so the deferral hides no cycle.
 
 import sys
 
-from . import format
+# state_dict.py gives the optimizers their state-dict methods' work when it is imported:
+# [Note: one-way imports].
+from . import format, state_dict  # noqa: F401
 from .background import AsyncCheckpoint
 from .export import export_checkpoint
 from .files import CheckpointError, has_checkpoint

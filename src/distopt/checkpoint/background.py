@@ -66,7 +66,15 @@ class AsyncCheckpoint:
     ``wait()`` returns its directory once every rank's write is complete and ``latest`` names
     it, or raises the ``CheckpointError`` of a save that could not complete (the same on every
     rank when the ranks could agree on it; nothing of it is kept). Wait for it before the
-    process group is destroyed."""
+    process group is destroyed.
+
+    ``save_checkpoint`` makes it; a program only reads it.
+
+    Args:
+        path: the checkpoint directory the save is published as (``path`` below).
+        waited_s: seconds the save waited for the save in flight before it (``waited_s``
+            below).
+    """
 
     def __init__(self, path: Path, waited_s: float) -> None:
         self.path = path
@@ -84,7 +92,8 @@ class AsyncCheckpoint:
 
     def wait(self, timeout: float | None = None) -> Path:
         """The published checkpoint's directory; raises CheckpointError if the save failed,
-        TimeoutError if it is still being written after ``timeout`` seconds."""
+        TimeoutError if it is still being written after ``timeout`` seconds (None, the
+        default: wait as long as it takes)."""
         try:
             path = self._future.result(timeout)
         except CheckpointError:

@@ -118,12 +118,25 @@ def export_checkpoint(
 ) -> Path:
     """Write checkpoint ``ckpt`` (or the latest in a run directory) as one torch.save file.
 
-    ``master_weights`` writes trainable params from the fp32 main params (float32) instead of
-    the model's own dtype: what plain fp32 training should continue from after bf16/fp16.
-    ``transform`` makes the object the file holds out of the exported dict (its tensors not
-    read yet): ``lambda tree: tree["optimizer"]`` writes the torch optimizer state alone, the
-    trainer integrations write their trainers' own file formats; only the tensors it keeps are
-    read. One process, no process group; memory stays bounded (see [Note: bounded export]).
+    One process, no process group; memory stays bounded (see [Note: bounded export]). Returns
+    the file's path.
+
+    Args:
+        ckpt: a checkpoint directory, or a run directory whose ``latest`` checkpoint is
+            exported.
+        out: the file to write, in a directory that exists; written under a temporary name and
+            renamed when complete, so a failed export leaves no partial file.
+        master_weights: write the trainable params from the fp32 main params (float32) instead
+            of the model's own dtype: what plain fp32 training should continue from after
+            bf16/fp16. False (the default): the model's params as the run held them.
+        verify: check every file's size and CRC32 against the checkpoint's manifest first
+            (True, the default); False skips the read, for files known to be whole.
+        transform: makes the object the file holds out of the exported dict (its tensors not
+            read yet): ``lambda tree: tree["optimizer"]`` writes the torch optimizer state
+            alone, the trainer integrations write their trainers' own file formats; only the
+            tensors it keeps are read. None: the dict itself: ``"model"``, ``"optimizer"``
+            (``"optimizers"``, one per class, for param groups of several classes),
+            ``"extra"`` and ``"loss_scaler"``.
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 

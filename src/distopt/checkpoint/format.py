@@ -126,9 +126,12 @@ class Optimizer(Protocol):
 class FlatShard:
     """Elements ``[offset, offset + local.numel())`` of a flattened tensor of ``numel`` elements."""
 
-    local: torch.Tensor  # 1-D
+    local: torch.Tensor
+    """The elements held, 1-D."""
     offset: int
+    """Where ``local`` starts in the flattened tensor; the shard must lie inside it."""
     numel: int
+    """The flattened tensor's number of elements."""
 
     def __post_init__(self) -> None:
         if self.local.dim() != 1:
@@ -399,6 +402,12 @@ def merge_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
     """One state dict holding every given rank's shards (lists of FlatShards per entry).
 
     What a rank of any DP size loads from the ``state_dict()`` of every rank of another run.
+
+    Args:
+        state_dicts: the ``sharded_state_dict()`` (or ``state_dict()``) of each rank of one
+            run, in any order; at least one. The param groups, optimizer class and loss scaler
+            are taken from the first; the shards of all are kept side by side, for a load to
+            pick those that cover its own pieces.
     """
     if not state_dicts:
         raise ValueError("merge_state_dicts needs at least one state dict")
@@ -427,6 +436,11 @@ def piece_runs(param: nn.Parameter, start: int, end: int) -> list[tuple[int, int
     global tensor: ``(offset in the piece, global flat offset, length)`` per contiguous run.
 
     See [Note: TP checkpoints]. A plain param (and a ``Replicate`` one) is the identity: one run.
+
+    Args:
+        param: the model param, a DTensor on the tensor-parallel mesh or a plain tensor.
+        start: the first element of the range, counted in the flattened local shard.
+        end: one past the last element; a range with ``end <= start`` has no runs.
     """
     if end <= start:
         return []

@@ -36,10 +36,21 @@ def load_checkpoint(
 ) -> Any:
     """Load a checkpoint saved at any DP size; collective; returns the ``extra`` saved with it.
 
-    ``path`` is a run directory (its ``latest`` checkpoint is loaded) or a checkpoint directory.
-    Everything is checked first (the model's and optimizer's structure, and with ``verify`` every
-    file's size and CRC32, split over the ranks); on any problem every rank raises
-    CheckpointError and the model and the optimizer are left as they were.
+    Everything is checked first; on any problem every rank raises CheckpointError and the model
+    and the optimizer are left as they were.
+
+    Args:
+        path: a run directory (its ``latest`` checkpoint is loaded) or a checkpoint directory.
+        ddp: the model to load into, the one the optimizer was built over: its
+            DistributedDataParallel (or the wrapped module), or the list of model chunks. Its
+            structure (names, shapes, dtypes) must be the saved model's.
+        opt: the ``DistributedOptimizer`` or ``BasicOptimizer`` to load into, with the saved
+            optimizer's classes, param groups and loss scaler; each rank reads the elements it
+            owns, whatever data-parallel size saved them.
+        verify: check every data file's size and CRC32 against the manifest before reading
+            (True, the default; the files are split over the ranks, so each reads a part);
+            False checks the manifest and DCP's index only, for a faster load of files known
+            to be whole.
     """
     from . import dcp  # see [Note: one-way imports]
 

@@ -32,10 +32,21 @@ def load_plain_checkpoint(source: str | os.PathLike | dict[str, Any], ddp: Model
                           opt: Optimizer) -> Any:
     """Start a distopt run from ``{"model": state_dict, "optimizer": torch_optimizer_state}``.
 
-    ``source`` is such a dict or a file torch.save wrote (read with mmap: each rank touches only
-    the elements it owns). The optimizer state is that of ``torch.optim.<Class>`` over
-    ``model.parameters()`` (or over the same param groups as this optimizer's). Checks
-    everything before changing anything; needs no communication. Returns ``source["extra"]``.
+    Checks everything before changing anything; needs no communication. Returns
+    ``source["extra"]`` (None without one).
+
+    Args:
+        source: such a dict, or a file torch.save wrote (``export_checkpoint``'s, or a plain
+            torch run's), read with mmap: each rank touches only the elements it owns. The
+            optimizer state is that of ``torch.optim.<Class>`` over ``model.parameters()`` (or
+            over the same param groups as this optimizer's); for groups of several classes,
+            ``"optimizers"`` holds one state per class, as ``export_checkpoint`` writes it.
+        ddp: the model to load into, the one the optimizer was built over: its
+            DistributedDataParallel (or the wrapped module), or the list of model chunks,
+            whose ``"model"`` entry is then a list of state dicts, one per chunk.
+        opt: the ``DistributedOptimizer`` or ``BasicOptimizer`` to load into, with the saved
+            state's param groups; each rank installs the main params and state of the elements
+            it owns, and the groups' options are taken from the file.
     """
     check_pair(ddp, opt)
     if isinstance(source, dict):

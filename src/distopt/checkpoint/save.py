@@ -47,16 +47,32 @@ def save_checkpoint(
     """Save a checkpoint into the run directory ``path``; collective; returns its directory.
 
     Each call adds a checkpoint (``ckpt-000001``, ``ckpt-000002``, ... or ``name``) and points
-    ``path/latest`` at it once it is complete; ``keep`` keeps only the newest ``keep``. ``extra``
-    is any object ``torch.save`` accepts, taken from rank 0 and returned by load_checkpoint.
-    ``latest=False`` writes no ``latest`` file, for a folder another tool owns (Lightning's
-    ModelCheckpoint): load the checkpoint by its own directory then.
+    ``path/latest`` at it once it is complete. A save or load that finds an async save in
+    flight waits for it.
 
-    ``async_save=True`` copies what this rank writes into a host buffer kept between saves and
-    returns an ``AsyncCheckpoint`` at once; the files are written, agreed on and published in
-    the background, with the same atomic commit (``handle.wait()`` gives the directory or
-    raises the save's CheckpointError). A save or load that finds one in flight waits for it.
-    See [Note: async saves] in background.py.
+    Args:
+        path: the run directory that holds the checkpoints (created if missing), not a
+            checkpoint itself; the same on every rank.
+        ddp: the model the optimizer was built over: its DistributedDataParallel (or the
+            wrapped module), or the list of model chunks.
+        opt: the run's ``DistributedOptimizer`` or ``BasicOptimizer``; each rank writes the
+            shard of its state and main params it owns. One with a ``model_parallel_group`` is
+            refused (its parts would write the same names).
+        extra: any object ``torch.save`` accepts (LR scheduler, data position, RNG), taken
+            from rank 0 and returned by ``load_checkpoint``; None: nothing.
+        keep: keep only the newest ``keep`` checkpoints of ``path``, deleting the older ones
+            once this one is committed; a positive int. None: keep them all.
+        name: the checkpoint's directory name, a plain name (no "/", not hidden, not
+            "latest") that does not exist yet. None: the next ``ckpt-NNNNNN``.
+        latest: point ``path/latest`` at the new checkpoint (True, the default). False writes
+            no ``latest`` file, for a folder another tool owns (Lightning's ModelCheckpoint):
+            load the checkpoint by its own directory then.
+        async_save: copy what this rank writes into a host buffer kept between saves and
+            return an ``AsyncCheckpoint`` at once; the files are written, agreed on and
+            published in the background, with the same atomic commit (``handle.wait()`` gives
+            the directory or raises the save's CheckpointError). Refused for tensor-parallel
+            models. False (the default): write, then return the directory. See
+            [Note: async saves] in background.py.
     """
     check_pair(ddp, opt)
     group = opt.parallel.checkpoint_group()

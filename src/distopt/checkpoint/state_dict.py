@@ -21,10 +21,12 @@ registered with torch's safe globals, so the default ``torch.load`` reads such a
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
+from ..optim import optimizers
 from .checks import agree, check_groups, check_optimizer_class, check_scaler
 from .files import CheckpointError
 from .format import (
@@ -153,3 +155,8 @@ def _whole(pieces: list[FlatShard]) -> FlatShard:
     if covered != numel:
         raise CheckpointError(f"the ranks' shards cover {covered} of {numel} elements")
     return FlatShard(whole, 0, numel)
+
+
+# The public optimizers' state-dict methods do their work here, and the optimizers sit a layer
+# below this package: this module hands them its functions. See [Note: one-way imports].
+optimizers.use_state_dict_functions(sys.modules[__name__])

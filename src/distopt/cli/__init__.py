@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .._extras import BENCH_NEEDS, TRAIN_NEEDS, require
 from .._version import DISTRIBUTION, __version__
-from .needs import BENCH_NEEDS, TRAIN_NEEDS, require
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {}

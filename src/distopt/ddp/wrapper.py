@@ -25,7 +25,6 @@ from ..cross_rank.model import check_same_model
 from ..cross_rank.stages import stages_agree
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
-from ..optim.kinds import costs_of_classes
 from ..options import GradSyncOptions
 from ..parallel.dtensor import is_dtensor, local_tensor
 from ..parallel.experts import ExpertParallel, ExpertParams
@@ -56,6 +55,7 @@ from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
 from .state import SyncState
 from .tied import resolve_tied_params
 from .whole_module import WholeModule
+from .whole_tensor_params import costs_of_classes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,7 +71,9 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         grad_dtype: dtype of the grad buffer and of the reduction; None means each
             parameter's own dtype.
         bucket_size: elements per bucket; None picks ``default_bucket_size`` of
-            layout/elementwise.py (about a quarter of the model, or half of it on gloo).
+            layout/elementwise.py (about a quarter of the model, or half of it on gloo), and
+            with ``shard_params`` at most a quarter of the largest gather unit: smaller buckets
+            start reducing sooner and hold fewer bytes in flight.
         overlap_grad_reduce: start each bucket's reduction during backward, as soon as its
             last grad is accumulated, instead of in ``finish_grad_sync``.
         use_distributed_optimizer: reduce-scatter buckets (for DistributedOptimizer); False
@@ -140,16 +142,38 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             (``mesh["dp"]``) with grads averaged over every token of the batch; the dense params
             are data-parallel over every rank of the mesh. See "Experts" in docs/design.md
             and [Note: expert parallelism] in parallel/experts.py.
-        device_ids, output_device, dim, init_sync, bucket_cap_mb, static_graph,
-        gradient_as_bucket_view, check_reduction: torch DDP's arguments, with torch's meaning
-            for a module on one device: ``device_ids`` None for a CPU module or ``[the
-            module's CUDA device]``, ``dim`` 0, ``init_sync=False`` keeps each rank's own
-            weights, ``bucket_cap_mb`` sizes the buckets in MiB of grads instead of
-            ``bucket_size``; ``static_graph``, ``gradient_as_bucket_view`` and
-            ``check_reduction`` change nothing here. torch's ignore list
-            (``_set_params_and_buffers_to_ignore_for_model``) leaves those params and buffers
-            local. Its experimental arguments are refused by name. See
-            [Note: torch DDP's spellings] in ddp/torch_spellings.py.
+        device_ids: torch DDP's devices of the module, with torch's rule for a module on one
+            device: None (the default, right for any module) or, for a CUDA module, ``[its
+            device]`` (an index or a ``torch.device``); a list for a CPU module, several
+            devices, or a device other than the module's are refused. Keyword only: distopt's
+            second positional argument is ``process_group``.
+        output_device: torch DDP's device of the outputs: None or the module's device; the
+            outputs stay where the module puts them.
+        dim: torch DDP's dimension along which inputs are split over a process's devices:
+            only 0, the default, since one process drives one device and nothing is split.
+        init_sync: as torch DDP's: True (the default) broadcasts the first data-parallel
+            rank's params, and with ``broadcast_buffers`` its buffers, at construction, so that
+            every replica starts alike; False keeps each rank's own weights (already equal,
+            e.g. from one seed or one checkpoint).
+        bucket_cap_mb: torch DDP's bucket size, in MiB of grads: the buckets then hold
+            ``bucket_cap_mb * 2**20`` bytes of grads in ``grad_dtype`` (of the widest param
+            dtype with ``grad_dtype=None``); positive; give it or ``bucket_size``, not both.
+            None: ``bucket_size`` decides.
+        static_graph: accepted for torch scripts and kept as an attribute; it changes
+            nothing, since distopt's hooks do not depend on the graph being the same each step.
+        gradient_as_bucket_view: accepted for torch scripts and kept as an attribute; it
+            changes nothing, since distopt's grads always live in the buckets (``p.grad`` is a
+            marker, [Note: p.grad under distopt] in ddp/grad_marker.py).
+        check_reduction: accepted for torch scripts (deprecated in torch); it changes
+            nothing.
+        **torch_only: torch DDP's other keyword arguments: its experimental ones
+            (``mixed_precision``, ``delay_all_reduce_named_params``,
+            ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params``) are refused by
+            name, naming distopt's way to the same end, and any other name is a TypeError.
+
+    torch's ignore list (``_set_params_and_buffers_to_ignore_for_model``) leaves those params
+    and buffers local to each rank, as torch DDP does. See [Note: torch DDP's spellings] in
+    ddp/torch_spellings.py.
     """
 
     def __init__(
@@ -403,7 +427,16 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
     def lay_out_for(self, whole_tensor_costs: dict[nn.Parameter, float], *, by: str) -> None:
         """Make sure the buffers are laid out for these owners of whole tensors: the layout
         the DDP was built with, or (once, before the first backward) a new one. ``by`` names
-        the caller in errors. See [Note: layout planned once] in layout/model_layout.py."""
+        the caller in errors. See [Note: layout planned once] in layout/model_layout.py.
+
+        Args:
+            whole_tensor_costs: every param an optimizer steps whole, with the cost its
+                owner's choice balances (what ``distopt.register_whole_tensor_optimizer``'s
+                ``cost`` gives for its shape); params not named are sharded element by
+                element. Each must be a trainable param of this model.
+            by: who asks, e.g. "DistributedOptimizer", named in the error when the buffers
+                are laid out for other owners already.
+        """
         self._check_live()
         unknown = [p for p in whole_tensor_costs if p not in self._param_index]
         if unknown:
@@ -447,15 +480,33 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         """torch DDP's communication hook: torch's default ``allreduce_hook`` is what distopt
         does already and is accepted; any other hook is refused, naming distopt's way to its
         end (hooks run on torch's own flattened buckets, which distopt does not have). See
-        [Note: torch DDP's spellings] in ddp/torch_spellings.py."""
+        [Note: torch DDP's spellings] in ddp/torch_spellings.py.
+
+        Args:
+            state: the hook's state object, as torch takes it; unused, since no hook runs.
+            hook: the communication hook: torch's ``allreduce_hook`` is accepted, its fp16 and
+                bf16 compression hooks are refused naming ``grad_dtype=``, any other by name.
+        """
         torch_spellings.check_comm_hook(hook)
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
-        """torch DDP's uneven-inputs context: refused (see ``torch_spellings.refuse_join``)."""
+        """torch DDP's uneven-inputs context: refused (see ``torch_spellings.refuse_join``).
+
+        Args:
+            *args: torch's arguments (``divide_by_initial_world_size``, ``enable``,
+                ``throw_on_early_termination``); any refuses alike: give every rank the same
+                number of batches instead.
+            **kwargs: the same, by keyword.
+        """
         torch_spellings.refuse_join()
 
     def join_hook(self, **kwargs: Any) -> Any:
-        """What ``torch.distributed.algorithms.Join([ddp])`` asks for: refused as ``join``."""
+        """What ``torch.distributed.algorithms.Join([ddp])`` asks for: refused as ``join``.
+
+        Args:
+            **kwargs: the options ``Join`` passes on (``divide_by_initial_world_size``); any
+                refuses alike.
+        """
         torch_spellings.refuse_join()
 
     @staticmethod
@@ -544,6 +595,14 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
     # ------------------------------------------------------------------ forward / backward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module, broadcasting its buffers first as torch DDP does and, with sharded
+        params, gathering each unit's params around its forward; return its output.
+
+        Args:
+            *args: the module's positional inputs, passed on unchanged (nothing is split or
+                moved: each process feeds its own batch, on the module's device).
+            **kwargs: the module's keyword inputs, passed on unchanged.
+        """
         self._check_trainable_unchanged()
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
@@ -602,7 +661,14 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new step's grads, as ``optimizer.zero_grad()`` does (torch's module method
-        alone would clear only ``p.grad``, which holds no grads under distopt)."""
+        alone would clear only ``p.grad``, which holds no grads under distopt).
+
+        Args:
+            set_to_none: as torch's module method: each ``p.grad`` is set to None (True, the
+                default) or zeroed. For the params in the buffers either clears their markers
+                ([Note: p.grad under distopt] in ddp/grad_marker.py); for those of torch's
+                ignore list it is their local grad. The buffers stay allocated either way.
+        """
         self.zero_grad_buffer()
         super().zero_grad(set_to_none)
 

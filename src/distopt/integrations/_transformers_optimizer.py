@@ -41,7 +41,14 @@ class TrainerOptimizer(torch.optim.Optimizer):
     param gather), then zeroes the grad buffers, since the Trainer's ``model.zero_grad()``
     only drops ``.grad`` attributes, which distopt does not use. ``last_result`` is the
     ``distopt.StepResult``; ``step_was_skipped`` tells the Trainer (through accelerate) not to
-    advance the LR schedule after an fp16 overflow.
+    advance the LR schedule after an fp16 overflow. ``DistoptTrainer.create_optimizer`` makes
+    it.
+
+    Args:
+        distributed: the ``distopt.DistributedOptimizer`` it drives; its param groups, state,
+            defaults and loss scaler are this optimizer's.
+        grad_norm: a 0-d tensor the step fills in place with the step's global grad norm (nan
+            where the step computed none), which the Trainer reads as the norm it clipped.
     """
 
     # Accelerate takes it as prepared: no wrapper that would move or reload its state.
@@ -59,6 +66,12 @@ class TrainerOptimizer(torch.optim.Optimizer):
     loss_scaler = property(lambda self: self.distributed.loss_scaler)
 
     def step(self, closure: Any = None) -> distopt.StepResult:  # type: ignore[override]
+        """distopt's step, then a new step's grads; returns its ``StepResult``.
+
+        Args:
+            closure: must be None, as for distopt's optimizers: the Trainer runs forward and
+                backward before the step.
+        """
         result = self.distributed.step(closure)
         self.distributed.zero_grad()
         self.last_result = result
@@ -67,6 +80,11 @@ class TrainerOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero distopt's grad buffers.
+
+        Args:
+            set_to_none: torch's choice for ``.grad``; the buffers stay allocated either way.
+        """
         self.distributed.zero_grad()
 
     @property
@@ -74,12 +92,24 @@ class TrainerOptimizer(torch.optim.Optimizer):
         return self.last_result is not None and not self.last_result.updated
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state, ``sharded_state_dict()``'s."""
         return self.distributed.sharded_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load distopt's optimizer state; collective.
+
+        Args:
+            state_dict: as for ``DistributedOptimizer.load_state_dict``: the whole state, or
+                shards that cover this rank's pieces.
+        """
         self.distributed.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused, as by distopt's optimizers: the param groups are fixed when it is built.
+
+        Args:
+            param_group: torch.optim's new group; unused.
+        """
         self.distributed.add_param_group(param_group)
 
     def __repr__(self) -> str:

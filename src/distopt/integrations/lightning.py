@@ -81,24 +81,59 @@ class DistoptStrategy(DDPStrategy):
 
     Args:
         basic: use ``distopt.BasicOptimizer`` (grads all-reduced, every rank keeps all of the
-            optimizer state) instead of ``distopt.DistributedOptimizer``, to compare.
-        bucket_size, overlap_grad_reduce, grad_dtype, find_unused_parameters,
-        check_for_nan_in_grad, reduce_scatter_with_fp32_accumulation, shard_grads, shard_params,
-        broadcast_buffers: passed to ``distopt.DistributedDataParallel``
-            (``broadcast_buffers`` as with ``DDPStrategy(broadcast_buffers=...)``: rank 0's
-            BatchNorm statistics broadcast before each forward, True by default).
-        overlap_param_gather, store_param_remainders: passed to ``distopt.DistributedOptimizer``.
+            optimizer state) instead of ``distopt.DistributedOptimizer``, to compare; it takes
+            none of the sharded optimizer's options (``overlap_param_gather``,
+            ``store_param_remainders``, ``shard_grads``, ``shard_params``).
+        bucket_size: elements per bucket, passed to ``distopt.DistributedDataParallel``;
+            None: distopt's default.
+        overlap_grad_reduce: reduce each bucket during backward as soon as its grads are
+            complete (True, the default), passed to the DDP.
+        grad_dtype: dtype of the grad buffer and of the reduction (fp32 by default; None:
+            each param's own), passed to the DDP.
+        find_unused_parameters: leave params that got no grad on any rank out of the step
+            (one small all-reduce per step), passed to the DDP; False, as Lightning's
+            ``DDPStrategy``: such a param is an error at the step.
+        check_for_nan_in_grad: after the reduction, raise on every rank naming the first
+            param whose grad holds a nan or inf, passed to the DDP.
+        reduce_scatter_with_fp32_accumulation: with bf16 or fp16 grads, add each shard's
+            copies in fp32 in the reduce-scatter, passed to the DDP.
+        shard_grads: keep only this rank's shard of the reduced grads between steps (ZeRO-2),
+            passed to the DDP; every micro-batch of ``accumulate_grad_batches`` then reduces.
+        shard_params: keep only this rank's shard of the params too (ZeRO-3), gathered around
+            the forward and backward that use them, passed to the DDP.
+        broadcast_buffers: as with ``DDPStrategy(broadcast_buffers=...)``: rank 0's BatchNorm
+            statistics broadcast before each forward, True by default; passed to the DDP.
+        overlap_param_gather: gather the updated params in the background, each bucket waited
+            for by the next forward just before its first use; passed to
+            ``distopt.DistributedOptimizer``.
+        store_param_remainders: keep int16 remainders instead of fp32 main params (bf16
+            params only, ``precision="bf16-true"``); passed to ``distopt.DistributedOptimizer``.
         loss_scaler: the distopt loss scaler for fp16; by default a ``DynamicLossScaler`` with
             precision "16-mixed" and none otherwise.
         torch_optimizer_state: put the optimizer state, in torch.optim's format, in the
             checkpoint file Lightning's plain strategies read, so that they resume with it
             (rank 0 reads it back from distopt's shards and writes it once more); False writes
             the weights and Lightning's state only.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
-
-    Options of torch's DDP (``static_graph``, ``bucket_cap_mb``, communication hooks, ...) are
-    refused: the module is wrapped by distopt alone.
+        accelerator: as for Lightning's ``DDPStrategy``; None: the Trainer's.
+        parallel_devices: as for ``DDPStrategy``, the devices of this node; None: the
+            Trainer's.
+        cluster_environment: as for ``DDPStrategy``, where the ranks learn their place;
+            None: the Trainer's.
+        checkpoint_io: as for ``DDPStrategy``; the checkpoints of this strategy's
+            ``save_checkpoint`` and ``load_checkpoint`` are written and read by distopt, not
+            through it.
+        precision_plugin: as for ``DDPStrategy``; None: the Trainer's. Wrapped so that the
+            optimizer side is distopt's; "32-true", "bf16-mixed", "bf16-true" and "16-mixed"
+            are supported, other precisions refused.
+        process_group_backend: as for ``DDPStrategy``: "nccl", "gloo", ...; None: the
+            device's default.
+        timeout: as for ``DDPStrategy``, the process group's timeout for collectives;
+            Lightning's default.
+        start_method: as for ``DDPStrategy``, how processes are launched: "popen" (the
+            default: the script is run again per device), "spawn", "fork" or "forkserver".
+        **torch_ddp_options: options of torch's DDP (``static_graph``, ``bucket_cap_mb``,
+            communication hooks, ...), which ``DDPStrategy`` passes on: refused, naming them,
+            since the module is wrapped by distopt alone.
     """
 
     strategy_name = "distopt"
@@ -200,6 +235,14 @@ class DistoptStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
 
     def setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's setup: when fitting, check the Trainer, the module and its optimizer on
+        every rank, wrap the module in distopt's DDP and rebuild the optimizer as distopt's;
+        otherwise only move the module and give every rank rank 0's weights.
+
+        Args:
+            trainer: the Trainer being set up; its ``gradient_clip_val`` becomes the
+                optimizer's ``clip_grad``, and clipping by value is refused.
+        """
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -282,10 +325,18 @@ class DistoptStrategy(DDPStrategy):
             yield
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        pass  # no torch DDP reducer to prepare
+        """Nothing to do: there is no torch DDP reducer to prepare.
+
+        Args:
+            closure_loss: the loss about to be backpropagated; unused.
+        """
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        pass
+        """Nothing to do: distopt's hooks reduce the grads during backward.
+
+        Args:
+            closure_loss: the loss just backpropagated; unused.
+        """
 
     def teardown(self) -> None:
         if self.model is self.ddp and self.ddp is not None:
@@ -315,13 +366,28 @@ class DistoptStrategy(DDPStrategy):
         return {}  # the distopt checkpoint holds the module's state_dict, written once
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # each rank writes its own shard in save_checkpoint
+        """Empty: each rank writes its own shard of the optimizer state in
+        ``save_checkpoint``.
+
+        Args:
+            optimizer: the optimizer Lightning asks the state of; unused.
+        """
+        return {}
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         """Write distopt's sharded checkpoint beside ``filepath`` and a Lightning checkpoint
-        file at ``filepath``; collective. See [Note: Lightning checkpoints under distopt]."""
+        file at ``filepath``; collective. See [Note: Lightning checkpoints under distopt].
+
+        Args:
+            checkpoint: Lightning's checkpoint dict; its loop, scheduler and callback state
+                go into the sharded checkpoint's ``extra`` (the weights and optimizer state
+                are distopt's own).
+            filepath: where the Lightning checkpoint file goes; a checkpoint saved there
+                before is replaced.
+            storage_options: must be None: distopt writes its files itself.
+        """
         if storage_options is not None:
             raise TypeError("DistoptStrategy.save_checkpoint takes no storage_options")
         if self.ddp is None or self.optimizer is None:
@@ -351,12 +417,24 @@ class DistoptStrategy(DDPStrategy):
             raise RuntimeError(failure)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete a checkpoint ``save_checkpoint`` wrote, its sharded part with it (rank 0).
+
+        Args:
+            filepath: the Lightning checkpoint file, as given to ``save_checkpoint``.
+        """
         if self.is_global_zero:
             checkpoint_files.remove(filepath)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
         """Load a distopt checkpoint into the module and the optimizer (at any number of
-        devices); return the Lightning state saved with it. Collective."""
+        devices); return the Lightning state saved with it. Collective.
+
+        Args:
+            checkpoint_path: a checkpoint file this strategy's ``save_checkpoint`` wrote (its
+                sharded part beside it is what is read); only while fitting.
+            weights_only: Lightning's choice for ``torch.load``; unused, since the sharded
+                checkpoint is read with distopt's checks.
+        """
         if self.ddp is None or self.optimizer is None or (
             self.lightning_module.trainer.state.fn != TrainerFn.FITTING
         ):
@@ -377,10 +455,19 @@ class DistoptStrategy(DDPStrategy):
         return dict(extra or {})
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # load_checkpoint put the weights in place already
+        """Nothing to do: ``load_checkpoint`` put the weights in place already.
+
+        Args:
+            checkpoint: the Lightning state ``load_checkpoint`` returned; unused.
+            strict: Lightning's strictness; unused, since distopt's load checks every entry.
+        """
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # so did it the optimizer's state
+        """Nothing to do: ``load_checkpoint`` loaded the optimizer's state already.
+
+        Args:
+            checkpoint: the Lightning state ``load_checkpoint`` returned; unused.
+        """
 
 
 if DistoptStrategy.strategy_name not in StrategyRegistry:

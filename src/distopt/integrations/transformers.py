@@ -138,6 +138,16 @@ class DistoptTrainer(transformers.Trainer):
     Takes the Trainer's arguments, plus ``distopt_args`` (``DistoptArguments``). Launch as any
     Trainer script: ``torchrun --nproc_per_node N train.py`` (or ``accelerate launch``). See
     [Note: distopt inside the Trainer].
+
+    Args:
+        *args: the Trainer's positional arguments (``model``, ``args``, ...), passed on.
+            Those distopt cannot honour are refused here, on every rank alike, naming the fix.
+        distopt_args: distopt's own options, which ``TrainingArguments`` has no field for;
+            None: ``DistoptArguments()``'s defaults.
+        **kwargs: the Trainer's keyword arguments, passed on and checked alike: a ready
+            ``optimizers=(optimizer, scheduler)`` is refused (pass
+            ``optimizer_cls_and_kwargs`` instead: the optimizer is built over distopt's
+            wrapper), as are the ``TrainingArguments`` distopt cannot honour.
     """
 
     def __init__(self, *args: Any, distopt_args: DistoptArguments | None = None,
@@ -162,7 +172,13 @@ class DistoptTrainer(transformers.Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; the model leaves it a plain module (distopt's wrapper released),
-        whether training ends or raises. See [Note: distopt inside the Trainer]."""
+        whether training ends or raises. See [Note: distopt inside the Trainer].
+
+        Args:
+            *args: ``Trainer.train``'s arguments (``resume_from_checkpoint``, ...), passed
+                on; a checkpoint to resume must be one a DistoptTrainer saved.
+            **kwargs: the same, by keyword.
+        """
         try:
             output = super().train(*args, **kwargs)
         except BaseException:
@@ -199,7 +215,11 @@ class DistoptTrainer(transformers.Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``; with sharded params the weights are gathered whole on every
-        rank first (a collective) and written by the main process."""
+        rank first (a collective) and written by the main process.
+
+        Args:
+            output_dir: the folder the model is saved in; None: ``args.output_dir``.
+        """
         ddp = self._live_ddp()
         if ddp is None or not ddp.options.shard_params:
             super().save_model(output_dir, _internal_call)
@@ -231,6 +251,16 @@ class DistoptTrainer(transformers.Trainer):
         return True
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """``Trainer.create_optimizer``: distopt's ``DistributedOptimizer`` over the wrapped
+        model, with the Trainer's optimizer class, options, weight-decay groups and
+        ``max_grad_norm`` (Muon for the hidden matrices and AdamW for the rest when the class
+        is ``torch.optim.Muon``), seen by the Trainer through a ``TrainerOptimizer``. A later
+        ``train()`` builds a new one over the new wrapper, its state carried over.
+
+        Args:
+            model: the Trainer's argument; unused: the optimizer is built over ``self.model``
+                as distopt wraps it.
+        """
         previous = self.optimizer
         if isinstance(previous, TrainerOptimizer) and (
             previous.distributed.models[0] is not self._live_ddp()
@@ -307,6 +337,13 @@ class DistoptTrainer(transformers.Trainer):
     # ------------------------------------------------------------------ step
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        """The forward's autocast: ``torch.autocast`` to bf16 or fp16 for those mixed
+        precisions (distopt's, since accelerate's is turned off), else the Trainer's.
+
+        Args:
+            cache_enabled: whether autocast caches the casts of weights within the forward,
+                as ``torch.autocast``'s; True by default.
+        """
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.args.mixed_precision)
         if dtype is None:
             return super().autocast_smart_context_manager(cache_enabled)
@@ -314,6 +351,17 @@ class DistoptTrainer(transformers.Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        """``Trainer.compute_loss``; in fp16 training, backward sees the loss times the loss
+        scale while the Trainer logs the loss itself.
+
+        Args:
+            model: the model to run, distopt's wrapper while training.
+            inputs: the batch, as the Trainer passes it.
+            return_outputs: return ``(loss, outputs)`` instead of the loss, as the Trainer's.
+            num_items_in_batch: the tokens (or items) the loss is averaged over across the
+                gradient-accumulation steps, as the Trainer's; None: the model's own
+                averaging.
+        """
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         scaler = getattr(self.optimizer, "loss_scaler", None)
         if scaler is None or not (model.training and torch.is_grad_enabled()):

@@ -45,6 +45,7 @@ from .state_precision import (
 )
 from .step import BucketByBucket, GradNormLog, StepPipeline, StepResult, WholeShard
 from .tied import tied_grads
+from .torch_dcp_guard import guard_torch_state_dict_functions
 
 
 class BufferOptimizer(torch.optim.Optimizer):
@@ -73,6 +74,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         with stages_agree(pp_group):
             self._construct(models, optimizer_cls, params, options, loss_scaler,
                             model_parallel_group, optimizer_kwargs)
+        guard_torch_state_dict_functions(BufferOptimizer)  # [Note: torch's DCP state dicts]
         # After the agreement, so that every stage reaches its collectives; see
         # [Note: tied stage params] in optim/tied.py.
         self._tied = tied_grads(self.models, pp_group) if pp_group is not None else None
@@ -277,7 +279,9 @@ class BufferOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ training API
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on: multiplied by the loss scale, if any."""
+        """The loss to call backward on: ``loss`` multiplied by the loss scale, if any (the
+        loss itself without a ``loss_scaler``), so that small fp16 grads do not underflow; the
+        step divides the grads by the same scale."""
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -290,8 +294,17 @@ class BufferOptimizer(torch.optim.Optimizer):
         self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None
     ) -> StepResult:
         """Finish the grad sync, then unscale, clip and step this rank's shard, and gather the
-        params. ``grad_scaler`` is passed by ``torch.amp.GradScaler.step(opt)``; see
-        [Note: torch's GradScaler] in optim/amp.py."""
+        params.
+
+        Args:
+            closure: torch.optim's loss closure; must be None: the grads are reduced before
+                the step, so it cannot run forward and backward again. Run them, then call
+                ``step()``.
+            grad_scaler: passed by ``torch.amp.GradScaler.step(opt)``, whose scale and inf/nan
+                verdict the step then uses instead of a ``loss_scaler`` (the optimizer may not
+                have both); None when called directly. See [Note: torch's GradScaler] in
+                optim/amp.py.
+        """
         if closure is not None:
             raise ValueError(
                 "distopt optimizers take no closure: run forward and backward, then call step()"
@@ -346,6 +359,13 @@ class BufferOptimizer(torch.optim.Optimizer):
                 model.start_param_sync(overlap=False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the buffers are laid out, and the shards dealt, for the param groups given
+        at construction.
+
+        Args:
+            param_group: torch.optim's new group; pass it in ``params=[...]`` when building
+                the optimizer instead.
+        """
         raise NotImplementedError(
             "distopt optimizers fix their param groups at construction: pass every group in "
             "params=[...] when building the optimizer"
@@ -363,7 +383,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         return self._main_grads[main]
 
     def piece_info(self, main: nn.Parameter) -> tuple[nn.Parameter, ShardPiece]:
-        """The model param a piece belongs to, and where the piece lies in it."""
+        """The model param the piece ``main`` (one of ``main_params``, of this rank) belongs
+        to, and where the piece lies in it."""
         owned, piece = self._piece_owner[main]
         return owned.model_param(piece), piece
 

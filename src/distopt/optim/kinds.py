@@ -32,10 +32,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
+from ..ddp.whole_tensor_params import use_cost_table
 from ..layout.whole import newton_schulz_cost
-from ..parallel.dtensor import local_tensor
 from .block_scaling import DEFAULT_BLOCK_SIZE, needs_scales, num_blocks
 
 WholeTensorCost = Callable[[Sequence[int]], float]
@@ -154,10 +153,20 @@ def register_whole_tensor_optimizer(
     """Declare that ``optimizer_cls`` (and its subclasses) must see each parameter whole.
 
     distopt then has each param of its groups owned whole by one data-parallel rank, the owners
-    chosen to balance ``cost(shape)`` summed per rank (default: the number of elements).
-    ``state_bytes(shape, group_options)``, for memory reports, defaults to two fp32 tensors
-    shaped like the param (Adam's). Returns the class, so that it also works as a decorator.
-    See [Note: optimizer kinds].
+    chosen to balance ``cost(shape)`` summed per rank. Returns the class, so that it also works
+    as a decorator. See [Note: optimizer kinds].
+
+    Args:
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass whose step reads a param as a whole
+            (a matrix's orthogonalization, a factored second moment); anything else is a
+            TypeError. Declaring a class again replaces its entry.
+        cost: the work of stepping one param, from its shape, in any unit common to the
+            class; the owners are chosen so that each rank's sum is about the same. None: the
+            number of elements.
+        state_bytes: bytes of fp32 state the class keeps for one param, from its shape and its
+            param group's options, ``state_bytes(shape, group_options)``; only distopt's
+            memory estimates read it, never the step. None: two fp32 tensors shaped like the
+            param (Adam's moments).
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(
@@ -263,22 +272,7 @@ def check_optimizer_cls(optimizer_cls: Any, where: str = "optimizer_cls") -> Non
         )
 
 
-def costs_of_classes(classes: Mapping[nn.Parameter, type[torch.optim.Optimizer]],
-                     names: Mapping[nn.Parameter, str]) -> dict[nn.Parameter, float]:
-    """The cost each param's owner balances, for params stepped whole by the classes given
-    (``DistributedDataParallel(whole_tensor_params=...)``); an error for a tensor that is not
-    a trainable param, or a class that shards element by element."""
-    costs = {}
-    for param, cls in classes.items():
-        if param not in names:
-            raise ValueError("whole_tensor_params holds a tensor that is not a trainable "
-                             "parameter of this model")
-        cost = whole_tensor_cost(cls)
-        if cost is None:
-            raise ValueError(
-                f"whole_tensor_params gives parameter '{names[param]}' {cls.__name__}, which "
-                "shards element by element: name only the params of whole-tensor optimizers "
-                "(Muon, Adafactor)"
-            )
-        costs[param] = cost(tuple(local_tensor(param).shape))
-    return costs
+
+# The DDP lays its buffers out for whole_tensor_params= when it is built, before any optimizer
+# exists; it sits a layer below this table, so the table hands it the costs.
+use_cost_table(whole_tensor_cost)

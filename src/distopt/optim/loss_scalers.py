@@ -53,18 +53,32 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 class ConstantLossScaler:
-    """A fixed loss scale; overflowing steps are still skipped, on every rank."""
+    """A fixed loss scale; overflowing steps are still skipped, on every rank.
+
+    Args:
+        scale: what ``opt.scale_loss(loss)`` multiplies the loss by, and the step divides the
+            grads by; a positive, finite number (a power of two keeps both exact).
+    """
 
     def __init__(self, scale: float) -> None:
         self.scale = _positive_float("scale", scale)
 
     def update(self, found_inf: bool) -> None:
-        """A constant scale ignores overflows (the step is skipped all the same)."""
+        """A constant scale ignores overflows (the step is skipped all the same).
+
+        Args:
+            found_inf: whether some rank's grads held an inf or nan this step; unused.
+        """
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the scale back from a checkpoint.
+
+        Args:
+            state: a dict of ``state_dict()``'s format, ``{"scale": ...}``.
+        """
         self.scale = float(state["scale"])
 
     def __repr__(self) -> str:
@@ -75,6 +89,21 @@ class DynamicLossScaler:
     """A loss scale that backs off on overflow and grows after a run of good steps.
 
     See the module docstring for the exact rules. ``scale`` is the current scale.
+
+    Args:
+        initial_scale: the scale of the first step; positive and finite, at least
+            ``min_scale``. The default, 2**16, is torch.amp.GradScaler's; the first overflows
+            bring it down to what the model's grads allow.
+        growth_factor: what the scale is multiplied by after ``growth_interval`` good steps in
+            a row; above 1.
+        backoff_factor: what the scale is multiplied by on an overflow once the hysteresis is
+            spent; in (0, 1).
+        growth_interval: good steps in a row (no inf or nan on any rank) before the scale
+            grows; at least 1.
+        hysteresis: overflows tolerated, after the start or after a growth, before the scale
+            backs off; at least 1 (1: every overflow backs off, as torch.amp.GradScaler's).
+        min_scale: the scale never backs off below it, so that a run of overflows cannot
+            drive it to zero; positive, at most ``initial_scale``.
     """
 
     def __init__(
@@ -109,7 +138,12 @@ class DynamicLossScaler:
         self.hysteresis_tracker = self.hysteresis
 
     def update(self, found_inf: bool) -> None:
-        """Apply one step's verdict (the same on every rank) to the scale."""
+        """Apply one step's verdict (the same on every rank) to the scale.
+
+        Args:
+            found_inf: whether some rank's grads held an inf or nan this step, agreed over the
+                ranks; the optimizer's ``step()`` passes it once per step.
+        """
         if found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
@@ -130,6 +164,13 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the scale and its two counters back from a checkpoint; the options
+        (``growth_factor``, ...) stay the constructor's.
+
+        Args:
+            state: a dict of ``state_dict()``'s format: ``scale``, ``growth_tracker`` and
+                ``hysteresis_tracker``.
+        """
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])

@@ -30,13 +30,12 @@ is the same pipeline with every rank owning whole buckets, all-reduced grads and
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import state_dict as state_dict_format
 from ..ddp.wrapper import DistributedDataParallel
 from ..options import StateDtype, StepOptions
 from .base import BufferOptimizer, as_model_list
@@ -44,6 +43,36 @@ from .loss_scalers import LossScaler
 from .step import StepResult
 
 __all__ = ["BasicOptimizer", "DistributedOptimizer", "StepResult"]
+
+
+class StateDictFunctions(Protocol):
+    """The functions of checkpoint/state_dict.py, which do the state-dict methods' work."""
+
+    def state_dict(self, opt: BufferOptimizer) -> dict[str, Any]: ...
+
+    def load_state_dict(self, opt: BufferOptimizer, state_dict: dict[str, Any]) -> None: ...
+
+    def consolidated_state_dict(self, opt: BufferOptimizer, to: int) -> dict[str, Any] | None:
+        ...
+
+
+# The checkpoint package builds on this layer, so it hands its functions down when it is
+# imported (``import distopt`` imports it, before any optimizer can be built); see
+# [Note: one-way imports] in checkpoint/__init__.py.
+_functions: StateDictFunctions | None = None
+
+
+def use_state_dict_functions(functions: StateDictFunctions) -> None:
+    """Take checkpoint/state_dict.py's functions; that module calls this when it is imported."""
+    global _functions
+    _functions = functions
+
+
+def _state_dict_functions() -> StateDictFunctions:
+    if _functions is None:
+        raise RuntimeError("an optimizer's state dict needs distopt.checkpoint, which was not "
+                           "imported")
+    return _functions
 
 
 class _CheckpointedOptimizer(BufferOptimizer):
@@ -55,7 +84,7 @@ class _CheckpointedOptimizer(BufferOptimizer):
         several ranks, the one ``consolidate_state_dict`` gathered to this rank, else refused
         ([Note: torch's way of saving the optimizer] in checkpoint/state_dict.py)."""
         if not self._state_is_sharded():
-            return state_dict_format.state_dict(self)
+            return _state_dict_functions().state_dict(self)
         if self._consolidated is not None:
             return self._consolidated
         raise RuntimeError(
@@ -71,7 +100,7 @@ class _CheckpointedOptimizer(BufferOptimizer):
         """This rank's part of the optimizer state (a shard of each param it owns), in
         ``state_dict()``'s format: one file per rank, or merged with the others' (a load takes
         any shards that cover its own pieces)."""
-        return state_dict_format.state_dict(self)
+        return _state_dict_functions().state_dict(self)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state to data-parallel rank ``to``, whose
@@ -86,14 +115,23 @@ class _CheckpointedOptimizer(BufferOptimizer):
                 "distopt.save_checkpoint(path, ddp, opt), which writes one checkpoint of the "
                 "whole model"
             )
-        self._consolidated = state_dict_format.consolidated_state_dict(self, to)
+        self._consolidated = _state_dict_functions().consolidated_state_dict(self, to)
 
     def _state_is_sharded(self) -> bool:
         return self.sharded and self.parallel.dp_size > 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict of ``state_dict()``'s format, written at any DP size; collective."""
-        state_dict_format.load_state_dict(self, state_dict)
+        """Load a dict of ``state_dict()``'s format, written at any DP size; collective.
+
+        Args:
+            state_dict: the whole state (``state_dict()`` of a replicated optimizer, or of
+                the rank a sharded one was consolidated to), or shards that cover this rank's
+                pieces: its own ``sharded_state_dict()`` at the same DP size, or every rank's
+                merged with ``distopt.checkpoint.merge_state_dicts`` at another. Every rank
+                checks it against the model, the optimizer class, the groups and the loss
+                scaler before any rank loads, then takes the pieces it owns.
+        """
+        _state_dict_functions().load_state_dict(self, state_dict)
 
 
 class DistributedOptimizer(_CheckpointedOptimizer):
@@ -197,11 +235,39 @@ class DistributedOptimizer(_CheckpointedOptimizer):
 class BasicOptimizer(_CheckpointedOptimizer):
     """The replicated counterpart of DistributedOptimizer, with the same interface.
 
-    Takes a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
-    (grads all-reduced, every rank keeps full fp32 main params and optimizer state), or a
-    plain ``nn.Module`` trained on one process. ``model_parallel_group``, ``clip_grad_value``,
-    ``log_grad_norms``, ``state_dtype``, ``state_block_size`` and ``state_rounding`` are as for
-    DistributedOptimizer; ``grad_dtype`` is the grad buffer's dtype of a plain module.
+    Every rank keeps full fp32 main params and optimizer state and steps all of them, from
+    all-reduced grads: the baseline distopt's sharding is measured against, and the optimizer
+    of a model trained on one process.
+
+    Args:
+        model: a distopt DistributedDataParallel built with ``use_distributed_optimizer=False``
+            (one that reduce-scatters is refused, unless it spans a single rank), a list of
+            them (model chunks sharing one data-parallel group), or a plain ``nn.Module``
+            trained on one process, which is given the same buffers and hooks here (a param
+            that gets no grad is then left out of the step, as torch.optim leaves it).
+        optimizer_cls: the inner ``torch.optim.Optimizer`` subclass (AdamW, SGD, Muon, ...),
+            as for DistributedOptimizer.
+        params: optional torch-style param groups over the module's params, as for
+            DistributedOptimizer; None: one group with all trainable params.
+        clip_grad: max global grad norm (one norm over every bucket and dtype, and over the
+            tensor-parallel ranks of DTensor params), or None.
+        loss_scaler: ``DynamicLossScaler()`` or ``ConstantLossScaler(s)`` for fp16, or None.
+        log_num_zeros: count the zero elements of the clipped grads in every step's result.
+        clip_grad_value: clamp every element of the reduced grads to [-v, v] before the step
+            and before ``clip_grad``'s norm, as for DistributedOptimizer; None: no clamp.
+        log_grad_norms: each step's result carries ``grad_norms``, every param's reduced grad
+            norm by name, as for DistributedOptimizer.
+        grad_dtype: the dtype of the grad buffer a plain ``nn.Module`` is given (None: each
+            param's own dtype); a DistributedDataParallel keeps its own ``grad_dtype``.
+        model_parallel_group: the ranks that hold the other parts of the model (tensor or
+            pipeline parallel), or None, as for DistributedOptimizer.
+        state_dtype: the dtype the inner optimizer's per-element state is held in between
+            steps (None: fp32), as for DistributedOptimizer.
+        state_block_size: elements per scale of the state held in fp16 or fp8 (None: 32), as
+            for DistributedOptimizer.
+        state_rounding: "nearest" or "stochastic", how state is narrowed to ``state_dtype``, as
+            for DistributedOptimizer.
+        **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
     """
 
     _sharded = False

@@ -48,9 +48,18 @@ def muon_param_groups(
     module: nn.Module, lr: float, adamw_options: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """Param groups of the Muon recipe, for ``DistributedOptimizer(ddp, torch.optim.Muon,
-    params=groups, **muon_options)``: the hidden matrices with Muon, the rest with AdamW (with
-    ``adamw_options``, default ``ADAMW_OPTIONS``), both at ``lr``. See [Note: the Muon
-    recipe]."""
+    params=groups, **muon_options)``: the hidden matrices with Muon, the rest with AdamW. See
+    [Note: the Muon recipe].
+
+    Args:
+        module: the model (the module the DDP wraps), split by ``hidden_matrices``; it must
+            have at least one hidden matrix for Muon.
+        lr: the learning rate of both groups, the same number for Muon and AdamW when Muon
+            runs with ``adjust_lr_fn="match_rms_adamw"``.
+        adamw_options: the AdamW group's other options (betas, weight decay, eps, ...);
+            None: ``ADAMW_OPTIONS``, GPT-style pretraining's betas (0.9, 0.95) and weight
+            decay 0.1. No AdamW group is made when every param is a hidden matrix.
+    """
     matrices, rest = hidden_matrices(module)
     if not matrices:
         raise ValueError("the model has no 2-D hidden matrices for Muon to train")

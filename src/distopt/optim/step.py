@@ -60,8 +60,14 @@ class StepResult:
     """
 
     updated: bool
+    """Whether the params changed: False for a step skipped by the loss scaler."""
     grad_norm: float | None = None
+    """The global norm of the reduced grads (after unscaling and value clipping, before norm
+    clipping), one norm over every shard, bucket and model-parallel rank; None without
+    ``clip_grad``."""
     num_zeros: int | None = None
+    """The zero elements of the clipped grads, summed over the ranks; None without
+    ``log_num_zeros``."""
     grad_norms: dict[str, float] | None = None
     """Each param's reduced grad norm (after unscaling and value clipping, before norm
     clipping), by the DDP's name; with ``log_grad_norms``: what torch users read off

@@ -141,7 +141,23 @@ class ExpertParallel:
                 tensor_parallel: bool, reduce_scatter: bool) -> ExpertParams:
         """The expert params of ``module`` (whose trainable params are ``trainable``) and
         their global names; raises, on every rank alike and before any collective, where the
-        experts cannot compose with the rest of the DDP's arguments."""
+        experts cannot compose with the rest of the DDP's arguments. The DDP calls it when it
+        is built with ``experts=``.
+
+        Args:
+            module: the wrapped model; the expert lists must be its submodules, neither nested
+                nor the whole model, and their params tied to nothing outside them.
+            trainable: the model's trainable params with their names, as the DDP holds them.
+            dp_group: the DDP's data-parallel group (None: this process alone), which must
+                span the same ranks as the expert mesh.
+            replicated: whether the DDP's mesh has a replicate dimension (hierarchical data
+                parallelism), which experts do not compose with.
+            tensor_parallel: whether the model has DTensor (tensor-parallel) params, which
+                experts do not compose with either.
+            reduce_scatter: whether the DDP reduce-scatters its grads (the distributed
+                optimizer); experts need it, since only its step counts their grads across
+                the expert-parallel ranks.
+        """
         if replicated or tensor_parallel:
             raise ValueError(
                 "experts= composes with a flat data-parallel group only: drop the "

@@ -3,7 +3,7 @@ start the processes themselves (several machines, schedulers)."""
 
 import sys
 
-from ..cli.needs import TRAIN_NEEDS, require
+from .._extras import TRAIN_NEEDS, require
 from .config import parse_args
 from .launch import check_device
 from .worker import run_worker

@@ -3,7 +3,7 @@
 The launcher (``torch.distributed.launcher.elastic_launch``, the engine behind torchrun) runs one
 process per rank on this machine, rendezvouses them over c10d on a free local port, and with
 ``--max-restarts N`` restarts the whole group when any rank dies; the restarted ranks resume from
-the latest checkpoint. For several machines use torchrun directly (see the README):
+the latest checkpoint. For several machines use torchrun directly (see docs/train.md):
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m distopt.train [options]
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ..cli.needs import TRAIN_NEEDS, require
+    from .._extras import TRAIN_NEEDS, require
 
     require("distopt train", TRAIN_NEEDS)
     sys.exit(main())

@@ -5,6 +5,12 @@ The library needs only torch. ``distopt train`` draws a progress bar (tqdm) and 
 installs both. The commands look for these packages before they start anything, so that a
 missing one costs one line of error up front, not a traceback at the end of a run or from
 every rank.
+
+The command line (``cli/``) checks before it imports a command; ``torchrun -m distopt.train``
+and ``python -m distopt.train.launch`` start without it and check for themselves, and
+``distopt bench`` looks for its peers' packages the same way. Those applications sit below the
+command line in distopt's layers (docs/design.md), so the check lives in the lowest layer,
+beside the install name it prints.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from .._version import pip_install
+from ._version import pip_install
 
 TRAIN_NEEDS = ("matplotlib", "tqdm")
 """Imported by ``distopt train``'s rank 0: the loss plot and the progress bar."""
