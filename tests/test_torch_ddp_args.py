@@ -1,9 +1,14 @@
-"""torch DDP's constructor arguments and ignore list under distopt's DDP: torch's meaning, or a
-refusal that names what works ([Note: torch DDP's spellings] in ddp/torch_spellings.py).
+"""torch DDP scripts under distopt's DDP: torch's meaning, or a refusal on every rank that
+names what works ([Note: torch DDP's spellings] in ddp/torch_spellings.py), each against torch's
+own DDP on the same ranks.
 
-One process: the arguments' checks and bucket_cap_mb's size. Two ranks: the ignore list trains
-as torch DDP trains it (those params local to each rank, the rest averaged), against torch's own
-DDP on the same ranks; init_sync=False keeps each rank's weights, as torch's does.
+One process: the arguments' checks, bucket_cap_mb's size, zero-size params, requires_grad
+changed after wrapping, comm hooks and join. At d = 2 and 3 (``both``): the ignore list (those
+params local to each rank, the rest averaged), pytorch/examples' DCGAN loop in every sharding
+mode, a param no forward uses (refused as torch refuses it, or left out of the step as torch
+leaves it), torch's EMA under sharded params, and the optimizer saved torch's way on rank 0 and
+resumed at the same d and on one process. At d = 2: init_sync=False, the state dict and copies
+under sharded params, and torch's DCP state-dict functions.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ def _model() -> nn.Sequential:
     return mlp([6, 8, 8, 3])
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
 # ---------------------------------------------------------------- one process
@@ -76,7 +81,7 @@ def test_torch_arguments_accepted_or_refused_by_name():
 
 def ignore_list_like_torch() -> dict:
     """The same ignore list under torch's DDP and distopt's, AdamW on both: the same params."""
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     x_all, y_all = zip(*(_batch(s) for s in range(STEPS)), strict=True)
     runs = {}
     for kind in ("torch", "distopt"):
@@ -100,7 +105,7 @@ def ignore_list_like_torch() -> dict:
                                                  lr=1e-2),
                     torch.optim.AdamW(ignored, lr=1e-2)]
         for step in range(STEPS):
-            x, y = x_all[step][rank::2], y_all[step][rank::2]
+            x, y = x_all[step][rank::world], y_all[step][rank::world]
             for opt in opts:
                 opt.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
@@ -110,9 +115,9 @@ def ignore_list_like_torch() -> dict:
             ddp.finish_param_sync()
         runs[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}
     diff = max((runs["torch"][n] - runs["distopt"][n]).abs().max().item() for n in runs["torch"])
-    gathered = [None, None]
+    gathered = [None] * world
     dist.all_gather_object(gathered, runs["distopt"]["2.weight"])
-    return {"diff": diff, "refused": refused, "local": not torch.equal(*gathered)}
+    return {"diff": diff, "refused": refused, "local": not torch.equal(*gathered[:2])}
 
 
 def init_sync_off_keeps_each_ranks_weights() -> dict:
@@ -179,9 +184,10 @@ def dcgan_loop(mode: str) -> float:
 
 def saved_the_torch_way() -> dict:
     """torch's way: ``torch.save(opt.state_dict())`` on rank 0 (after consolidate_state_dict),
-    the default ``torch.load`` on every rank, then training on, at d = 2 and on one process:
-    where the uninterrupted run ends ([Note: torch's way of saving the optimizer])."""
-    rank = dist.get_rank()
+    the default ``torch.load`` on every rank, then training on, at the same d and on one
+    process: where the uninterrupted run ends ([Note: torch's way of saving the optimizer]).
+    12 rows a batch, so that every d of 1 to 4 slices it evenly."""
+    rank, d = dist.get_rank(), dist.get_world_size()
     path = Path(shared_tmpdir("distopt-torch-save-")) / "ckpt.pt"
 
     def build(seed: int, one_process: bool = False):
@@ -193,7 +199,7 @@ def saved_the_torch_way() -> dict:
 
     def train(ddp, opt, steps: range, world: int) -> None:
         for step in steps:
-            x, y = _batch(step)
+            x, y = _batch(step, rows=12)
             opt.zero_grad()
             nn.functional.mse_loss(ddp(x[rank % world::world]),
                                    y[rank % world::world]).backward()
@@ -201,10 +207,10 @@ def saved_the_torch_way() -> dict:
         ddp.finish_param_sync()
 
     model, ddp, opt = build(0)
-    train(ddp, opt, range(4), 2)
+    train(ddp, opt, range(4), d)
     want = [p.detach().clone() for p in model.parameters()]
     model, ddp, opt = build(0)
-    train(ddp, opt, range(2), 2)
+    train(ddp, opt, range(2), d)
     refused = ""
     try:
         opt.state_dict()
@@ -220,7 +226,7 @@ def saved_the_torch_way() -> dict:
         resumed, ddp, opt = build(1, one_process=where == "one-process")
         resumed.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        train(ddp, opt, range(2, 4), 2 if where == "same-d" else 1)
+        train(ddp, opt, range(2, 4), d if where == "same-d" else 1)
         diffs[where] = max((p.detach() - w).abs().max().item()
                            for p, w in zip(resumed.parameters(), want, strict=True))
     return {"refused": refused, **diffs}
@@ -386,7 +392,9 @@ def _both_sizes() -> list:
     """The cases that run at d = 2 and d = 3."""
     return [*[(f"dcgan-{m}", dcgan_loop, (m,)) for m in DCGAN_MODES],
             *[(f"unused-{m}", unused_param_like_torch, (m,)) for m in UNUSED_MODES],
-            ("ema", ema_under_sharded_params, ())]
+            ("ema", ema_under_sharded_params, ()),
+            ("ignore", ignore_list_like_torch, ()),
+            ("torch-save", saved_the_torch_way, ())]
 
 
 @pytest.fixture(scope="module")
@@ -396,9 +404,7 @@ def three():
 
 @pytest.fixture(scope="module")
 def two():
-    return run_cases(2, [("ignore", ignore_list_like_torch, ()),
-                         ("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
-                         ("torch-save", saved_the_torch_way, ()),
+    return run_cases(2, [("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
                          ("state-dict", state_dict_under_sharded_params, ()),
                          ("dcp-state-dict", dcp_state_dict_functions, ()),
                          *_both_sizes()])
@@ -451,8 +457,8 @@ def test_torch_dcp_state_dict_functions_refuse_the_optimizer_on_every_rank(two):
     assert values[0] == values[1]
 
 
-def test_ignore_list_trains_as_torch_ddp(two):
-    for v in case_result(two, "ignore"):
+def test_ignore_list_trains_as_torch_ddp(both):
+    for v in case_result(both, "ignore"):
         assert v["diff"] <= 1e-6, v
         assert v["local"]  # the ignored layer differs across ranks, as under torch
         assert "ignore list" in v["refused"] and "params=" in v["refused"]
@@ -504,8 +510,8 @@ def test_requires_grad_changed_after_wrapping_is_refused_at_the_forward():
         frozen(x)
 
 
-def test_torch_save_of_the_optimizer_on_rank_0_resumes_everywhere(two):
-    for v in case_result(two, "torch-save"):
+def test_torch_save_of_the_optimizer_on_rank_0_resumes_everywhere(both):
+    for v in case_result(both, "torch-save"):
         assert "consolidate_state_dict(to=0)" in v["refused"]
         assert v["same-d"] <= 1e-6, v
         assert v["one-process"] <= 1e-5, v  # the same sums, in another order
