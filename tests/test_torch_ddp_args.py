@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
 from pathlib import Path
 
 import pytest
@@ -324,6 +325,64 @@ def state_dict_under_sharded_params() -> dict:
     return {"refusals": refusals, "finite": finite, "same": same and copied}
 
 
+class _Branchy(nn.Module):
+    """A forward that, on request, reads the second layer's weight outside that layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        out = self.second(h)
+        if reuse:  # not in the first forward: distopt cannot know of this read
+            out = out + nn.functional.linear(h, self.second.weight)
+        return out
+
+
+def reads_between_uses() -> dict:
+    """With sharded params, the reads torch users make of a param between uses: value reads
+    raise, naming the param (an EMA over params captured before wrapping, torch.save, a
+    clone, .data, arithmetic, a later forward's read outside the param's module), metadata
+    reads pass, and inside gathered_params() the values are whole."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    captured = list(model.parameters())  # before wrapping, as an EMA would
+    ema = [p.detach().clone() for p in captured]
+    ddp = distopt.DistributedDataParallel(model, shard_params=True)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+    x, y = _batch(0)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    weight = captured[0]
+    reads = {
+        "ema": lambda: ema[0].lerp_(weight, 0.1),
+        "torch.save": lambda: torch.save(weight, io.BytesIO()),
+        "clone": weight.clone,
+        "data": lambda: weight.data,
+        "arithmetic": lambda: weight * 2,
+        "later forward": lambda: ddp(x, reuse=True),
+    }
+    refusals = {}
+    for what, read in reads.items():
+        try:
+            read()
+            refusals[what] = "no error"
+        except RuntimeError as error:
+            refusals[what] = str(error)
+    metadata = (tuple(weight.shape), weight.dtype, weight.device, weight.requires_grad,
+                weight.numel(), next(model.parameters()).device)
+    model.to("cpu")  # changes nothing, so it passes
+    with ddp.gathered_params():
+        whole = [p.detach().clone() for p in model.parameters()]
+    full = list(ddp.full_state_dict().values())
+    return {"refusals": refusals, "repr": repr(weight),
+            "metadata": metadata == ((8, 6), torch.float32, torch.device("cpu"), True, 48,
+                                     torch.device("cpu")),
+            "whole": all(torch.equal(a, b) and a.isfinite().all() for a, b in
+                         zip(whole, full, strict=True))}
+
+
 def dcp_state_dict_functions() -> dict:
     """torch's DCP state-dict functions, as torchtitan calls them: each refused on every rank
     with a distopt optimizer (before any collective: the case would hang otherwise), the model
@@ -407,6 +466,7 @@ def two():
     return run_cases(2, [("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
                          ("state-dict", state_dict_under_sharded_params, ()),
                          ("dcp-state-dict", dcp_state_dict_functions, ()),
+                         ("reads", reads_between_uses, ()),
                          *_both_sizes()])
 
 
@@ -445,6 +505,16 @@ def test_state_dict_between_steps_is_refused_or_whole_under_sharded_params(two):
 def test_torch_ema_inside_gathered_params_averages_as_over_torch_ddp(both):
     for diff in case_result(both, "ema"):
         assert diff <= 1e-6, diff
+
+
+def test_value_reads_between_uses_raise_naming_the_param_under_sharded_params(two):
+    for v in case_result(two, "reads"):
+        for what, refusal in v["refusals"].items():
+            name = "second.weight" if what == "later forward" else "first.weight"
+            assert f"parameter '{name}'" in refusal, (what, refusal)
+            assert "gathered_params()" in refusal, (what, refusal)
+        assert "first.weight" in v["repr"] and "between uses" in v["repr"], v["repr"]
+        assert v["metadata"] and v["whole"], v
 
 
 def test_torch_dcp_state_dict_functions_refuse_the_optimizer_on_every_rank(two):

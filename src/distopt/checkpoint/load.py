@@ -196,7 +196,7 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
             targets.append((owned, slots))
         for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
             trainable = {id(p) for p in model.params}
-            for key, value in module_entries(model.module, keep_vars=True).items():
+            for key, value in module_entries(model.module).items():
                 # Trainable params come from the fp32 main params below; the rest as saved.
                 if isinstance(value, torch.Tensor) and id(value) not in trainable:
                     state[f"model/{prefix}{global_name(model, key)}"] = value.detach()

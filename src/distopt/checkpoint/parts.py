@@ -175,7 +175,8 @@ def _params_from_shards(opt: Optimizer, model: Any) -> dict[torch.Tensor, torch.
                                   values[lo - owned.start : hi - owned.start])
     for param in model.params:  # params with no piece here: declared by their holders
         if param not in out:
-            out[param] = range_as_dcp(tuple(param.shape), 0, param.detach().reshape(-1)[:0])
+            nothing = torch.empty(0, dtype=param.dtype, device=param.device)
+            out[param] = range_as_dcp(tuple(param.shape), 0, nothing)
     return out
 
 
@@ -193,7 +194,7 @@ def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:
         buffers = buffer_keys(model.module)
         expert = model.experts.is_expert_entry if model.experts is not None else None
         from_shards = _params_from_shards(opt, model)
-        for key, value in module_entries(model.module, keep_vars=True).items():
+        for key, value in module_entries(model.module).items():
             fqn = f"model/{prefix}{global_name(model, key)}"
             if isinstance(value, torch.Tensor):
                 if value in from_shards:

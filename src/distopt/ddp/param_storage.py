@@ -20,8 +20,8 @@ step gathers nothing). A bucket's full params exist only while a module uses the
   ddp/grad_pool.py), which ``shard_params`` implies.
 
 Between uses a param is a placeholder: one NaN element seen through the param's shape and
-dtype (no memory), so code that reads a param outside the forward of a module that registers
-it computes NaN rather than a plausible wrong number. ``ddp.full_state_dict()`` and ``with
+dtype (no memory), whose value reads raise, naming the param ([Note: reads between uses] in
+ddp/param_placeholder.py). ``ddp.full_state_dict()`` and ``with
 ddp.gathered_params():`` give the full values where a user needs them (saving, evaluation).
 Autograd keeps using the params themselves: ``.data`` changes in place of the tensor, as
 FSDP1 does, so a saved param is read as whatever it holds when its backward runs, which the
@@ -49,6 +49,7 @@ from torch import nn
 from ..comm import collectives as comm
 from ..layout.elementwise import Range
 from ..parallel.dtensor import alias_local, local_tensor
+from .param_placeholder import show_between_uses, show_in_use
 from .state import PARAM_TRANSITIONS, ParamState, advance
 
 # What a sharded-params collective that timed out names beside a stuck rank; see
@@ -148,10 +149,12 @@ class ShardedParams:
         self.state = advance(self.state, new, PARAM_TRANSITIONS, who)
 
     def show_placeholders(self) -> None:
-        """Every param of the bucket as its placeholder (nothing gathered)."""
+        """Every param of the bucket as its placeholder (nothing gathered), whose value reads
+        raise ([Note: reads between uses] in ddp/param_placeholder.py)."""
         with torch.no_grad():
             for param, _, shape in self._slots:
                 alias_local(param, self._placeholder.expand(shape))
+                show_between_uses(param)
 
     def start_gather(self, group: dist.ProcessGroup | None, stats: comm.CommStats | None,
                      who: str) -> None:
@@ -178,6 +181,7 @@ class ShardedParams:
         with torch.no_grad():
             for param, slot, shape in self._slots:
                 alias_local(param, self._full[slot.start : slot.end].view(shape))
+                show_in_use(param)
         self._advance(ParamState.GATHERED, who)
 
     def release(self, who: str, *, placeholders: bool = True) -> None:

@@ -20,8 +20,9 @@ every rank gathers it too) and kept until its grads are in; the innermost module
 becomes a *reader* of that param's buckets. From the second forward on readers have hooks of
 their own, as units do (without the prefetch): a bucket is gathered before any of its users
 runs and freed once none of them is running. A later forward that reads a param outside its
-unit where the first forward did not (another branch) reads the placeholder: a branch that
-calls the unit's module itself is always safe.
+unit where the first forward did not (another branch) reads the placeholder, which raises,
+naming the param ([Note: reads between uses] in ddp/param_placeholder.py): a branch that calls
+the unit's module itself is always safe.
 
 The transient memory is then: the units running (nested ones inside their parents), the next
 unit prefetched, the loose buckets in use, and buckets whose grads are not all in yet; with

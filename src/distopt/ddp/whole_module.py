@@ -22,14 +22,16 @@ from .state import ParamState
 _entries_read = 0  # > 0 inside module_entries(): the refusal of placeholders is off
 
 
-def module_entries(module: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
-    """``module.state_dict()`` as it stands, sharded params as their placeholders: for
-    distopt's own readers of names, shapes, dtypes and buffers (checkpoints write the values
-    of sharded params from the shards), which a user's ``state_dict()`` is refused."""
+def module_entries(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict(keep_vars=True)`` as it stands, sharded params as their
+    placeholders: for distopt's own readers of names, shapes, dtypes and buffers (checkpoints
+    write the values of sharded params from the shards), where a user's ``state_dict()`` is
+    refused. The params are the objects themselves, whose metadata reads pass ([Note: reads
+    between uses] in ddp/param_placeholder.py)."""
     global _entries_read
     _entries_read += 1
     try:
-        return module.state_dict(keep_vars=keep_vars)
+        return module.state_dict(keep_vars=True)
     finally:
         _entries_read -= 1
 

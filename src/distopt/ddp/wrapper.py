@@ -49,6 +49,7 @@ from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
 from .module_hooks import ModuleHook
 from .module_params import broadcast_initial_weights, trainable_named_params
 from .param_gather import register_param_wait_hooks
+from .param_placeholder import name_params
 from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
 from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
@@ -269,6 +270,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             guard_torch_pipeline_stages(DistributedDataParallel)
 
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
+        name_params(self.param_names)  # what a read between uses names them by
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
         self._unit_of: dict[nn.Parameter, int] | None = None  # sharded params' gather units

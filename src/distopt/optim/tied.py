@@ -38,6 +38,7 @@ from torch import nn
 
 from ..comm import collectives as comm
 from ..ddp.bucket import Bucket
+from ..ddp.param_placeholder import is_between_uses
 from ..ddp.wrapper import DistributedDataParallel
 from ..parallel.dtensor import local_tensor
 
@@ -104,9 +105,14 @@ def tied_grads(models: Sequence[DistributedDataParallel],
 
 
 def _describe(param: nn.Parameter) -> tuple[tuple[int, ...], str, str]:
-    """Shape, dtype and a digest of the values of one copy of a tie."""
-    data = local_tensor(param).detach().contiguous().reshape(-1)
-    raw = data.view(torch.uint8).cpu().numpy().tobytes() if data.numel() else b""
+    """Shape, dtype and a digest of the values of one copy of a tie (none for a sharded
+    param between uses: its values are spread over the ranks, and equal at the start since
+    every stage built the model from one seed)."""
+    if is_between_uses(param):
+        raw = b"sharded"
+    else:
+        data = local_tensor(param).detach().contiguous().reshape(-1)
+        raw = data.view(torch.uint8).cpu().numpy().tobytes() if data.numel() else b""
     return tuple(local_tensor(param).shape), str(param.dtype), hashlib.sha256(raw).hexdigest()
 
 
