@@ -22,6 +22,13 @@ from pathlib import Path
 import distopt
 
 DISTRIBUTION = "torch-distopt"
+
+
+def install(extra: str) -> str:
+    """What a missing extra's one line tells the user to run."""
+    return f"pip install '{DISTRIBUTION}[{extra}]' (in a clone: pip install -e '.[{extra}]')"
+
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EXTRAS = ("train", "hf", "lightning")
@@ -89,7 +96,7 @@ def expect_train_missing() -> None:
     assert absent, "the train extra's packages came with another extra"
     err = run(BIN / "distopt", "train", "--steps", "20", ok=False).stderr
     want = (f"distopt train: needs {' and '.join(absent)} (not installed): "
-            f"pip install '{DISTRIBUTION}[train]'\n")
+            f"{install('train')}\n")
     assert err == want, err
 
 
@@ -105,13 +112,13 @@ def expect_import_refused(module: str, message: str) -> None:
 def expect_hf_missing() -> None:
     expect_import_refused("distopt.integrations.transformers",
                           "distopt.integrations.transformers needs transformers and accelerate: "
-                          f"pip install '{DISTRIBUTION}[hf]'")
+                          f"{install('hf')}")
 
 
 def expect_lightning_missing() -> None:
     expect_import_refused("distopt.integrations.lightning",
                           "distopt.integrations.lightning needs Lightning: "
-                          f"pip install '{DISTRIBUTION}[lightning]'")
+                          f"{install('lightning')}")
 
 
 USE = {"train": use_train, "hf": use_hf, "lightning": use_lightning}

@@ -9,7 +9,7 @@ from the Python standard library's sources. ``DistoptTrainer`` takes the Trainer
 ``TrainingArguments``: gradient accumulation, clipping, warm-up + cosine, bf16, evaluation,
 checkpoints every ``--save-steps`` steps. At the end each rank prints the training state it
 holds per parameter (distopt: 8 + 8/d bytes in fp32, against 16 for the Trainer's DDP). Needs
-``pip install 'torch-distopt[hf]'``.
+distopt's ``hf`` extra (``pip install -e '.[hf]'`` in a clone).
 """
 
 from __future__ import annotations

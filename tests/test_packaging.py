@@ -93,7 +93,8 @@ def test_library_and_memory_command_work_without_the_extra():
 
 
 def _one_line(command: str, needs: str) -> str:
-    return f"{command}: needs {needs} (not installed): pip install 'torch-distopt[train]'"
+    return (f"{command}: needs {needs} (not installed): pip install 'torch-distopt[train]' "
+            "(in a clone: pip install -e '.[train]')")
 
 
 @pytest.mark.slow  # fresh interpreters
@@ -130,10 +131,11 @@ def test_each_entry_point_names_what_it_lacks(monkeypatch, entry, argv, blocked,
     "module,blocked,message",
     [
         ("distopt.integrations.lightning", ("lightning", "lightning.pytorch"),
-         "distopt.integrations.lightning needs Lightning: pip install 'torch-distopt[lightning]'"),
+         "distopt.integrations.lightning needs Lightning: pip install 'torch-distopt[lightning]' "
+         "(in a clone: pip install -e '.[lightning]')"),
         ("distopt.integrations.transformers", ("transformers", "accelerate"),
          "distopt.integrations.transformers needs transformers and accelerate: "
-         "pip install 'torch-distopt[hf]'"),
+         "pip install 'torch-distopt[hf]' (in a clone: pip install -e '.[hf]')"),
     ],
     ids=["lightning", "hf"],
 )
