@@ -35,7 +35,7 @@ _METADATA_METHODS = frozenset({
     "element_size", "is_floating_point", "is_complex", "is_contiguous", "get_device",
     "data_ptr", "untyped_storage", "requires_grad_", "register_hook",
     "register_post_accumulate_grad_hook", "_has_compatible_shallow_copy_type",
-    "__hash__", "empty_like", "zeros_like", "ones_like", "full_like",
+    "__hash__", "__len__", "empty_like", "zeros_like", "ones_like", "full_like",
 })
 # Conversions that are fine when they change nothing (they return the param itself).
 _NO_OP_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16",
@@ -90,7 +90,7 @@ class ParamBetweenUses(nn.Parameter):
                 out = func(*args, **kwargs)
             if passes or out is args[0]:
                 return out
-        if name == "__repr__":
+        if name in ("__repr__", "__format__"):  # printing a param names it, reads nothing
             param = args[0]
             return (f"ParamBetweenUses({_names.get(id(param), 'a sharded parameter')}, "
                     f"shape={tuple(param.shape)}, dtype={param.dtype}: between uses)")
