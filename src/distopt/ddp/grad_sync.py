@@ -325,7 +325,7 @@ class GradSync:
         if self.options.find_unused_parameters:
             unused = frozenset(p for p, u in zip(self.params, self._used_anywhere(), strict=True)
                                if not u)
-        elif self.state is SyncState.ACCUMULATED:
+        elif self.state is SyncState.ACCUMULATED and 0 in self._used:  # a C scan, every step
             unused_here = [p for p, u in zip(self.params, self._used, strict=True) if not u]
         self._used = bytearray(len(self.params))
         self.unused_params = unused

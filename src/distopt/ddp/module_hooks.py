@@ -17,6 +17,7 @@ the copy too (``on_copy``), naming ``gathered_params()``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,17 +26,16 @@ def _left_behind(*_args: Any, **_kwargs: Any) -> None:
     """A copied module's hook: nothing."""
 
 
-class ModuleHook:
+class ModuleHook(functools.partial):
     """``fn`` as a module hook; a deep copy of it (of the module) is a hook that does
-    nothing. See [Note: a copy of a wrapped module]."""
+    nothing. See [Note: a copy of a wrapped module]. A partial with nothing bound, so that a
+    forward calls ``fn`` with no Python frame of its own in between."""
 
-    def __init__(self, fn: Callable[..., Any],
-                 on_copy: Callable[[], None] | None = None) -> None:
-        self.fn = fn
-        self.on_copy = on_copy  # called when the module is copied: it may refuse the copy
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+    def __new__(cls, fn: Callable[..., Any],
+                on_copy: Callable[[], None] | None = None) -> ModuleHook:
+        hook = super().__new__(cls, fn)
+        hook.on_copy = on_copy  # called when the module is copied: it may refuse the copy
+        return hook
 
     def __deepcopy__(self, _memo: dict[int, Any]) -> Callable[..., None]:
         if self.on_copy is not None:
