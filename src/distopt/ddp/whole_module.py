@@ -173,7 +173,7 @@ class WholeModule:
             self._unsharder.remove_hooks()
         self._gathers_in_flight = False
         for handle in (*self._grad_hooks, *self._param_wait_hooks,
-                       *getattr(self, "_state_dict_hooks", ())):
+                       *getattr(self, "_module_state_hooks", ())):
             handle.remove()
         self._grad_hooks, self._param_wait_hooks = [], []
         with torch.no_grad():

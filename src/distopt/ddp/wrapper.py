@@ -331,13 +331,13 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         param_owners.claim(self.params, self)
         # ``module.load_state_dict`` writes the shards of sharded params (whole_module.py).
         loads_shards = self._unsharder is not None and self.parallel.tp is None
-        self._state_dict_hooks = [
+        self._module_state_hooks = [
             module.register_load_state_dict_pre_hook(ModuleHook(self._load_into_shards)),
             module.register_load_state_dict_post_hook(ModuleHook(self._forget_loaded_keys)),
         ] if loads_shards else []
         if self._unsharder is not None:  # no state dict of placeholders (whole_module.py)
             trainable = set(self.params)
-            self._state_dict_hooks += [
+            self._module_state_hooks += [
                 owner.register_state_dict_pre_hook(ModuleHook(
                     self._refuse_placeholders,
                     on_copy=functools.partial(self._refuse_placeholders, owner, "", False,

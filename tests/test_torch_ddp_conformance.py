@@ -1,0 +1,186 @@
+"""torch DDP's behaviours, written as a torch user writes them, run under torch's own DDP and
+under distopt's in each sharding mode on the same ranks, and compared.
+
+Each case trains the same small model both ways and returns what the behaviour shows (a state
+dict, the names, the params after a step); the tests assert that distopt's equals torch's. The
+wrapper's ``nn.Module`` methods come first: ``state_dict()``, ``load_state_dict()``,
+``named_parameters()``, ``named_buffers()``, ``parameters()``, ``modules()`` and ``train()`` /
+``eval()``, keyed ``module.`` as torch DDP keys them. With sharded params a state dict is read
+inside ``ddp.gathered_params()`` (between uses it is refused, tests/test_torch_ddp_args.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+
+from dist_harness import case_result, run_cases
+
+MODES = {"optim": {}, "grads": {"shard_grads": True}, "params": {"shard_params": True}}
+STEPS = 2
+
+
+def _model() -> nn.Module:
+    """An MLP with a BatchNorm, so that the state dict holds buffers as well as params. The
+    BatchNorm follows the Tanh: right after a Linear it would cancel that Linear's bias, whose
+    grad would then be round-off that AdamW's normalized step turns into a full step."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's rows of step ``step``'s batch (4 rows a rank at any world size)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4 * world, 6, generator=g), torch.randn(4 * world, 3, generator=g)
+    return x[rank::world], y[rank::world]
+
+
+def _wrapped(kind: str, mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    if kind == "torch":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ddp = distopt.DistributedDataParallel(model, **MODES[mode])
+    return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+
+
+def _train(ddp: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        x, y = _batch(step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
+def _readable(ddp: nn.Module) -> contextlib.AbstractContextManager:
+    """Where a state dict's values can be read: anywhere, or with sharded params inside
+    ``gathered_params()``."""
+    gathered = getattr(ddp, "gathered_params", None)
+    sharded = isinstance(ddp, distopt.DistributedDataParallel) and ddp.options.shard_params
+    return gathered() if sharded else contextlib.nullcontext()
+
+
+def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def module_methods_like_torch(mode: str) -> dict:
+    """``nn.Module``'s methods on the wrapper, against torch DDP's after the same two steps:
+    the state dict (keys in order, values), the names of params, buffers and submodules, and
+    the training flag; then torch DDP's state dict of other weights loaded into both wrappers,
+    read back, and trained one more step from; and a state dict without the ``module.`` prefix,
+    refused by both."""
+    runs: dict[str, dict] = {}
+    for kind in ("torch", "distopt"):
+        ddp, opt = _wrapped(kind, mode)
+        _train(ddp, opt, range(STEPS))
+        with _readable(ddp):
+            state = {k: v.clone() for k, v in ddp.state_dict().items()}
+        runs[kind] = {
+            "ddp": ddp, "opt": opt, "state": state,
+            "keys": list(state),
+            "params": [n for n, _ in ddp.named_parameters()],
+            "buffers": [n for n, _ in ddp.named_buffers()],
+            "modules": [n for n, _ in ddp.named_modules()],
+            "count": sum(1 for _ in ddp.parameters()),
+            "training": [m.training for m in ddp.eval().modules()]
+                        + [m.training for m in ddp.train().modules()],
+        }
+    # Other weights, as a checkpoint of another run would hold: torch DDP's state dict of a
+    # model trained one step further on other data.
+    other_ddp, other_opt = _wrapped("torch", mode)
+    _train(other_ddp, other_opt, range(10, 13))
+    loaded = {k: v.clone() for k, v in other_ddp.state_dict().items()}
+    for kind, run in runs.items():
+        ddp = run["ddp"]
+        run["load"] = str(ddp.load_state_dict(loaded))
+        with _readable(ddp):
+            run["read_back"] = _largest_difference(
+                loaded, {k: v.clone() for k, v in ddp.state_dict().items()})
+        _train(ddp, run["opt"], range(STEPS, STEPS + 1))
+        if kind == "distopt":
+            ddp.finish_param_sync()
+        with _readable(ddp):
+            run["after"] = {k: v.clone() for k, v in ddp.state_dict().items()}
+        try:
+            ddp.load_state_dict({k.removeprefix("module."): v for k, v in loaded.items()})
+            run["unprefixed"] = "no error"
+        except RuntimeError as error:
+            run["unprefixed"] = str(error).splitlines()[0]
+    torch_run, ours = runs["torch"], runs["distopt"]
+    names = ("keys", "params", "buffers", "modules", "count", "training", "load", "unprefixed")
+    return {
+        **{name: (torch_run[name], ours[name]) for name in names},
+        "state": _largest_difference(torch_run["state"], ours["state"]),
+        "read_back": (torch_run["read_back"], ours["read_back"]),
+        "after_load": _largest_difference(torch_run["after"], ours["after"]),
+        "moved": _largest_difference(loaded, ours["after"]),
+    }
+
+
+def _cases() -> list:
+    return [(f"module-{mode}", module_methods_like_torch, (mode,)) for mode in MODES]
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_cases(2, _cases())
+
+
+@pytest.fixture(scope="module")
+def three():
+    return run_cases(3, _cases())
+
+
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
+                ids=["d2", "d3"])
+def both(request):
+    return request.getfixturevalue({2: "two", 3: "three"}[request.param])
+
+
+# Two AdamW steps at lr 1e-2 from the same weights and grads averaged over the same rows: torch
+# all-reduces each grad and distopt reduce-scatters the bucket, so an average may round
+# differently (one fp32 rounding of a sum of d terms), and AdamW's update of size lr divides by
+# sqrt(v): a grad differing in its last bit moves a weight by at most ~lr * 2**-23 per step,
+# far below this. 1e-6 is 100 times that over three steps and still 10**4 times smaller than
+# one step's update, which a missed or doubled step would show.
+TRAJECTORY_TOL = 1e-6
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_module_methods_on_the_wrapper_are_torch_ddps(both, mode):
+    for v in case_result(both, f"module-{mode}"):
+        for name in ("keys", "params", "buffers", "modules", "count", "training", "load",
+                     "unprefixed"):
+            torch_value, ours = v[name]
+            assert ours == torch_value, (name, torch_value, ours)
+        assert v["keys"][0][0].startswith("module.")
+        assert v["state"] <= TRAJECTORY_TOL, v["state"]
+        assert v["read_back"] == (0.0, 0.0)  # what was loaded is what is read
+        assert v["after_load"] <= TRAJECTORY_TOL, v["after_load"]
+        assert v["moved"] > 1e-3  # the step after the load trained (a step is ~lr = 1e-2)
+
+
+def test_the_wrapper_shadows_no_attribute_of_nn_module():
+    """Every attribute ``nn.Module.__init__`` sets keeps its type on the wrapper, and the
+    wrapper's classes define no ``nn.Module`` name but the methods torch DDP overrides too
+    (``forward``) and ``zero_grad`` (which clears distopt's grad buffers as well)."""
+    for options in ({}, {"shard_params": True}):
+        ddp = distopt.DistributedDataParallel.for_this_process(_model(), **options)
+        plain = vars(nn.Module())
+        shadowed = {k: type(vars(ddp)[k]).__name__ for k in plain
+                    if type(vars(ddp)[k]) is not type(plain[k])}
+        assert not shadowed, shadowed
+    defined = {name for cls in distopt.DistributedDataParallel.__mro__[:-2]
+               if issubclass(cls, nn.Module) or cls.__module__.startswith("distopt")
+               for name in vars(cls) if not name.startswith("__")}
+    assert nn.Module in distopt.DistributedDataParallel.__mro__
+    overridden = {n for n in defined if hasattr(nn.Module, n)}
+    assert overridden == {"forward", "zero_grad"}, overridden
