@@ -7,8 +7,8 @@ changed after wrapping, comm hooks and join. At d = 2 and 3 (``both``): the igno
 params local to each rank, the rest averaged), pytorch/examples' DCGAN loop in every sharding
 mode, a param no forward uses (refused as torch refuses it, or left out of the step as torch
 leaves it), torch's EMA under sharded params, and the optimizer saved torch's way on rank 0 and
-resumed at the same d and on one process. At d = 2: init_sync=False, the state dict and copies
-under sharded params, and torch's DCP state-dict functions.
+resumed at the same d and on one process. At d = 2: init_sync=False, and the state dict and copies
+under sharded params (torch's DCP state-dict functions: tests/test_torch_dcp_state_dict.py).
 """
 
 from __future__ import annotations
@@ -383,40 +383,6 @@ def reads_between_uses() -> dict:
                          zip(whole, full, strict=True))}
 
 
-def dcp_state_dict_functions() -> dict:
-    """torch's DCP state-dict functions, as torchtitan calls them: each refused on every rank
-    with a distopt optimizer (before any collective: the case would hang otherwise), the model
-    alone taken as any module's."""
-    from torch.distributed.checkpoint import state_dict as dcp_sd
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model()
-    ddp = distopt.DistributedDataParallel(model)
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
-    x, y = _batch(0)
-    nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world]).backward()
-    opt.step()
-    ddp.finish_param_sync()
-    calls = {
-        "get_state_dict": lambda: dcp_sd.get_state_dict(model, opt),
-        "get_optimizer_state_dict": lambda: dcp_sd.get_optimizer_state_dict(model, opt),
-        "set_state_dict": lambda: dcp_sd.set_state_dict(
-            model, opt, model_state_dict=model.state_dict(), optim_state_dict={}),
-        "set_optimizer_state_dict": lambda: dcp_sd.set_optimizer_state_dict(model, opt, {}),
-    }
-    refusals = {}
-    for name, call in calls.items():
-        try:
-            call()
-            refusals[name] = "no error"
-        except TypeError as error:
-            refusals[name] = str(error)
-    whole = dcp_sd.get_model_state_dict(model, options=dcp_sd.StateDictOptions(
-        full_state_dict=True))
-    own = model.state_dict()
-    return {"refusals": refusals, "model": all(torch.equal(whole[k], own[k]) for k in own)}
-
-
 def ema_under_sharded_params() -> float:
     """torch's own EMA, ``AveragedModel`` with ``get_ema_multi_avg_fn``, built and updated
     inside ``gathered_params()`` under sharded params, against the same EMA over torch DDP:
@@ -465,7 +431,6 @@ def three():
 def two():
     return run_cases(2, [("init-sync", init_sync_off_keeps_each_ranks_weights, ()),
                          ("state-dict", state_dict_under_sharded_params, ()),
-                         ("dcp-state-dict", dcp_state_dict_functions, ()),
                          ("reads", reads_between_uses, ()),
                          *_both_sizes()])
 
@@ -515,16 +480,6 @@ def test_value_reads_between_uses_raise_naming_the_param_under_sharded_params(tw
             assert "gathered_params()" in refusal, (what, refusal)
         assert "first.weight" in v["repr"] and "between uses" in v["repr"], v["repr"]
         assert v["metadata"] and v["whole"], v
-
-
-def test_torch_dcp_state_dict_functions_refuse_the_optimizer_on_every_rank(two):
-    values = case_result(two, "dcp-state-dict")
-    for v in values:
-        for name, refusal in v["refusals"].items():
-            assert "distopt.save_checkpoint" in refusal, (name, refusal)
-            assert "consolidate_state_dict(to=0)" in refusal, (name, refusal)
-        assert v["model"]
-    assert values[0] == values[1]
 
 
 def test_ignore_list_trains_as_torch_ddp(both):

@@ -36,6 +36,7 @@ The modules, each importing only modules listed before it:
     load.py        ``load_checkpoint``
     export.py      ``export_checkpoint``: one plain torch.save file
     plain.py       ``load_plain_checkpoint``: a distopt run from a plain file
+    torch_layout.py  torch's ``get_state_dict`` / ``set_state_dict`` layout from the shards
 
 [Note: one-way imports]
 This package builds on the optimizers (``distopt.optim``), a layer below it: it reads the
@@ -60,7 +61,7 @@ import sys
 
 # state_dict.py gives the optimizers their state-dict methods' work when it is imported:
 # [Note: one-way imports].
-from . import format, state_dict  # noqa: F401
+from . import format, state_dict, torch_layout  # noqa: F401
 from .background import AsyncCheckpoint
 from .export import export_checkpoint
 from .files import CheckpointError, has_checkpoint

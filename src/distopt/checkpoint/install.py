@@ -75,6 +75,16 @@ def install_values(opt: Optimizer, values: Iterable[tuple[OwnedPiece, torch.Tens
     install(opt, states, options, scaler)
 
 
+def install_states(opt: Optimizer, values: Iterable[tuple[OwnedPiece, dict[str, Any]]],
+                   options: list[dict[str, Any]] | None = None) -> None:
+    """Load state entries held in memory (per piece: tensors laid out like the piece, or
+    scalars), leaving the main params as they are, then ``install`` them with the groups'
+    options (kept as they are without ``options``)."""
+    states = [(owned, {k: _placed(opt, owned, k, v) for k, v in entries.items()})
+              for owned, entries in values]
+    install(opt, states, options or [{} for _ in opt.param_groups], None)
+
+
 def _placed(opt: Optimizer, owned: OwnedPiece, key: str, value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value

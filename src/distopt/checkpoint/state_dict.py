@@ -50,6 +50,7 @@ from .install import install_values
 
 def state_dict(opt: Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, keyed by parameter name."""
+    opt.adopt_param_writes()  # [Note: writes into the params] in optim/main_params.py
     main_params: dict[str, FlatShard] = {}
     state: dict[str, dict[str, Any]] = {}
     # With store_param_remainders the masters are rebuilt for the block; the shards keep them.

@@ -50,6 +50,7 @@ class Bucket:
         grad_scale: float = 1.0,
     ) -> None:
         self.layout = layout
+        self.dp_rank = dp_rank
         self.numel = layout.buffer_range.size  # padding included
         self.params = params
         self.param_ranges = param_ranges  # of each param, in bucket coordinates
@@ -317,6 +318,12 @@ class Bucket:
         """Sharded params: back to this rank's shard alone (``placeholders=False``: the params
         were given storage of their own and keep it)."""
         self.params_store.release(self._describe_params(), placeholders=placeholders)
+
+    def keep_param_writes(self) -> None:
+        """Sharded params: what was written into the gathered params since they were
+        gathered, into this rank's shard; see [Note: writes into the params] in
+        optim/main_params.py."""
+        self.params_store.keep_writes(self.dp_rank)
 
     def _describe_params(self) -> str:
         return f"bucket {self.order}'s params ({self.numel} {self.param_shard.dtype} elements)"

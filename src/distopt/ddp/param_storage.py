@@ -138,6 +138,7 @@ class ShardedParams:
                                                                      strict=True)]
         self._placeholder = placeholder
         self._handle: Any = None
+        self._gathered_version = -1  # the buffer's version once gathered
         self.state = ParamState.SHARDED
 
     @property
@@ -182,7 +183,22 @@ class ShardedParams:
             for param, slot, shape in self._slots:
                 alias_local(param, self._full[slot.start : slot.end].view(shape))
                 show_in_use(param)
+        self._gathered_version = self._write_count()
         self._advance(ParamState.GATHERED, who)
+
+    def _write_count(self) -> int:
+        # Writes through a param bump its own counter (it aliases the buffer through .data).
+        return self._full._version + sum(param._version for param, _, _ in self._slots)
+
+    def keep_writes(self, rank: int) -> None:
+        """Copy this rank's part of the gathered buffer back into the shard where anything
+        wrote into the buffer since it was gathered (``p.copy_`` inside ``gathered_params()``)."""
+        if self.state is not ParamState.GATHERED or self._write_count() == self._gathered_version:
+            return
+        size = self.param_shard.numel()
+        with torch.no_grad():
+            self.param_shard.copy_(self._full[rank * size : (rank + 1) * size])
+        self._gathered_version = self._write_count()
 
     def release(self, who: str, *, placeholders: bool = True) -> None:
         """Back to the shard alone: placeholders (unless the params were given storage of

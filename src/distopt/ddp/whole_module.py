@@ -53,6 +53,9 @@ class WholeModule:
             for bucket in self._unsharder.forward_order:
                 bucket.use_params()
             yield
+            # Writes into the gathered params are kept; see [Note: writes into the params].
+            for bucket in self._unsharder.forward_order:
+                bucket.keep_param_writes()
         finally:
             self._unsharder.release_all()
 

@@ -31,7 +31,7 @@ from ..parallel.experts import ExpertParallel, ExpertParams
 from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from ..parallel.tensor_parallel import TensorParallelMesh, check_params
 from ..sharding import Sharding
-from . import param_owners, torch_spellings
+from . import param_owners, torch_dcp, torch_spellings
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
 from .gather_units import (
@@ -329,6 +329,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self._grad_sync.markers = GradMarkers(self.params, self.param_names)  # on device
         # After materializing: the registry's weak references would forbid swapping tensors.
         param_owners.claim(self.params, self)
+        torch_dcp.install(DistributedDataParallel)  # [Note: torch's DCP state dicts]
         # ``module.load_state_dict`` writes the shards of sharded params (whole_module.py).
         loads_shards = self._unsharder is not None and self.parallel.tp is None
         self._module_state_hooks = [

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..cross_rank.optimizer import check_same_optimizer, describe_optimizer
 from ..cross_rank.stages import stages_agree
+from ..ddp import torch_dcp
 from ..ddp.wrapper import DistributedDataParallel
 from ..host_memory import release_freed_host_memory
 from ..layout.elementwise import ShardPiece
@@ -45,7 +46,6 @@ from .state_precision import (
 )
 from .step import BucketByBucket, GradNormLog, StepPipeline, StepResult, WholeShard
 from .tied import tied_grads
-from .torch_dcp_guard import guard_torch_state_dict_functions
 
 
 class BufferOptimizer(torch.optim.Optimizer):
@@ -74,7 +74,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         with stages_agree(pp_group):
             self._construct(models, optimizer_cls, params, options, loss_scaler,
                             model_parallel_group, optimizer_kwargs)
-        guard_torch_state_dict_functions(BufferOptimizer)  # [Note: torch's DCP state dicts]
+        torch_dcp.register_optimizer(self)  # [Note: torch's DCP state dicts] in ddp/torch_dcp.py
         # After the agreement, so that every stage reaches its collectives; see
         # [Note: tied stage params] in optim/tied.py.
         self._tied = tied_grads(self.models, pp_group) if pp_group is not None else None
@@ -313,6 +313,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         for model in self.models:
             model.finish_grad_sync()
             model.finish_param_sync()
+        self.adopt_param_writes()
         if self._tied is not None:  # see [Note: tied stage params] in optim/tied.py
             self._tied.sum_(self.models[0].comm_stats)
         unused = {main for model in self.models for param in model.unused_params
@@ -325,6 +326,8 @@ class BufferOptimizer(torch.optim.Optimizer):
             release_freed_host_memory()
         if result.updated:
             self._gather_params()
+        for owned in self._owned:
+            owned.note_params_written()
         return result
 
     def _loss_scaler_for(self, grad_scaler: torch.amp.GradScaler | None) -> Any:
@@ -357,6 +360,15 @@ class BufferOptimizer(torch.optim.Optimizer):
         if self._sharded:
             for model in self.models:
                 model.start_param_sync(overlap=False)
+        for owned in self._owned:
+            owned.note_params_written()
+
+    def adopt_param_writes(self) -> None:
+        """Make the fp32 main params follow whatever was written into the model's params since
+        distopt last wrote them (a load into the module, ``p.copy_``); each step and each
+        state dict does it first. See [Note: writes into the params] in optim/main_params.py."""
+        for owned in self._owned:
+            owned.adopt_param_writes()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the buffers are laid out, and the shards dealt, for the param groups given

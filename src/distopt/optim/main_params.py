@@ -9,6 +9,27 @@ one bucket. They are the main params' ``.grad`` only while a step runs (between 
 ``.grad`` is None, so that nothing reads grads that are not reduced yet, such as
 ``torch.amp.GradScaler.unscale_`` iterating the optimizer's params); see [Note: p.grad under
 distopt] in ddp/grad_marker.py. The step (optim/step.py) reads them through these methods alone.
+
+[Note: writes into the params]
+With bf16 or fp16 params the fp32 main params are a second copy, made when the optimizer is
+built, and the step writes the params from them. A write into the params after that (torch's
+``ddp.module.load_state_dict(sd)``, ``set_model_state_dict``, ``with torch.no_grad():
+p.copy_(v)``) would be undone by the next step, which casts the old masters plus the update
+back. So the step first takes such writes up. Every in-place write bumps a version counter:
+a write through a param its own (a param aliases its buffer through ``.data``, which keeps the
+param's counter), a write into the buffer (a gather, a loaded shard) the buffer's, which its
+views share. With sharded params a write into params gathered by ``gathered_params()`` is
+copied back into the rank's shard when the block ends (``Bucket.keep_param_writes``).
+``note_params_written`` records both counters where distopt last wrote the params (the end
+of a step, once the gathers are launched; a load); at the next step a changed counter means
+someone else wrote: each element whose param differs from its master
+rounded to the param's dtype takes the param's value as its master. Elements not written keep
+their fp32 masters exactly. With ``store_param_remainders`` the param is the high half of the
+master and nothing else holds the old value, so the written buffer's remainders are zeroed: the
+masters become the params' values, exact for what was written and rounded once to bf16 for the
+rest, as a load from a bf16 checkpoint would. fp32 params are their own masters. Cost: one
+read of each param's and each bucket's version counter per step, and a compare of the rank's
+shard only in a step after a write.
 """
 
 from __future__ import annotations
@@ -74,6 +95,7 @@ class ShardMainParams:
             if self.remainders is not None else []
         )
         self.copy_params_in()
+        self.note_params_written()
 
         self.pieces: list[ShardPiece] = pieces
         self.main_params: list[nn.Parameter] = []
@@ -125,6 +147,34 @@ class ShardMainParams:
 
     def model_param(self, piece: ShardPiece) -> nn.Parameter:
         return self.buffer.params[piece.param_index]
+
+    def note_params_written(self) -> None:
+        """The params now hold what distopt wrote; see [Note: writes into the params]."""
+        self._versions = self._write_counts()
+
+    def _write_counts(self) -> list[int]:
+        # A param aliases its buffer through ``.data``, which keeps the param's own version
+        # counter: a write through the param bumps that one, a write into the buffer (a
+        # gather, a shard loaded) the buffer's.
+        return [*(region._version for region in self.param_regions),
+                *(param._version for param in self.buffer.params)]
+
+    def adopt_param_writes(self) -> None:
+        """Make the masters follow what was written into the params since
+        ``note_params_written``; see [Note: writes into the params]."""
+        if self.shard_fp32 is None and self.remainders is None:
+            return  # fp32 params are their own masters
+        if self._write_counts() == self._versions:
+            return
+        with torch.no_grad():
+            for bucket, region in enumerate(self.param_regions):
+                if self.remainders is not None:
+                    self._remainder_segments[bucket].zero_()
+                    continue
+                main = self._main_segments[bucket]
+                written = region != main.to(region.dtype)
+                main.copy_(torch.where(written, region.to(main.dtype), main))
+        self.note_params_written()
 
     def copy_params_in(self) -> None:
         """Model params -> fp32 main params (at construction)."""

@@ -1,0 +1,315 @@
+"""torch's own checkpoint API over distopt: ``get_state_dict`` + ``dcp.save`` in one system,
+``dcp.load`` + ``set_state_dict`` in another, at another data-parallel size, as torchtitan
+saves and loads ([Note: torch's DCP state dicts] in ddp/torch_dcp.py, [Note: torch's layout
+from flat shards] in checkpoint/torch_layout.py).
+
+Every run trains the same MLP on the same global batches (12 rows a step, each rank its
+rows), so every system at every d follows the trajectory of one process with torch's AdamW on
+the whole batch: the reference. A run trains ``SAVED_AT`` steps under one system at one d and
+saves; another system at another d loads and trains to ``STEPS``; its params and AdamW state
+must end where the reference ends. Saves at d = 2 load at d = 3 and the reverse: torch DDP's
+and FSDP2's into distopt in each sharding mode, distopt's into torch DDP and FSDP2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+import distopt
+
+from dist_harness import case_result, run_cases
+from helpers import shared_tmpdir
+
+MODES = {"optim": {}, "grads": {"shard_grads": True}, "params": {"shard_params": True}}
+SYSTEMS = ["torch", "fsdp", *(f"distopt-{m}" for m in MODES)]
+SAVED_AT, STEPS, ROWS, LR = 2, 4, 12, 1e-2
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def _model() -> nn.Module:
+    """Shapes that no d in 2..4 divides, so that distopt's pieces cut rows of the weights."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(),
+                         nn.Linear(6, 3))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, 5, generator=g), torch.randn(ROWS, 3, generator=g)
+
+
+def _build(system: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    if system == "torch":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=LR)
+    if system == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+    ddp = distopt.DistributedDataParallel(model, **MODES[system.removeprefix("distopt-")])
+    return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        x, y = (t[rank::world].to(dtype) for t in _batch(step))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _ends(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The params and AdamW state at the end, whole, keyed by torch's FQNs."""
+    if isinstance(model, distopt.DistributedDataParallel):
+        model.finish_param_sync()
+        params = model.full_state_dict()
+    else:
+        params = {n.removeprefix("module."): p.full_tensor() if hasattr(p, "full_tensor") else p
+                  for n, p in model.named_parameters()}
+    osd = get_optimizer_state_dict(model, opt, options=FULL)
+    out = {f"param/{n}": p.detach().clone() for n, p in params.items()}
+    for fqn, state in osd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            out[f"{key}/{fqn}"] = state[key].detach().clone()
+    return out
+
+
+def save_after_two_steps(system: str, root: str) -> None:
+    model, opt = _build(system)
+    _train(model, opt, range(SAVED_AT))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd},
+             checkpoint_id=str(Path(root) / f"{system}-d{dist.get_world_size()}"))
+
+
+def resume_and_finish(system: str, root: str, saved: str) -> dict[str, torch.Tensor]:
+    """Load the run ``saved`` (a directory name) under ``system`` here, train to STEPS."""
+    model, opt = _build(system)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(Path(root) / saved))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    _train(model, opt, range(SAVED_AT, STEPS))
+    return _ends(model, opt)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """One process, torch's AdamW on the whole batch."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    out = {f"param/{n}": p.detach() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            out[f"{key}/{n}"] = opt.state[p][key]
+    return out
+
+
+# Which saves each world size loads: torch's and FSDP2's into distopt, distopt's into torch's.
+LOADS = [(loader, saver) for saver in SYSTEMS for loader in SYSTEMS
+         if saver != loader and ("distopt" in saver) != ("distopt" in loader)]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("torch-dcp"))
+
+
+def _saves(root: str) -> list:
+    return [(f"save-{s}", save_after_two_steps, (s, root)) for s in SYSTEMS]
+
+
+def _loads(root: str, saved_at: int) -> list:
+    return [(f"{loader}<-{saver}", resume_and_finish, (loader, root, f"{saver}-d{saved_at}"))
+            for loader, saver in LOADS]
+
+
+@pytest.fixture(scope="module")
+def at_three(root):
+    """Saves at d = 2, then loads at d = 3."""
+    run_cases(2, _saves(root))
+    return run_cases(3, _loads(root, 2))
+
+
+@pytest.fixture(scope="module")
+def at_two(root):
+    """Saves at d = 3, then loads at d = 2."""
+    run_cases(3, _saves(root))
+    return run_cases(2, _loads(root, 3))
+
+
+@pytest.fixture(scope="module", params=[pytest.param(3, marks=pytest.mark.slow), 2],
+            ids=["d2-to-d3", "d3-to-d2"])
+def resumed(request):
+    return request.getfixturevalue({3: "at_three", 2: "at_two"}[request.param])
+
+
+# A resumed run differs from the one-process reference only by round-off: its grads are averages
+# of d partial sums instead of one sum (one fp32 rounding each, ~6e-8 relative), and AdamW's
+# update lr * m / sqrt(v) moves a weight by at most lr = 1e-2 a step, by a relative error of the
+# grads' order. Over 4 steps that is ~1e-8 on weights of size ~0.5; 1e-6 leaves a factor of 100
+# and is 10**4 below one step's update, which a lost or doubled step, or state not carried
+# over, would show.
+TOL = 1e-6
+
+
+@pytest.mark.parametrize("loader,saver", LOADS, ids=[f"{a}<-{b}" for a, b in LOADS])
+def test_a_run_moves_between_systems_and_sizes_and_ends_where_one_process_ends(
+        resumed, loader, saver):
+    reference = _reference()
+    for ends in case_result(resumed, f"{loader}<-{saver}"):
+        assert set(ends) == set(reference)
+        for key, value in reference.items():
+            diff = (ends[key].double() - value.double()).abs().max().item()
+            scale = value.double().abs().max().item()
+            # exp_avg_sq is the square of grads ~0.1: compare it relative to its size.
+            bound = TOL * max(scale, 1.0) if not key.startswith("exp_avg_sq") else TOL * scale
+            assert diff <= bound, (key, diff, scale)
+
+
+# ---------------------------------------------------------------- distopt's own options
+
+BF16 = torch.bfloat16
+# name -> (DDP options, optimizer class, optimizer options); bf16 params keep fp32 masters.
+CONFIGS = {
+    "bf16-optim": ({}, torch.optim.AdamW, {}),
+    "bf16-params": ({"shard_params": True}, torch.optim.AdamW, {}),
+    "lean": ({"shard_params": True, "grad_dtype": BF16}, torch.optim.AdamW,
+             {"store_param_remainders": True, "state_dtype": BF16}),
+    "muon": ({}, torch.optim.Muon, {"adjust_lr_fn": "match_rms_adamw"}),
+}
+
+
+def _bf16_run(config: str) -> tuple[distopt.DistributedDataParallel, torch.optim.Optimizer]:
+    ddp_options, cls, options = CONFIGS[config]
+    model = _model().to(BF16)
+    ddp = distopt.DistributedDataParallel(model, **ddp_options)
+    if cls is torch.optim.Muon:  # Muon steps the matrices, AdamW the rest
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        others = [p for p in model.parameters() if p.dim() != 2]
+        opt = distopt.DistributedOptimizer(ddp, cls, params=[
+            {"params": matrices, **options},
+            {"params": others, "optimizer": torch.optim.AdamW}], lr=LR)
+    else:
+        opt = distopt.DistributedOptimizer(ddp, cls, lr=LR, **options)
+    return ddp, opt
+
+
+def _distopt_ends(ddp, opt) -> dict[str, torch.Tensor]:
+    ddp.finish_param_sync()
+    msd, osd = get_state_dict(ddp, opt, options=FULL)
+    out = {f"model/{k}": v.clone() for k, v in msd.items()}
+    for fqn, state in osd["state"].items():
+        out.update({f"{key}/{fqn}": v.clone() for key, v in state.items()})
+    out.update({f"param/{k}": v.clone() for k, v in ddp.full_state_dict().items()})
+    return out
+
+
+def resumed_through_torch_functions(config: str) -> dict:
+    """The same run uninterrupted, and saved with get_state_dict + dcp.save after two steps,
+    resumed in a fresh model and optimizer with dcp.load + set_state_dict: their ends, as
+    torch's full state dicts give them (the fp32 masters as the model's entries)."""
+    path = shared_tmpdir(f"torch-dcp-{config}-")
+    ddp, opt = _bf16_run(config)
+    _train(ddp, opt, range(STEPS))
+    straight = _distopt_ends(ddp, opt)
+    ddp, opt = _bf16_run(config)
+    _train(ddp, opt, range(SAVED_AT))
+    msd, osd = get_state_dict(ddp, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    ddp.release()
+    ddp, opt = _bf16_run(config)
+    msd, osd = get_state_dict(ddp, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
+    _train(ddp, opt, range(SAVED_AT, STEPS))
+    resumed = _distopt_ends(ddp, opt)
+    dtypes = {k: str(v.dtype) for k, v in msd.items()}
+    return {"straight": straight, "resumed": resumed, "dtypes": dtypes}
+
+
+WRITES = ["module-load", "set-model", "copy"]
+
+
+def writes_into_params(config: str, how: str) -> dict:
+    """bf16 params written after a step, three ways; then the masters (torch's full model state
+    dict, before the next step) and the params after one more step, against what was written."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    ddp, opt = _bf16_run(config)
+    _train(ddp, opt, range(1))
+    ddp.finish_param_sync()
+    written = {k: (v.float() + 0.5).to(BF16) for k, v in ddp.full_state_dict().items()}
+    if how == "module-load":
+        ddp.module.load_state_dict(written)
+    elif how == "set-model":
+        set_model_state_dict(ddp, written)
+    else:
+        with ddp.gathered_params(), torch.no_grad():
+            for name, param in ddp.module.named_parameters():
+                param.copy_(written[name])
+    masters = get_state_dict(ddp, opt, options=FULL)[0]
+    before = max((masters[k].float() - v.float()).abs().max().item() for k, v in written.items())
+    _train(ddp, opt, range(1, 2))
+    ddp.finish_param_sync()
+    after = max((v.float() - written[k].float()).abs().max().item()
+                for k, v in ddp.full_state_dict().items())
+    return {"masters": before, "after": after}
+
+
+def _options_cases() -> list:
+    return [*[(f"resume-{c}", resumed_through_torch_functions, (c,)) for c in CONFIGS],
+            *[(f"write-{c}-{w}", writes_into_params, (c, w))
+              for c in ("bf16-optim", "bf16-params", "lean") for w in WRITES]]
+
+
+@pytest.fixture(scope="module")
+def options_grid():
+    return run_cases(2, _options_cases())
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_run_resumed_through_torch_functions_is_the_uninterrupted_run(options_grid, config):
+    for v in case_result(options_grid, f"resume-{config}"):
+        # The same ranks, the same arithmetic in the same order: the same bits.
+        assert set(v["resumed"]) == set(v["straight"])
+        for key, value in v["straight"].items():
+            assert torch.equal(v["resumed"][key], value), key
+        # The model's entries are the fp32 masters, not the bf16 params.
+        assert {d for k, d in v["dtypes"].items() if "running" not in k} == {"torch.float32"}
+
+
+@pytest.mark.parametrize("how", WRITES)
+@pytest.mark.parametrize("config", ["bf16-optim", "bf16-params", "lean"])
+def test_a_write_into_bf16_params_is_what_the_next_step_starts_from(options_grid, config, how):
+    for v in case_result(options_grid, f"write-{config}-{how}"):
+        # What was written is bf16, exactly an fp32 master: the masters hold it exactly.
+        assert v["masters"] == 0.0, v
+        # One AdamW step moves a weight by lr * |m / sqrt(v)| (at most ~1.5 lr in the second
+        # step with torch's betas), and the bf16 param rounds the master by half an ulp (2**-8
+        # for weights below 2): 1.5e-2 + 3.9e-3. Reverting the write would be off by 0.5.
+        assert v["after"] <= 1.5 * LR + 2**-8, v
