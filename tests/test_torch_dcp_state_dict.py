@@ -313,3 +313,91 @@ def test_a_write_into_bf16_params_is_what_the_next_step_starts_from(options_grid
         # step with torch's betas), and the bf16 param rounds the master by half an ulp (2**-8
         # for weights below 2): 1.5e-2 + 3.9e-3. Reverting the write would be off by 0.5.
         assert v["after"] <= 1.5 * LR + 2**-8, v
+
+
+# ---------------------------------------------------------------- options, reads, refusals
+
+
+def _error(call) -> str:
+    try:
+        call()
+        return "no error"
+    except (ValueError, RuntimeError, KeyError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def options_and_refusals() -> dict:
+    """StateDictOptions against torch DDP's on the same ranks, opt.state[p]["step"], and what
+    is refused on every rank before any collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    rank = dist.get_rank()
+    runs = {}
+    for system in ("torch", "distopt-optim"):
+        model, opt = _build(system)
+        _train(model, opt, range(SAVED_AT))
+        runs[system] = (model, opt, *get_state_dict(model, opt, options=FULL))
+    (t_model, t_opt, t_msd, t_osd), (ddp, opt, msd, osd) = runs["torch"], runs["distopt-optim"]
+    full = {"keys": (list(msd) == list(t_msd), list(osd["state"]) == list(t_osd["state"])),
+            "model": max((msd[k] - t_msd[k]).abs().max().item() for k in t_msd),
+            "state": max((osd["state"][f][k] - t_osd["state"][f][k]).abs().max().item()
+                         for f in t_osd["state"] for k in ("exp_avg", "exp_avg_sq", "step")),
+            "groups": [g["params"] for g in osd["param_groups"]]
+                      == [g["params"] for g in t_osd["param_groups"]]}
+    offloaded = get_model_state_dict(ddp, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True))
+    steps = [opt.state[p]["step"].item() for p in ddp.module.parameters()]
+    # torch DDP's full state dicts, held by rank 0 alone, loaded into a fresh distopt run.
+    fresh, fresh_opt = _build("distopt-grads")
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_state_dict(fresh, fresh_opt, model_state_dict=t_msd if rank == 0 else {},
+                   optim_state_dict=t_osd if rank == 0 else {}, options=broadcast)
+    _train(fresh, fresh_opt, range(SAVED_AT, STEPS))
+    _train(t_model, t_opt, range(SAVED_AT, STEPS))
+    ends = _ends(fresh, fresh_opt)
+    torch_ends = _ends(t_model, t_opt)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    refusals = {
+        "flatten": _error(lambda: get_state_dict(ddp, opt, options=StateDictOptions(
+            flatten_optimizer_state_dict=True))),
+        "torch optimizer": _error(lambda: get_state_dict(ddp, sgd)),
+        "foreign model": _error(lambda: get_state_dict(t_model, opt)),
+        "strict": _error(lambda: set_state_dict(
+            ddp, opt, model_state_dict={k: v for k, v in msd.items() if k != "0.bias"},
+            optim_state_dict={})),
+        "per-element": _error(lambda: opt.state[ddp.module[0].weight]["exp_avg"]),
+    }
+    return {"full": full, "offloaded": sorted(offloaded), "steps": steps, "refusals": refusals,
+            "broadcast": max((ends[k] - torch_ends[k]).abs().max().item() for k in torch_ends)}
+
+
+@pytest.fixture(scope="module")
+def edges():
+    return run_cases(2, [("options", options_and_refusals, ())])
+
+
+def test_full_state_dicts_cpu_offload_and_broadcast_from_rank0_are_torch_ddps(edges):
+    values = case_result(edges, "options")
+    for rank, v in enumerate(values):
+        assert v["full"]["keys"] == (True, True) and v["full"]["groups"], v["full"]
+        assert v["full"]["model"] <= TOL and v["full"]["state"] <= TOL, v["full"]
+        # torch's rule: with cpu_offload a full state dict is rank 0's alone.
+        assert (v["offloaded"] != []) == (rank == 0), v["offloaded"]
+        assert v["broadcast"] <= TOL, v["broadcast"]
+
+
+def test_opt_state_of_a_model_param_reads_its_step_as_torchs(edges):
+    for v in case_result(edges, "options"):
+        assert v["steps"] == [float(SAVED_AT)] * 6, v["steps"]
+        assert "get_optimizer_state_dict" in v["refusals"]["per-element"]
+
+
+def test_what_is_not_covered_is_refused_alike_on_every_rank(edges):
+    values = case_result(edges, "options")
+    refusals = [v["refusals"] for v in values]
+    assert refusals[0] == refusals[1]
+    r = refusals[0]
+    assert "flatten_optimizer_state_dict" in r["flatten"], r
+    assert "one distopt optimizer at a time" in r["torch optimizer"], r
+    assert "not a distopt DistributedDataParallel" in r["foreign model"], r
+    assert "missing keys ['0.bias']" in r["strict"] and "strict=False" in r["strict"], r

@@ -217,10 +217,12 @@ def load_model(call: torch_dcp.DistoptCall, sd: dict[str, Any]) -> Any:
     from torch.nn.modules.module import _IncompatibleKeys
 
     ddp, opt, options = call.ddp, call.optimizer, call.options
-    if call.optim_only or (not sd and not options.broadcast_from_rank0):
-        return _IncompatibleKeys([], [])
     if options.broadcast_from_rank0:
+        # Before anything else: torch's set_state_dict sees an empty dict on the other ranks
+        # as "optimizer only", and every rank must join rank 0's broadcast.
         sd = _broadcast_from_rank0(sd)
+    if not sd:
+        return _IncompatibleKeys([], [])
     entries = _entries(call)
     missing = [fqn for fqn in entries if fqn not in sd]
     unexpected = [fqn for fqn in sd if fqn not in entries]
@@ -282,7 +284,8 @@ def get_optim(call: torch_dcp.DistoptCall) -> dict[str, Any]:
         return {}
     params = {name: p for p, name in call.ddp.param_names.items()}
     state: dict[str, dict[str, Any]] = {}
-    for name, entries in sd["state"].items():
+    in_order = [n for group in sd["param_groups"] for n in group["params"] if n in sd["state"]]
+    for name, entries in ((n, sd["state"][n]) for n in in_order):  # torch's order
         param = params[name]
         converted = {}
         for key, value in _torch_entries(entries).items():
@@ -331,6 +334,8 @@ def load_optim(call: torch_dcp.DistoptCall, osd: dict[str, Any]) -> None:
         return
     if options.broadcast_from_rank0:
         osd = _broadcast_from_rank0(osd)
+    if not osd:
+        return  # nothing given: torch's set_state_dict(..., optim_state_dict={})
     error, values, groups = None, [], []
     try:
         if not isinstance(osd, dict) or "param_groups" not in osd or "state" not in osd:

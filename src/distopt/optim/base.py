@@ -46,6 +46,7 @@ from .state_precision import (
 )
 from .step import BucketByBucket, GradNormLog, StepPipeline, StepResult, WholeShard
 from .tied import tied_grads
+from .torch_state import ParamScalars, TorchState, scalar_entries
 
 
 class BufferOptimizer(torch.optim.Optimizer):
@@ -213,6 +214,12 @@ class BufferOptimizer(torch.optim.Optimizer):
         self.optimizers, self.optimizer = build_inner_optimizers(
             inner_groups, group_classes, optimizer_cls, optimizer_kwargs, self._device
         )
+        # One state for all inner optimizers: their params are disjoint, and checkpoints and
+        # users read it in one place, as torch.optim's. It answers a model param too:
+        # [Note: opt.state by model param] in optim/torch_state.py.
+        state = TorchState(self._model_param_scalars)
+        for inner in self.optimizers:
+            inner.state = state
         return inner_groups
 
     def _build_pipeline(self, inner_groups: list[dict[str, Any]], state_dtypes: Any,
@@ -260,11 +267,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         # aliases make torch's LR schedulers and step hooks act on it directly.
         self.defaults = self.optimizer.defaults
         self.param_groups = inner_groups
-        # One state for all inner optimizers: their params are disjoint, and checkpoints and
-        # users read it in one place, as torch.optim's.
-        self.state = self.optimizer.state
-        for inner in self.optimizers:
-            inner.state = self.state
+        self.state = self.optimizer.state  # shared by the inner optimizers
         for name in (
             "_optimizer_step_pre_hooks",
             "_optimizer_step_post_hooks",
@@ -362,6 +365,24 @@ class BufferOptimizer(torch.optim.Optimizer):
                 model.start_param_sync(overlap=False)
         for owned in self._owned:
             owned.note_params_written()
+
+    def _model_param_scalars(self, param: Any) -> ParamScalars | None:
+        """``opt.state[param]`` for a model param of this optimizer; None for any other key."""
+        groups = [mps for mps in self.model_param_groups if any(p is param for p in mps)]
+        if not groups or param in self._piece_owner:
+            return None
+        names = {p: n for model in self.models for p, n in model.param_names.items()}
+        same_group = {id(p) for p in groups[0]}
+        best = None
+        for main in self.main_params:
+            owner = self.piece_info(main)[0]
+            if main in self.state and id(owner) in same_group:
+                if owner is param:
+                    best = main
+                    break
+                best = main if best is None else best
+        scalars = {} if best is None else scalar_entries(dict.__getitem__(self.state, best))
+        return ParamScalars(names.get(param, "?"), scalars)
 
     def adopt_param_writes(self) -> None:
         """Make the fp32 main params follow whatever was written into the model's params since
