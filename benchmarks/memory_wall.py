@@ -12,8 +12,10 @@ distopt's lean tier instead (bf16 params with remainders, bf16 grads, bf16 AdamW
 B/param sharded), beside what FSDP2 would need (16 B/param). Each rank reports the peak of its
 resident set (the torch import included) in each phase (the kernel's ``VmHWM``, reset between
 phases; the largest is the process's peak): setup (materialization included),
-the first step (the optimizer state is allocated), the later steps, and with ``--checkpoint
-DIR`` a save and a load. distopt's peak is broken down into what the torch import costs, its
+the first step (the optimizer state is allocated), the later steps, with ``--checkpoint
+DIR`` a save and a load, and with ``--torch-checkpoint DIR`` the same through torch's functions
+(``get_state_dict`` + ``dcp.save``; ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``),
+printed beside distopt's own. distopt's peak is broken down into what the torch import costs, its
 state, and its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes
 torch DDP and distopt's ZeRO-1 and ZeRO-2 would need are
 computed from their bytes per parameter and compared with this machine's memory, not run: they
@@ -160,21 +162,46 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         reduced = loss.detach().float().clone()
         dist.all_reduce(reduced)
         losses.append(reduced.item() / args.nproc)
+    checkpoint_s: dict[str, float] = {}
     if args.checkpoint and ddp is not None:
         import distopt
 
         path = os.path.join(args.checkpoint, "memory-wall")
         _start_phase()
+        start = time.perf_counter()
         distopt.save_checkpoint(path, ddp, opt)
+        checkpoint_s["save"] = time.perf_counter() - start
         phases["save"] = _phase_peak_bytes()
         _start_phase()
+        start = time.perf_counter()
         distopt.load_checkpoint(path, ddp, opt)
+        checkpoint_s["load"] = time.perf_counter() - start
         phases["load"] = _phase_peak_bytes()
+    if args.torch_checkpoint and ddp is not None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        checkpoint_id = os.path.join(args.torch_checkpoint, "memory-wall-dcp")
+        _start_phase()
+        start = time.perf_counter()
+        msd, osd = get_state_dict(ddp, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_id)
+        del msd, osd
+        checkpoint_s["torch save"] = time.perf_counter() - start
+        phases["torch save"] = _phase_peak_bytes()
+        _start_phase()
+        start = time.perf_counter()
+        msd, osd = get_state_dict(ddp, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=checkpoint_id)
+        set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
+        del msd, osd
+        checkpoint_s["torch load"] = time.perf_counter() - start
+        phases["torch load"] = _phase_peak_bytes()
     record = {
         "num_params": num_params, "baseline": baseline, "after_setup": after_setup,
         # The phases' high-water marks: resetting them resets ru_maxrss's too.
         "after_steps": _rss_bytes(), "peak": max(phases.values()), "setup_s": setup_s,
-        "step_s": times, "loss": losses, "phases": phases,
+        "step_s": times, "loss": losses, "phases": phases, "checkpoint_s": checkpoint_s,
     }
     if ddp is not None:
         import distopt
@@ -261,6 +288,17 @@ def report(system: str, ranks: list[dict[str, Any]]) -> list[str]:
         + " ".join(f"{max(r['step_s'][i] for r in ranks):.1f}" for i in range(len(first["step_s"])))
         + f"; loss {' '.join(f'{x:.4f}' for x in first['loss'])}",
     ]
+    if "torch save" in phase_names and "save" in phase_names:
+        gib = {name: max(r["phases"][name] for r in ranks) / GiB for name in phase_names}
+        secs = {name: max(r["checkpoint_s"][name] for r in ranks) for name in first["checkpoint_s"]}
+        lines.append(
+            f"  torch's road against distopt's (highest rank, GiB; slowest rank, s): "
+            f"get_state_dict + dcp.save {gib['torch save']:.2f} against save {gib['save']:.2f} "
+            f"({gib['torch save'] / gib['save']:.3f}x; {secs['torch save']:.0f} s against "
+            f"{secs['save']:.0f} s), get_state_dict + dcp.load + set_state_dict "
+            f"{gib['torch load']:.2f} against load {gib['load']:.2f} "
+            f"({gib['torch load'] / gib['load']:.3f}x; {secs['torch load']:.0f} s against "
+            f"{secs['load']:.0f} s)")
     if "state" in first:
         state, bound = first["state"], first["bound"]
         predicted = first["baseline"] + state["total"] + bound["total"]
@@ -311,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                              "in the heap's holes; default: glibc's own (dynamic, up to 32 MiB)")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="also save and load a distopt checkpoint in DIR, measuring both")
+    parser.add_argument("--torch-checkpoint", default=None, metavar="DIR",
+                        help="then save and load distopt's state with torch's road in DIR "
+                             "(get_state_dict + dcp.save; get_state_dict + dcp.load + "
+                             "set_state_dict), measuring both")
     args = parser.parse_args(argv)
 
     if args.mmap_threshold is not None:  # read by glibc when each spawned rank starts

@@ -38,9 +38,10 @@ a torch optimizer, stepped on this rank's own pieces alone, with no collective.
 Loads write the main params and the state of this rank's pieces out of any value that covers
 them: the boxes DCP read into, or whole tensors (a full state dict, ``broadcast_from_rank0``),
 then cast the params from the main params and gather them, as any distopt load does. Not
-covered, and refused by name on every rank before any collective: tensor-parallel DTensor
-params, experts, pipeline stages and model chunks (``distopt.save_checkpoint`` covers them),
-and ``flatten_optimizer_state_dict``.
+covered, and refused by name on every rank before any collective: full state dicts of
+tensor-parallel DTensor params (their sharded form is covered: a piece of a local shard is runs
+of the global tensor, each cut into boxes), experts, pipeline stages and model chunks
+(``distopt.save_checkpoint`` covers them), and ``flatten_optimizer_state_dict``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ from ..optim.block_scaling import pow2
 from ..optim.state_precision import EXPONENTS
 from .checks import agree, check_groups
 from .files import CheckpointError
-from .format import FlatShard, check_loaded_state, loaded_entry, owned_pieces, piece_of
+from .format import (
+    FlatShard,
+    check_loaded_state,
+    loaded_entry,
+    owned_pieces,
+    piece_of,
+    piece_runs,
+)
 from .install import install_states
 from .state_dict import consolidated_state_dict, state_dict
 
@@ -89,7 +97,8 @@ def check(call: torch_dcp.DistoptCall) -> None:
         raise ValueError("StateDictOptions(broadcast_from_rank0=True) needs "
                          "full_state_dict=True, as torch requires")
     parallel = ddp.parallel
-    for present, what in ((parallel.tp is not None, "tensor-parallel DTensor params"),
+    full_tp = parallel.tp is not None and options.full_state_dict
+    for present, what in ((full_tp, "full state dicts of tensor-parallel DTensor params"),
                           (ddp.experts is not None, "experts (expert parallelism)"),
                           (parallel.pp_group is not None, "a pipeline stage"),
                           (opt is not None and len(opt.models) > 1, "several model chunks")):
@@ -109,9 +118,13 @@ def boxes(param: torch.Tensor, shard: FlatShard | None, like: torch.Tensor) -> t
     shape = tuple(param.shape)
     chunks = []
     if shard is not None:
-        for offset, size, start in flat_range_boxes(shape, shard.offset, shard.end):
-            at = start - shard.offset
-            chunks.append((offset, shard.local[at : at + math.prod(size)].view(size)))
+        # A DTensor param's piece is a range of its local shard: runs of the global tensor
+        # ([Note: TP checkpoints] in format.py), each cut into boxes of the global shape.
+        for at_run, global_start, length in piece_runs(param, shard.offset, shard.end):
+            for offset, size, start in flat_range_boxes(shape, global_start,
+                                                        global_start + length):
+                at = at_run + start - global_start
+                chunks.append((offset, shard.local[at : at + math.prod(size)].view(size)))
         like = shard.local
     out = _DcpFlat(chunks, shape, like)
     out.shard = shard  # what a load of these boxes installs

@@ -451,11 +451,16 @@ class BufferOptimizer(torch.optim.Optimizer):
         if not self.options.store_param_remainders:
             yield
             return
+        # Splitting the masters back writes the params: a write of distopt's own, after any
+        # the user made is taken up ([Note: writes into the params] in optim/main_params.py).
+        self.adopt_param_writes()
         with contextlib.ExitStack() as stack:
             for owned in self._owned:
                 for bucket in range(owned.num_buckets):
                     stack.enter_context(owned.bucket_masters(bucket))
             yield
+        for owned in self._owned:
+            owned.note_params_written()
 
     def main_param_values(self) -> list[torch.Tensor]:
         """The fp32 master values of every main param, in ``main_params`` order: the main
