@@ -125,8 +125,34 @@ def module_methods_like_torch(mode: str) -> dict:
     }
 
 
+def accumulation_by_flag_like_torch(mode: str) -> dict:
+    """nanoGPT's gradient accumulation: ``model.require_backward_grad_sync`` set by hand, True
+    on the last of three micro-batches only; the params against torch DDP's after two steps,
+    and how many reductions distopt's first step ran (one per bucket: the last micro-batch's)."""
+    ends = {}
+    for kind in ("torch", "distopt"):
+        ddp, opt = _wrapped(kind, mode)
+        for step in range(STEPS):
+            for micro in range(3):
+                ddp.require_backward_grad_sync = micro == 2
+                x, y = _batch(10 * step + micro)
+                (nn.functional.mse_loss(ddp(x), y) / 3).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if kind == "distopt" and step == 0:
+                stats = ddp.comm_stats.calls
+                reductions = stats["reduce_scatter"] + stats["all_reduce"]
+                buckets = len(ddp.buckets)
+        with _readable(ddp):
+            ends[kind] = {k: v.clone() for k, v in ddp.state_dict().items()}
+    return {"diff": _largest_difference(ends["torch"], ends["distopt"]),
+            "reductions": reductions, "buckets": buckets}
+
+
 def _cases() -> list:
-    return [(f"module-{mode}", module_methods_like_torch, (mode,)) for mode in MODES]
+    return [*[(f"module-{mode}", module_methods_like_torch, (mode,)) for mode in MODES],
+            *[(f"accumulate-{mode}", accumulation_by_flag_like_torch, (mode,))
+              for mode in MODES]]
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +210,13 @@ def test_the_wrapper_shadows_no_attribute_of_nn_module():
     assert nn.Module in distopt.DistributedDataParallel.__mro__
     overridden = {n for n in defined if hasattr(nn.Module, n)}
     assert overridden == {"forward", "zero_grad"}, overridden
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_require_backward_grad_sync_accumulates_as_torch_ddps_flag(both, mode):
+    for v in case_result(both, f"accumulate-{mode}"):
+        assert v["diff"] <= TRAJECTORY_TOL, v
+        # Sharded grads reduce every backward (a kept shard per bucket); otherwise the flag
+        # holds the first two micro-batches' grads back: one reduction per bucket a step.
+        if mode == "optim":
+            assert v["reductions"] == v["buckets"], v

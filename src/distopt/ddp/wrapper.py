@@ -631,6 +631,17 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         finally:
             sync.sync_enabled = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, which ``no_sync()`` clears and nanoGPT sets by hand
+        (``model.require_backward_grad_sync = last_micro_step``): whether the next backward
+        reduces its grads (False: they accumulate in the buffers, as under ``no_sync()``)."""
+        return self._grad_sync.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._grad_sync.sync_enabled = bool(value)
+
     def _before_accumulate(self, param: nn.Parameter, _grad: torch.Tensor) -> None:
         # Tensor hook, before autograd accumulates into param.grad; see
         # [Note: p.grad under distopt] in ddp/grad_marker.py.
