@@ -41,15 +41,92 @@ def world_params(worlds: list[int]) -> list:
             for w in worlds]
 
 
-# ---------------------------------------------------------------- tolerances of the parity runs
+# ---------------------------------------------------------------- tolerances
+#
+# A tolerance follows from the arithmetic, not from one machine's run: another CPU (AVX-512,
+# AMX's bf16 tiles, another MKL or oneDNN kernel) groups the terms of its sums otherwise, and
+# every rounding that two orders can make differently may go the other way there. A tolerance
+# is at least the bound derived for the values compared, relative where their size matters,
+# and far below what a bug moves (a lost grad or a stale param moves weights by lr-sized
+# steps). CONTRIBUTING.md, "Tolerances and CPUs", says how to derive one and how to check a
+# test under other kernels.
 
-FP32_TOL = 1e-5
+# Unit roundoff: the largest relative error of one rounding (half the spacing above 1).
+FP32_U = 2.0**-24
+BF16_U = 2.0**-8
+FP16_U = 2.0**-11
+
+# AdamW carries fp32 roundoff far above FP32_U: it steps each element by lr * m / (sqrt(v) +
+# eps), whatever the grad's scale, so a grad whose terms cancel (an AwkwardLM embedding row is
+# 2e-6 made of terms of 0.1, good to 1%) or that sits near eps moves its weight by a fraction
+# of lr. How far is a property of the trajectory, not of the CPU: the same steps run in fp64
+# are exact to fp32's eyes, and an fp32 run of them, whatever the order its batch's grads are
+# summed in (whole, or in 2 to 16 chunks either way), stays within this of the fp64 run: 1.03e-5
+# for the parity grid's AwkwardLM (AdamW at lr 1e-2, 20 steps), 1.18e-5 for TinyTransformer's
+# runs (lr 1e-2, 10 and 20 steps); its grad norms within 1.54e-5 relative (AwkwardLM; 1.3e-7
+# for TinyTransformer).
+ADAMW_FP32_DRIFT = 1.2e-5
+ADAMW_NORM_DRIFT = 1.6e-5
+# Two fp32 runs (distopt's order and the reference's) each lie within the drift of the exact
+# run, so within twice of each other; twice that again for orders not tried. SGD and Adagrad,
+# whose steps scale with the grad, drift 25x less (under 5e-7): this bounds them too.
+FP32_TOL = 2 * 2 * ADAMW_FP32_DRIFT  # 4.8e-5
+# The grad norms, each a sum of squares in its own order (a few FP32_U more), at those weights.
+NORM_RTOL = 2 * 2 * ADAMW_NORM_DRIFT  # 6.4e-5
 # bf16 params: each rank computes its grads on a slice of the batch in bf16, so rounding
-# differs from the full-batch reference. The weights here stay below 4 in magnitude, where one
-# bf16 ulp is 2**-6; allow two ulps.
+# differs from the full-batch reference and a weight next to a rounding boundary can land on
+# the neighbouring bf16 value. The weights here stay below 4 in magnitude, where one bf16 ulp
+# is 2**-6 (2 * BF16_U relative to 2); allow two ulps.
 BF16_TOL = 2 * 2**-6
-# Grad norms of ~1-10 summed in another order (per shard, then across ranks): relative.
-NORM_RTOL = 1e-5
+
+
+def sum_tol(n: int, magnitude: float, u: float = FP32_U) -> float:
+    """The most two float sums of the same ``n`` terms, in any two orders, can differ by:
+    each is within (n - 1) * u of the exact sum, relative to ``magnitude``, the sum of the
+    terms' magnitudes (Higham's bound for recursive summation; blocked and pairwise sums stay
+    within it)."""
+    return 2 * (n - 1) * u * magnitude
+
+
+# torch.optim.Muon orthogonalizes each update by Newton-Schulz in bf16: grads that differ in
+# their last fp32 bits (summed in another order) round apart there, and so may the same grads
+# under another kernel's fp32 sums (AMX's bf16 tiles accumulate a matmul in their own order).
+# An orthogonalized update's elements are below 1 (its singular values are about 1), and one
+# step's update then differs by a few bf16 roundings: up to 2.5 * BF16_U over random grads of
+# the shapes used here, whose last bits are perturbed or whose matmuls are summed otherwise.
+MUON_UPDATE_ULPS = 4  # in units of BF16_U, per step and unit learning rate
+
+
+def muon_weights_tol(lrs: list[float], lr_ratio: float = 1.0) -> float:
+    """The most weights stepped by Muon at learning rates ``lrs`` can differ by when each
+    step's update differs by MUON_UPDATE_ULPS; ``lr_ratio``: the largest of torch's scalings
+    of the learning rate, sqrt(max(1, rows / cols)), over the matrices."""
+    return MUON_UPDATE_ULPS * BF16_U * lr_ratio * sum(lrs)
+
+
+# Autocast (bf16 or fp16) rounds every matmul input to the low-precision dtype, so two runs
+# whose fp32 weights differ in a last bit (a clip coefficient reduced in another order) can
+# round an input apart in the next forward. A flipped input moves the products it enters by one
+# ulp (2 u relative), in the forward and again in the backward's matmuls, and AdamW's
+# normalized step can double a grad's relative change: up to 8 u of each step's learning rate.
+# bf16's u bounds fp16's flips too.
+AUTOCAST_ULPS = 8
+
+
+def autocast_weights_tol(lrs: list[float]) -> float:
+    """The most AdamW weights trained under autocast at learning rates ``lrs`` can differ by
+    when roundings of the matmuls' inputs flip."""
+    return AUTOCAST_ULPS * BF16_U * sum(lrs)
+
+
+# What the weights' difference does to values computed from them (a loss, a grad norm): the
+# parity trajectory's fp64 runs put its norms 1.5x the weights' drift away, relative; allow 2x.
+WEIGHTS_TO_RELATIVE = 2.0
+# The losses of two fp32 AdamW runs whose sums differ in order, relative to their size.
+LOSS_RTOL = WEIGHTS_TO_RELATIVE * FP32_TOL  # 9.6e-5
+
+# ---------------------------------------------------------------- the parity runs
+
 CLIP = 0.5  # the clipping of the AwkwardLM parity runs
 PARITY_STEPS = 20
 
@@ -222,7 +299,6 @@ def owned_grad_pieces(ddp: distopt.DistributedDataParallel
                 yield param, slice(owned.start - slot.start, owned.end - slot.start)
 
 
-FP32_EPS = 2.0**-24  # unit roundoff of fp32
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}  # implicit bit included
 
 
@@ -253,7 +329,7 @@ def error_report(result: torch.Tensor, rows: list[torch.Tensor]) -> dict:
     exact = exact_average(rows)
     ulps = (result.double() - exact).abs() / ulp_of(exact, result.dtype)
     magnitude = sum(row.double().abs() for row in rows) / len(rows)
-    slack = len(rows) * FP32_EPS * magnitude / ulp_of(exact, result.dtype)
+    slack = len(rows) * FP32_U * magnitude / ulp_of(exact, result.dtype)
     return {"max_ulps": ulps.max().item(), "mean_ulps": ulps.mean().item(),
             "over_half_ulp": (ulps - slack - 0.5).max().item()}
 

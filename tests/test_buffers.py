@@ -5,7 +5,7 @@ A BatchNorm MLP and a small CNN train for 10 steps at d = 2 and 3 under distopt 
 processes on the same slices of the same global batches, under
 ``torch.nn.parallel.DistributedDataParallel`` (gloo): one micro-batch per step, two (the first
 under ``no_sync()``), and ``broadcast_buffers=False``; at d = 2 also with sharded grads and on a
-(2, 1) hierarchical mesh. Params and buffers stay within 1e-5 of torch DDP's on every rank after
+(2, 1) hierarchical mesh. Params and buffers stay within FP32_TOL of torch DDP's on every rank after
 every step; what each forward reads at its start is the same on every rank wherever torch DDP
 broadcasts, and apart where it does not; one broadcast per buffer dtype per such forward.
 Tensor-parallel ranks keep their own buffers.
@@ -18,7 +18,7 @@ one process on the whole global batch, which SyncBatchNorm equals by definition:
 must give the layers its data-parallel group (a subgroup of 2 of 3 ranks tells it from the
 default group). Checkpoints: saved and resumed at d = 2 the run ends bitwise where it would
 have, buffers included, and the buffers loaded are rank 0's; with SyncBatchNorm saved at d = 2
-and resumed at d = 3, within 1e-5. See [Note: buffer broadcasting] in
+and resumed at d = 3, within FP32_TOL. See [Note: buffer broadcasting] in
 src/distopt/ddp/module_buffers.py.
 """
 
@@ -523,7 +523,7 @@ def test_tensor_parallel_ranks_keep_their_own_buffers(two):
 
 
 def test_sync_batchnorm_reduces_over_the_data_parallel_group(world):
-    """Within 1e-5 of plain BatchNorm on the whole batch in one process, params and buffers,
+    """Within FP32_TOL of plain BatchNorm on the whole batch in one process, params and buffers,
     after every step; the statistics the same on every rank of the group. At d = 3 the group is
     ranks 0 and 1 (rank 2 alone): the default group would mix rank 2's batch in."""
     d, results = world

@@ -31,13 +31,14 @@ from distopt.layout.elementwise import build_layout
 from distopt.memory import transient_bound_of_model
 
 from dist_harness import case_result, run_cases
-from helpers import shared_tmpdir
+from helpers import FP32_TOL, shared_tmpdir
 from models import _Block, rank_slice
 
 VOCAB, SEQ, DIM = 50, 8, 16
 STEPS = 5
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
-TOL = 2e-5  # AdamW at lr 1e-2 turns fp32 roundoff of the sums over ranks into ~1e-6 steps
+# AdamW at lr 1e-2 turns fp32 roundoff of the sums over ranks into steps: helpers.FP32_TOL.
+TOL = FP32_TOL
 
 
 class TiedLM(nn.Module):

@@ -262,8 +262,9 @@ def test_checkpoint_saved_hierarchical_resumes_flat(results):
     for v in case_result(results, "resume-flat4"):
         assert (v["dp_size"], v["replicas"]) == (4, 1)
         assert v["at_load"] == 0.0 and v["state_diff"] == 0.0, v
-        # Another summation order of the same average (two stages against one): round-off.
-        assert v["final"] < 1e-6, v
+        # Another summation order of the same average (two stages against one): round-off,
+        # which AdamW carries (helpers.FP32_TOL).
+        assert v["final"] <= FP32_TOL, v
 
 
 def test_each_replica_writes_only_its_half_of_its_shard(results):

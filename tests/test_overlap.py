@@ -31,12 +31,11 @@ import distopt
 from distopt.comm import collectives as comm
 
 from dist_harness import case_result, run_cases
-from helpers import StrictCollectives, world_params
+from helpers import FP32_TOL, FP32_U, StrictCollectives, sum_tol, world_params
 from models import batches, rank_slice
 
 VOCAB, WIDTH = 11, 32
 STEPS = 4
-FP32_TOL = 1e-5
 ORDER = (2, 0, 3, 1)  # the forward's use of self.layers, unlike their registration order
 # Elements per bucket: 1056 per Linear, so each layer gets a bucket of its own, spread over
 # every rank's shard; the final norm with the last bias, and the embedding, get one each.
@@ -462,16 +461,21 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket(world):
 
 
 def test_several_backwards_per_step_add_as_torch_ddp(world):
-    _, results = world
+    d, results = world
     for value in case_result(results, "late-grads"):
-        # Two backwards without no_sync: the sum of both averages, as torch's.
-        assert value["two_backwards_diff"][True] <= 1e-6, value
-        assert value["two_backwards_diff"][False] <= 1e-6, value
+        # Each grad sums the same terms as torch's, two backwards of 4 d sequences of 5 tokens,
+        # in another order: within sum_tol of the terms' size, taken as the largest grad's.
+        grads_tol = sum_tol(2 * 4 * d * 5, value["grad_scale"])
+        # Two backwards without no_sync: the sum of both averages, as torch's. One SGD step at
+        # lr 0.1 of those grads, rounded into weights below 8 (one ulp there: 8 FP32_U).
+        weights_tol = 0.1 * grads_tol + 8 * FP32_U
+        assert value["two_backwards_diff"][True] <= weights_tol, value
+        assert value["two_backwards_diff"][False] <= weights_tol, value
         # A backward after the step, then zero_grad(): that of a model that never saw it.
         assert value["after_step_diff"] == {True: 0.0, False: 0.0}
         # All-reduced buckets accumulate across synced backwards like torch DDP.
         assert value["grad_scale"] > 1e-2
-        assert value["all_reduce_accumulated_diff"] <= 1e-6
+        assert value["all_reduce_accumulated_diff"] <= grads_tol, value
 
 
 def test_a_module_wrapped_again_trains_and_release_leaves_a_plain_module(world):
@@ -485,4 +489,6 @@ def test_a_module_wrapped_again_trains_and_release_leaves_a_plain_module(world):
             "its parameter '" in value["first_error"]
         for key in ("same_values", "own_storage", "no_main_grad", "no_hooks", "scoped_released"):
             assert value[key], key
-        assert value["plain_grads"] <= 1e-6
+        # The grads of weights value["diff"] apart (at most FP32_TOL), of size up to 5: the
+        # loss's curvature here is of order 1, so they differ by about as much.
+        assert value["plain_grads"] <= FP32_TOL, value

@@ -589,7 +589,7 @@ def world(request):
                                   "parity-fp32-params-keep"])
 def test_fp32_parity_with_torch(world, case):
     """AdamW, two groups and a schedule, clipping, a tied embedding, a branch used on even steps
-    only (find_unused_parameters), within 1e-5 of single-process torch.optim."""
+    only (find_unused_parameters), within FP32_TOL of single-process torch.optim."""
     check_fp32_parity(case_result(world[1], case), case)
 
 
@@ -637,7 +637,7 @@ def check_bitwise_equal(values: list, case: str) -> None:
 
 def test_accumulation_reduces_every_micro_batch_and_matches_torch(world):
     """4 micro-batches, 3 under no_sync: each reduce-scatters and adds into the kept shard (the
-    sum of averages is the average of the sum, not bit for bit: within 1e-5 of torch)."""
+    sum of averages is the average of the sum, not bit for bit: within FP32_TOL of torch)."""
     check_accumulation(*world)
 
 

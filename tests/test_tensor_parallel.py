@@ -27,16 +27,14 @@ from distopt.optim.remainders import bf16_of_fp32
 from distopt.parallel.tensor_parallel import some_shard_is_empty
 
 from dist_harness import case_result, run_cases
-from helpers import error_of, full, max_diff
+from helpers import FP32_TOL, NORM_RTOL, error_of, full, max_diff
 from models import TP_BATCH, TP_DIM, TP_FFN, TP_HEAD_DIM, TP_HEADS, TP_SEQ, Block, batch, tp_plan
 
 # Every case runs on four ranks: the quick loop (-m "not slow") keeps to two.
 pytestmark = pytest.mark.slow
 
 WORLD = 4
-STEPS = 10
-FP32_TOL = 1e-5
-NORM_RTOL = 1e-5
+STEPS = 10  # AdamW: within helpers.FP32_TOL and NORM_RTOL, the drift of its fp32 roundoff
 CLIP = 0.05  # below every step's grad norm here, so every step clips
 
 

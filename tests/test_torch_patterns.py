@@ -24,11 +24,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import distopt
 
 from dist_harness import case_result, run_cases
-from helpers import markov_loss, max_diff, same, snapshot, world_params
+from helpers import FP32_TOL, NORM_RTOL, markov_loss, max_diff, same, snapshot, world_params
 from models import TinyTransformer, markov_batch, mlp
 
-FP32_TOL = 1e-5
-LR = 1e-2
+LR = 1e-2  # AdamW: within helpers.FP32_TOL, the drift of its fp32 roundoff
 CLIP = 0.05  # below the grad norms of the first steps, so clipping acts
 STEPS = 20
 # torch's GradScaler settings, and distopt's DynamicLossScaler with the same rules.
@@ -386,5 +385,6 @@ def test_main_params_have_no_grad_outside_the_step():
 def test_clip_grad_value_and_per_param_norms_as_torch(world, shard_grads):
     for value in case_result(world[1], f"readers-{shard_grads}"):
         assert value["clamped"] > 0  # the bound acts
-        assert value["norm_rtol"] <= 1e-4, value
-        assert value["max_diff"] <= 2 * FP32_TOL, value  # AdamW's roundoff near eps
+        # Each param's grad norm, at weights within FP32_TOL: as the total's.
+        assert value["norm_rtol"] <= NORM_RTOL, value
+        assert value["max_diff"] <= FP32_TOL, value

@@ -5,7 +5,7 @@ Each launcher's two ranks are one shard group of a ("dp_replicate", "dp_shard") 
 down to each point-to-point message gloo sends for them, stays inside its launcher; only the
 replicate all-reduce crosses. The result equals, bit for bit, one group of four ranks on one
 machine on the same mesh (the test harness's pool of four), and single-process torch.optim
-within 1e-5.
+within FP32_TOL.
 """
 
 from __future__ import annotations
