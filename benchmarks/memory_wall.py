@@ -291,14 +291,13 @@ def report(system: str, ranks: list[dict[str, Any]]) -> list[str]:
     if "torch save" in phase_names and "save" in phase_names:
         gib = {name: max(r["phases"][name] for r in ranks) / GiB for name in phase_names}
         secs = {name: max(r["checkpoint_s"][name] for r in ranks) for name in first["checkpoint_s"]}
-        lines.append(
-            f"  torch's road against distopt's (highest rank, GiB; slowest rank, s): "
-            f"get_state_dict + dcp.save {gib['torch save']:.2f} against save {gib['save']:.2f} "
-            f"({gib['torch save'] / gib['save']:.3f}x; {secs['torch save']:.0f} s against "
-            f"{secs['save']:.0f} s), get_state_dict + dcp.load + set_state_dict "
-            f"{gib['torch load']:.2f} against load {gib['load']:.2f} "
-            f"({gib['torch load'] / gib['load']:.3f}x; {secs['torch load']:.0f} s against "
-            f"{secs['load']:.0f} s)")
+        lines.append("  torch's road beside distopt's (the highest rank GiB, the slowest rank s):")
+        lines += [
+            f"    {road} {gib[f'torch {ours}']:.2f} against distopt's {ours} {gib[ours]:.2f}: "
+            f"{gib[f'torch {ours}'] / gib[ours]:.3f}x; {secs[f'torch {ours}']:.0f} s against "
+            f"{secs[ours]:.0f} s"
+            for ours, road in (("save", "get_state_dict + dcp.save"),
+                               ("load", "get_state_dict + dcp.load + set_state_dict"))]
     if "state" in first:
         state, bound = first["state"], first["bound"]
         predicted = first["baseline"] + state["total"] + bound["total"]

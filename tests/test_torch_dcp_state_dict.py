@@ -281,8 +281,67 @@ def writes_into_params(config: str, how: str) -> dict:
     return {"masters": before, "after": after}
 
 
+class _Tied(nn.Module):
+    """A head tied to the embedding: one param under two keys of the state dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid = nn.Embedding(11, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(tokens))))
+
+
+def tied_both_ways() -> dict:
+    """The tied model saved with torch's functions by distopt and resumed by torch DDP, and
+    the reverse, against torch DDP's uninterrupted run."""
+    path = shared_tmpdir("torch-dcp-tied-")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build(kind: str):
+        model = _Tied()
+        if kind == "torch":
+            ddp = nn.parallel.DistributedDataParallel(model)
+            return ddp, torch.optim.AdamW(ddp.parameters(), lr=LR)
+        ddp = distopt.DistributedDataParallel(model)
+        return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
+
+    def train(model, opt, steps: range) -> dict[str, torch.Tensor]:
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, 11, (4 * world, 5), generator=g)[rank::world]
+            opt.zero_grad()
+            logits = model(tokens[:, :-1])
+            nn.functional.cross_entropy(logits.reshape(-1, 11), tokens[:, 1:].reshape(-1)
+                                        ).backward()
+            opt.step()
+        if isinstance(model, distopt.DistributedDataParallel):
+            model.finish_param_sync()
+        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+    straight = train(*build("torch"), range(STEPS))
+    worst = {}
+    for saver, loader in (("distopt", "torch"), ("torch", "distopt")):
+        model, opt = build(saver)
+        train(model, opt, range(SAVED_AT))
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/{saver}")
+        model, opt = build(loader)
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{path}/{saver}")
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        ends = train(model, opt, range(SAVED_AT, STEPS))
+        worst[f"{loader}<-{saver}"] = max((ends[k] - v).abs().max().item()
+                                          for k, v in straight.items())
+    return worst
+
+
 def _options_cases() -> list:
-    return [*[(f"resume-{c}", resumed_through_torch_functions, (c,)) for c in CONFIGS],
+    return [("tied", tied_both_ways, ()),
+            *[(f"resume-{c}", resumed_through_torch_functions, (c,)) for c in CONFIGS],
             *[(f"write-{c}-{w}", writes_into_params, (c, w))
               for c in ("bf16-optim", "bf16-params", "lean") for w in WRITES]]
 
@@ -290,6 +349,12 @@ def _options_cases() -> list:
 @pytest.fixture(scope="module")
 def options_grid():
     return run_cases(2, _options_cases())
+
+
+def test_a_tied_head_moves_to_torch_ddp_and_back(options_grid):
+    for worst in case_result(options_grid, "tied"):
+        for name, diff in worst.items():
+            assert diff <= TOL, (name, diff)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

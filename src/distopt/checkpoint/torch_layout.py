@@ -244,13 +244,13 @@ def load_model(call: torch_dcp.DistoptCall, sd: dict[str, Any]) -> Any:
         error = (f"Error(s) in loading state_dict for {type(ddp.module).__name__}: missing "
                  f"keys {missing[:5]}, unexpected keys {unexpected[:5]} (torch's FQNs; pass "
                  "StateDictOptions(strict=False) to load the keys that match)")
-    names = ddp.param_names
-    trainable = set() if opt is None else {names[p] for p in ddp.params}
+    # By identity, not name: a tied param (a head tied to the embedding) has two keys.
+    trainable = set() if opt is None else {id(p) for p in ddp.params}
     mains, rest = [], {}
     if error is None:
         try:
-            rest = {key: _loadable(sd[fqn], fqn) for fqn, (key, _) in entries.items()
-                    if fqn in sd and key not in trainable}
+            rest = {key: _loadable(sd[fqn], fqn) for fqn, (key, value) in entries.items()
+                    if fqn in sd and id(value) not in trainable}
             for owned in owned_pieces(opt) if opt is not None else ():
                 fqn = torch_fqn(owned.name)
                 if fqn in sd:
