@@ -44,13 +44,16 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _wrapped(kind: str, mode: str, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
-             model: nn.Module | None = None, **ddp_options) -> tuple[nn.Module,
-                                                                    torch.optim.Optimizer]:
+             model: nn.Module | None = None, distopt_options: dict | None = None,
+             **ddp_options) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Torch's DDP or distopt's over ``model`` with ``ddp_options`` (and, for distopt's,
+    ``mode``'s sharding and ``distopt_options``), and ``optimizer`` over it."""
     model = _model() if model is None else model
     if kind == "torch":
         ddp = nn.parallel.DistributedDataParallel(model, **ddp_options)
         return ddp, optimizer(ddp.parameters(), lr=1e-2)
-    ddp = distopt.DistributedDataParallel(model, **MODES[mode], **ddp_options)
+    ddp = distopt.DistributedDataParallel(model, **MODES[mode], **ddp_options,
+                                          **(distopt_options or {}))
     return ddp, distopt.DistributedOptimizer(ddp, optimizer, lr=1e-2)
 
 
@@ -150,15 +153,19 @@ def _state(ddp: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in ddp.state_dict().items()}
 
 
-def clipping_like_torch(mode: str, way: str, optimizer: str = "AdamW") -> dict:
+def clipping_like_torch(mode: str, way: str, optimizer: str = "AdamW",
+                        overlap: bool = True) -> dict:
     """A torch loop of three steps that clips the averaged grads torch's way between backward
     and step, ``foreach`` None, True and False in turn: ``way`` "norm"
     (``clip_grad_norm_``), "inf" (``norm_type=inf``) or "value" (``clip_grad_value_``, then
-    ``get_total_norm``), under torch's DDP and distopt's: what each clip returned, the reads of
-    every ``p.grad`` before and after it, and the difference of the state dicts at the end."""
+    ``get_total_norm``), under torch's DDP and distopt's (``overlap``: its
+    ``overlap_grad_reduce``; off, the first read agrees the norms): what each clip returned,
+    the reads of every ``p.grad`` before and after it, and the difference of the state dicts at
+    the end."""
     runs: dict[str, dict] = {}
     for kind in ("torch", "distopt"):
-        ddp, opt = _wrapped(kind, mode, getattr(torch.optim, optimizer))
+        ddp, opt = _wrapped(kind, mode, getattr(torch.optim, optimizer),
+                            distopt_options={"overlap_grad_reduce": overlap})
         run: dict[str, list] = {"returned": [], "before": [], "after": []}
         for step, foreach in enumerate(FOREACH):
             opt.zero_grad()
@@ -306,6 +313,8 @@ def _cases() -> list:
               for way in CLIP_WAYS for mode in MODES]
     cases += [(f"clip-whole-{mode}", clipping_like_torch, (mode, "norm", "Adafactor"))
               for mode in MODES]
+    cases += [(f"clip-no-overlap-{mode}", clipping_like_torch, (mode, "norm", "AdamW", False))
+              for mode in MODES]
     cases += [(f"one-rank-{mode}", reads_on_one_rank, (mode,)) for mode in MODES]
     cases += [(f"nonfinite-{mode}", nonfinite_like_torch, (mode,)) for mode in MODES]
     cases += [(f"unused-{mode}", unused_like_torch, (mode,)) for mode in MODES]
@@ -404,7 +413,7 @@ def _same_reads(ours: list[dict], theirs: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("way", CLIP_WAYS + ["whole"])
+@pytest.mark.parametrize("way", CLIP_WAYS + ["whole", "no-overlap"])
 def test_torch_clip_functions_on_p_grad_are_torch_ddps(both, way, mode):
     name = f"clip-{way}-{mode}"
     for v in case_result(both, name):
