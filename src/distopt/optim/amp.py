@@ -22,9 +22,10 @@ only, tells it): the optimizer's models then answer ``p.grad`` reads with the gr
 same reciprocal scale, and a clamp bounds the scaled grads by the bound times the scale
 ([Note: p.grad under distopt] in ddp/grad_marker.py). The reduced grads stay scaled in the
 buffers, and the step unscales them as above, after any ``clip_grad_norm_`` scaled them:
-multiplications commute, and a GradScaler's scale is a power of two, so unscaling first or last
-gives the same bits, and fp16 grad buffers never hold unscaled grads that would underflow. The
-step ends the unscaled reads. With ``clip_grad=`` the step clips the unscaled grads itself.
+multiplications commute, and with torch's default factors a GradScaler's scale is a power of
+two, so unscaling first or last gives the same bits (other factors: the same to one rounding),
+and fp16 grad buffers never hold unscaled grads that would underflow. The step ends the
+unscaled reads. With ``clip_grad=`` the step clips the unscaled grads itself.
 
 GradScaler passes itself with a FutureWarning that it will one day set ``grad_scale`` and
 ``found_inf`` attributes instead; the call is the contract of this torch, so distopt silences
