@@ -73,16 +73,21 @@ def test_counted_collectives_per_step(bench):
     # FSDP2 (no reshard after forward): one gather in forward, one reduction in backward.
     assert payload["fsdp2"] == {"all_gather": n_bytes, "reduce_scatter": n_bytes}
     # distopt: one reduce-scatter and one all-gather per bucket over the padded buffer; on
-    # gloo each is d - 1 point-to-point sends of a chunk per rank.
+    # gloo each is d - 1 point-to-point sends of a chunk per rank. And the small all-gather
+    # of what p.grad reads: 2 fp64 numbers per param from each rank ([Note: p.grad under
+    # distopt]).
     dist = results["distopt"]
     buckets = dist["distopt_comm"]["buckets"]
     padded = dist["distopt_comm"]["payload_bytes_per_step"]["reduce_scatter"]
     assert dist["distopt_comm"]["calls_per_step"] == {"reduce_scatter": buckets,
-                                                      "all_gather": buckets}
+                                                      "all_gather": buckets,
+                                                      "all_gather_small": 1}
     assert dist["distopt_comm"]["payload_bytes_per_step"]["all_gather"] == padded
     assert n_bytes <= padded < n_bytes * 1.001
-    assert payload["distopt"] == {"send": 2 * padded * (D - 1) / D}
-    assert dist["calls_per_step"] == {"send": 2 * (D - 1) * buckets}
+    small = dist["distopt_comm"]["payload_bytes_per_step"]["all_gather_small"]
+    assert small % (D * 2 * 8) == 0 and 0 < small < 1e-4 * n_bytes
+    assert payload["distopt"] == {"send": 2 * padded * (D - 1) / D, "all_gather_small": small}
+    assert dist["calls_per_step"] == {"send": 2 * (D - 1) * buckets, "all_gather_small": 1}
     # Reduce-scatter + all-gather = one all-reduce's worth on the wire, as DDP.
     assert dist["wire_bytes_per_step"] == pytest.approx(
         results["ddp"]["wire_bytes_per_step"], rel=1e-3)

@@ -425,8 +425,28 @@ def refused_unused() -> str:
     return "no error"
 
 
+def expert_p_grad_refused() -> dict:
+    """torch's clip_grad_norm_ over an MoE model's params raises on every rank at the first
+    expert's p.grad, naming it (each rank holds other experts under its names), before any
+    collective; a dense param's p.grad answers, and the step goes on."""
+    model, ddp, opt = build(1, dist.get_world_size(), 1)
+    x, y = batch(0)
+    per = BATCH // dist.get_world_size()
+    rank = dist.get_rank()
+    opt.zero_grad()
+    ddp(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])[1].backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    dense = model.blocks[0].attn.c_attn.weight.grad.norm().item()
+    return {"message": message, "dense": dense, "updated": opt.step().updated}
+
+
 def _cases_2() -> list:
     return [
+        ("p-grad-refused", expert_p_grad_refused, ()),
         ("parity-dp1-ep2-top1", parity, (1, 2, 1)),
         ("parity-dp1-ep2-top2", parity, (1, 2, 2)),
         ("parity-dp1-ep2-top1-idle-unused", parity, (1, 2, 1, True)),
@@ -521,6 +541,15 @@ def test_bad_configurations_refused_on_every_rank(grid2, what: str) -> None:
     messages = case_result(grid2, f"refused-{what}")
     assert REFUSALS[what] in messages[0], messages[0]
     assert len(set(messages)) == 1, messages
+
+
+def test_expert_p_grad_refused_by_name_on_every_rank(grid2) -> None:
+    values = case_result(grid2, "p-grad-refused")
+    assert len({v["message"] for v in values}) == 1 and len({v["dense"] for v in values}) == 1
+    for v in values:
+        assert v["message"].startswith("p.grad of parameter 'blocks.0.mlp.experts."), v
+        assert "is an expert's" in v["message"] and "clip_grad=" in v["message"], v
+        assert v["dense"] > 0 and v["updated"]
 
 
 def test_unused_param_refused_on_every_rank_holding_it(grid2) -> None:

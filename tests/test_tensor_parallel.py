@@ -203,6 +203,25 @@ def nan_check_raises_on_every_rank() -> str:
     return "no error"
 
 
+def p_grad_of_dtensors_refused() -> dict:
+    """torch's clip_grad_norm_ over a TP model's params raises on every rank at the first
+    DTensor param's p.grad, naming it, before any collective; a replicated param's p.grad
+    answers (the same on every rank), and the step goes on."""
+    mesh = mesh_2d(2, 2)
+    model, _ = tp_block(mesh)
+    ddp = distopt.DistributedDataParallel(model, device_mesh=mesh)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+    x, y = batch(mesh.get_coordinate()[0])
+    F.mse_loss(ddp(x), y).backward()
+    try:
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    replicated = model.ln2.weight.grad.norm().item()
+    return {"message": message, "replicated": replicated, "updated": opt.step().updated}
+
+
 def errors() -> dict:
     mesh = mesh_2d(2, 2)
     one = DeviceMesh("cpu", torch.arange(WORLD).reshape(WORLD, 1), mesh_dim_names=("a", "b"))
@@ -283,6 +302,7 @@ def _cases() -> list:
     cases.append(("scaler", scaler_skips_inf_on_one_tp_rank, ()))
     cases.append(("nan-check", nan_check_raises_on_every_rank, ()))
     cases.append(("errors", errors, ()))
+    cases.append(("p-grad", p_grad_of_dtensors_refused, ()))
     return cases
 
 
@@ -322,9 +342,9 @@ def test_buffers_hold_local_shards_and_dp_collectives_cover_them(results):
         assert v["local_numel"] <= v["buffer_numel"] < v["local_numel"] + v["buckets"] * 2 * 64
         for calls in v["calls"]:
             # One reduce-scatter and one all-gather per bucket over DP; the grad norm is summed
-            # over DP, then over TP.
+            # over DP, then over TP; what p.grad reads is gathered over DP.
             assert calls == {"reduce_scatter": v["buckets"], "all_gather": v["buckets"],
-                             "all_reduce_small": 2}
+                             "all_reduce_small": 2, "all_gather_small": 1}
         assert v["reduce_groups"] == 2
     for v in case_result(results, "parity-dp2-tp2-basic"):
         for calls in v["calls"]:
@@ -389,3 +409,14 @@ def test_clear_errors_on_every_rank(results, name):
     for v in case_result(results, "errors"):
         assert v[name].startswith("ValueError"), v[name]
         assert ERRORS[name] in v[name], v[name]
+
+
+def test_p_grad_of_dtensor_params_refused_by_name(results):
+    values = case_result(results, "p-grad")
+    assert len({v["message"] for v in values}) == 1
+    for v in values:
+        assert v["message"].startswith("p.grad of parameter '"), v
+        assert "is a tensor-parallel DTensor" in v["message"] and "clip_grad=" in v["message"]
+        assert v["replicated"] > 0 and v["updated"]
+    # A replicated param's reduced grad: the same on the two TP ranks of each DP replica.
+    assert values[0]["replicated"] == values[1]["replicated"]

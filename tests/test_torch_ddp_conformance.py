@@ -12,6 +12,7 @@ inside ``ddp.gathered_params()`` (between uses it is refused, tests/test_torch_d
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -42,13 +43,18 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rank::world], y[rank::world]
 
 
-def _wrapped(kind: str, mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = _model()
+def _wrapped(kind: str, mode: str, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+             model: nn.Module | None = None, distopt_options: dict | None = None,
+             **ddp_options) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Torch's DDP or distopt's over ``model`` with ``ddp_options`` (and, for distopt's,
+    ``mode``'s sharding and ``distopt_options``), and ``optimizer`` over it."""
+    model = _model() if model is None else model
     if kind == "torch":
-        ddp = nn.parallel.DistributedDataParallel(model)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    ddp = distopt.DistributedDataParallel(model, **MODES[mode])
-    return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+        ddp = nn.parallel.DistributedDataParallel(model, **ddp_options)
+        return ddp, optimizer(ddp.parameters(), lr=1e-2)
+    ddp = distopt.DistributedDataParallel(model, **MODES[mode], **ddp_options,
+                                          **(distopt_options or {}))
+    return ddp, distopt.DistributedOptimizer(ddp, optimizer, lr=1e-2)
 
 
 def _train(ddp: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
@@ -149,10 +155,196 @@ def accumulation_by_flag_like_torch(mode: str) -> dict:
             "reductions": reductions, "buckets": buckets}
 
 
+# ---------------------------------------------------------------- p.grad, read torch's way
+
+MAX_NORM = 0.05  # below every step's total grad norm (the tests check it), so clipping acts
+CLIP_VALUE = 0.02  # below the largest grad elements (checked), so clamping acts
+FOREACH = (None, True, False)  # torch's three paths of its clip functions, one per step
+INF = math.inf
+
+
+def _reads(ddp: nn.Module) -> dict[str, tuple[float, float] | None]:
+    """What a torch user reads off each ``p.grad``: None, or its norms of type 2 and inf."""
+    return {name: None if p.grad is None
+            else (p.grad.norm().item(), torch.linalg.vector_norm(p.grad, INF).item())
+            for name, p in ddp.named_parameters()}
+
+
+def _state(ddp: nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(ddp, distopt.DistributedDataParallel):
+        ddp.finish_param_sync()
+    with _readable(ddp):
+        return {k: v.clone() for k, v in ddp.state_dict().items()}
+
+
+def clipping_like_torch(mode: str, way: str, optimizer: str = "AdamW",
+                        overlap: bool = True) -> dict:
+    """A torch loop of three steps that clips the averaged grads torch's way between backward
+    and step, ``foreach`` None, True and False in turn: ``way`` "norm"
+    (``clip_grad_norm_``), "inf" (``norm_type=inf``) or "value" (``clip_grad_value_``, then
+    ``get_total_norm``), under torch's DDP and distopt's (``overlap``: its
+    ``overlap_grad_reduce``; off, the first read agrees the norms): what each clip returned,
+    the reads of every ``p.grad`` before and after it, and the difference of the state dicts at
+    the end."""
+    runs: dict[str, dict] = {}
+    for kind in ("torch", "distopt"):
+        ddp, opt = _wrapped(kind, mode, getattr(torch.optim, optimizer),
+                            distopt_options={"overlap_grad_reduce": overlap})
+        run: dict[str, list] = {"returned": [], "before": [], "after": []}
+        for step, foreach in enumerate(FOREACH):
+            opt.zero_grad()
+            x, y = _batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            run["before"].append(_reads(ddp))
+            if way == "value":
+                nn.utils.clip_grad_value_(ddp.parameters(), CLIP_VALUE, foreach=foreach)
+                total = nn.utils.get_total_norm(
+                    [p.grad for p in ddp.parameters() if p.grad is not None], foreach=foreach)
+            else:
+                total = nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM,
+                                                 norm_type=2.0 if way == "norm" else INF,
+                                                 foreach=foreach)
+            run["returned"].append(total.item())
+            run["after"].append(_reads(ddp))
+            opt.step()
+        run["state"] = _state(ddp)
+        runs[kind] = run
+    state = _largest_difference(runs["torch"].pop("state"), runs["distopt"].pop("state"))
+    return {**runs, "state": state}
+
+
+def reads_on_one_rank(mode: str) -> dict:
+    """Two steps whose p.grad reads run on rank 0 alone (a script logging on its master
+    process), each followed by a collective of every rank: a read that started a collective
+    would meet the other ranks' all-reduce, and the case would hang or fail."""
+    rank = dist.get_rank()
+    runs: dict[str, dict] = {}
+    for kind in ("torch", "distopt"):
+        ddp, opt = _wrapped(kind, mode)
+        reads, signals = [], []
+        for step in range(2):
+            opt.zero_grad()
+            x, y = _batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if rank == 0:
+                reads.append(_reads(ddp))
+            signal = torch.full((5,), float(rank + 1))
+            dist.all_reduce(signal)
+            signals.append(signal.tolist())
+            nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+            opt.step()
+        runs[kind] = {"reads": reads, "signals": signals, "state": _state(ddp)}
+    state = _largest_difference(runs["torch"].pop("state"), runs["distopt"].pop("state"))
+    return {**runs, "state": state}
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[5] = INF
+    return grad
+
+
+def nonfinite_like_torch(mode: str) -> dict:
+    """An inf in one element of one rank's grad: ``clip_grad_norm_(...,
+    error_if_nonfinite=True)`` raises; without the flag it returns torch's norm; after
+    ``zero_grad()`` a clean step trains on as torch's does."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs: dict[str, dict] = {}
+    for kind in ("torch", "distopt"):
+        ddp, opt = _wrapped(kind, mode)
+        opt.zero_grad()
+        handle = ddp.module[0].weight.register_hook(_poison) if rank == world - 1 else None
+        x, y = _batch(0)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if handle is not None:
+            handle.remove()
+        try:
+            nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM, error_if_nonfinite=True)
+            raised = "no error"
+        except RuntimeError as error:
+            raised = str(error)
+        returned = str(nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM).item())
+        _train(ddp, opt, range(1, 2))
+        runs[kind] = {"raised": raised, "returned": returned, "state": _state(ddp)}
+    state = _largest_difference(runs["torch"].pop("state"), runs["distopt"].pop("state"))
+    return {**runs, "state": state}
+
+
+class _Branches(nn.Module):
+    """A trunk every rank uses, a branch only the last rank uses (where every rank must run
+    the same modules, sharded params, a branch whose output is multiplied by 0 elsewhere, so
+    that every rank computes a grad) and a branch no rank uses."""
+
+    def __init__(self, some_ranks: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.some_ranks = some_ranks
+        self.trunk, self.some, self.none = nn.Linear(6, 3), nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = dist.get_rank() == dist.get_world_size() - 1
+        if self.some_ranks:
+            return self.trunk(x) + self.some(x) if last else self.trunk(x)
+        return self.trunk(x) + self.some(x) * float(last)
+
+
+def unused_like_torch(mode: str) -> dict:
+    """``p.grad is None`` with ``find_unused_parameters=True``: None for the branch no rank
+    used, the reduced grad for the one some rank used (on every rank, as torch's DDP gives
+    it); then two clipped steps."""
+    runs: dict[str, dict] = {}
+    for kind in ("torch", "distopt"):
+        model = _Branches(some_ranks=mode != "params")
+        ddp, opt = _wrapped(kind, mode, model=model, find_unused_parameters=True)
+        reads = []
+        for step in range(2):
+            opt.zero_grad()
+            x, y = _batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            reads.append(_reads(ddp))
+            nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+            opt.step()
+        runs[kind] = {"reads": reads, "state": _state(ddp)}
+    state = _largest_difference(runs["torch"].pop("state"), runs["distopt"].pop("state"))
+    return {**runs, "state": state}
+
+
+def whole_reads_refused(mode: str) -> list[str]:
+    """What needs the whole reduced grad is refused on every rank, naming the param; the
+    loop goes on."""
+    ddp, opt = _wrapped("distopt", mode)
+    opt.zero_grad()
+    x, y = _batch(0)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    grad = ddp.module[0].weight.grad
+    messages = []
+    for use in (grad.clone, lambda: grad[0], lambda: grad.abs().max(), lambda: grad.norm(1)):
+        try:
+            use()
+            messages.append("no error")
+        except RuntimeError as error:
+            messages.append(str(error))
+    opt.step()
+    return messages
+
+
+CLIP_WAYS = ["norm", "inf", "value"]
+
+
 def _cases() -> list:
-    return [*[(f"module-{mode}", module_methods_like_torch, (mode,)) for mode in MODES],
-            *[(f"accumulate-{mode}", accumulation_by_flag_like_torch, (mode,))
-              for mode in MODES]]
+    cases = [(f"module-{mode}", module_methods_like_torch, (mode,)) for mode in MODES]
+    cases += [(f"clip-{way}-{mode}", clipping_like_torch, (mode, way))
+              for way in CLIP_WAYS for mode in MODES]
+    cases += [(f"clip-whole-{mode}", clipping_like_torch, (mode, "norm", "Adafactor"))
+              for mode in MODES]
+    cases += [(f"clip-no-overlap-{mode}", clipping_like_torch, (mode, "norm", "AdamW", False))
+              for mode in MODES]
+    cases += [(f"one-rank-{mode}", reads_on_one_rank, (mode,)) for mode in MODES]
+    cases += [(f"nonfinite-{mode}", nonfinite_like_torch, (mode,)) for mode in MODES]
+    cases += [(f"unused-{mode}", unused_like_torch, (mode,)) for mode in MODES]
+    cases += [(f"refused-{mode}", whole_reads_refused, (mode,)) for mode in MODES]
+    cases += [(f"accumulate-{mode}", accumulation_by_flag_like_torch, (mode,)) for mode in MODES]
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +402,99 @@ def test_the_wrapper_shadows_no_attribute_of_nn_module():
     assert nn.Module in distopt.DistributedDataParallel.__mro__
     overridden = {n for n in defined if hasattr(nn.Module, n)}
     assert overridden == {"forward", "zero_grad"}, overridden
+
+
+# The norms of p.grad, against torch DDP's, at the first step (the same weights on both): the
+# same averaged grads but for their last bit (torch all-reduces, distopt reduce-scatters: a sum
+# of d terms rounded in another order, the same at d = 2), whose squares distopt sums per rank's
+# piece, then over the ranks in fp64, where torch sums them over the whole tensor in fp32: each
+# a few roundings of 2**-24 apart, which the square root halves. After clip_grad_norm_ distopt
+# scales the norm by the coefficient where torch takes the norm of the scaled grads: one
+# rounding more. 16 roundings (2**-20) is above what these add up to (2 here) and far below a
+# wrong clip (each coefficient MAX_NORM / norm is below 0.5).
+NORM_RTOL = 2.0**-20
+# At later steps the weights are apart by what the earlier steps rounded (below 1e-7, see
+# TRAJECTORY_TOL), and the grads with them: by less than 1e-5 of these grads, whose norms are
+# above 1e-3, at the curvatures of this small model.
+LATER_RTOL = 1e-5
+
+
+def _close(ours: float, theirs: float, rtol: float) -> bool:
+    return (math.isnan(ours) and math.isnan(theirs)) or ours == theirs or (
+        abs(ours - theirs) <= rtol * abs(theirs))
+
+
+def _same_reads(ours: list[dict], theirs: list[dict]) -> None:
+    """Each step's reads: ``p.grad is None`` alike, the norms within the step's tolerance."""
+    assert len(ours) == len(theirs)
+    for step, (mine, torch_reads) in enumerate(zip(ours, theirs, strict=True)):
+        rtol = NORM_RTOL if step == 0 else LATER_RTOL
+        assert mine.keys() == torch_reads.keys()
+        for name, read in torch_reads.items():
+            assert (mine[name] is None) == (read is None), (step, name)
+            if read is not None:
+                for a, b in zip(mine[name], read, strict=True):
+                    assert _close(a, b, rtol), (step, name, a, b)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("way", CLIP_WAYS + ["whole", "no-overlap"])
+def test_torch_clip_functions_on_p_grad_are_torch_ddps(both, way, mode):
+    name = f"clip-{way}-{mode}"
+    for v in case_result(both, name):
+        theirs, ours = v["torch"], v["distopt"]
+        if way == "value":  # the bound acts: some element above it before, none after
+            assert max(r[1] for r in theirs["before"][0].values()) > CLIP_VALUE
+            assert max(r[1] for step in theirs["after"] for r in step.values()) <= CLIP_VALUE
+        else:  # clipping acts every step
+            assert min(theirs["returned"]) > 2 * MAX_NORM, theirs["returned"]
+        for step, (a, b) in enumerate(zip(ours["returned"], theirs["returned"], strict=True)):
+            assert _close(a, b, NORM_RTOL if step == 0 else LATER_RTOL), (step, a, b)
+        _same_reads(ours["before"], theirs["before"])
+        _same_reads(ours["after"], theirs["after"])
+        assert v["state"] <= TRAJECTORY_TOL, v["state"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_read_on_one_rank_communicates_nothing(both, mode):
+    for rank, v in enumerate(case_result(both, f"one-rank-{mode}")):
+        theirs, ours = v["torch"], v["distopt"]
+        assert len(ours["reads"]) == (2 if rank == 0 else 0)
+        _same_reads(ours["reads"], theirs["reads"])
+        assert ours["signals"] == theirs["signals"]
+        assert v["state"] <= TRAJECTORY_TOL, v["state"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_nonfinite_grad_raises_as_torch_ddps(both, mode):
+    for v in case_result(both, f"nonfinite-{mode}"):
+        theirs, ours = v["torch"], v["distopt"]
+        assert theirs["raised"].startswith("The total norm of order 2.0 for gradients")
+        assert ours["raised"] == theirs["raised"]
+        assert ours["returned"] == theirs["returned"] == "inf"
+        assert v["state"] <= TRAJECTORY_TOL, v["state"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_p_grad_is_none_as_torch_ddps(both, mode):
+    for v in case_result(both, f"unused-{mode}"):
+        theirs, ours = v["torch"], v["distopt"]
+        _same_reads(ours["reads"], theirs["reads"])
+        # The branch no rank used has no grad; the one another rank used has it here too.
+        torch_reads = theirs["reads"][0]
+        assert torch_reads["module.none.weight"] is None
+        assert torch_reads["module.some.weight"] is not None
+        assert v["state"] <= TRAJECTORY_TOL, v["state"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_reads_of_the_whole_grad_are_refused_by_name(both, mode):
+    messages = case_result(both, f"refused-{mode}")
+    assert all(m == messages[0] for m in messages)  # on every rank alike
+    for message in messages[0][:3]:
+        assert message.startswith("p.grad of parameter '0.weight' cannot be used by aten.")
+        assert "clip_grad_norm_" in message and "clip_grad=" in message
+    assert "norm of type 1" in messages[0][3] and "norm_type=2" in messages[0][3]
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -302,7 +302,9 @@ def test_communication_is_one_reduce_scatter_and_one_gather_per_bucket(world):
                 # fp32 params and grads: each collective covers its bucket, nothing more.
                 assert sent["reduce_scatter"] == r["bucket_bytes"]
                 assert sent["all_gather"] == r["bucket_bytes"]
-                assert set(calls) <= {"reduce_scatter", "all_gather", "all_reduce_small"}
+                # and the small ones: the step's norm, what p.grad reads.
+                assert set(calls) <= {"reduce_scatter", "all_gather", "all_reduce_small",
+                                      "all_gather_small"}
 
 
 def test_trajectory_within_the_reference_order_noise(world):

@@ -52,7 +52,8 @@ from .handles import DONE
 from .stats import CommStats, timed
 
 __all__ = [
-    "DONE", "CollectiveError", "CommStats", "all_gather", "all_gather_object", "all_reduce_avg",
+    "DONE", "CollectiveError", "CommStats", "all_gather", "all_gather_object",
+    "all_gather_small", "all_reduce_avg",
     "all_reduce_avg_fp32_accum", "all_reduce_small", "broadcast_coalesced",
     "broadcast_from_first_ranks", "broadcast_object", "failures_named", "group_rank",
     "group_size", "is_gloo", "reduce_scatter_avg", "reduce_scatter_avg_fp32_accum",
@@ -252,6 +253,25 @@ def all_reduce_small(
             with failures_named("all_reduce", f"a control value ({tensor.numel()} elements)"):
                 dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def all_gather_small(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Every rank's small 1-D control tensor (a few statistics per param), stacked in the
+    group's rank order: ``[group size, numel]``, the same on every rank, so that each rank
+    combines them in one order (and a max keeps a nan, which a MAX all-reduce may drop)."""
+    if group_size(group) == 1:
+        return tensor.unsqueeze(0)
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    with failures_named("all_gather", f"a control value ({tensor.numel()} elements)"):
+        dist.all_gather(parts, tensor, group=group)
+    gathered = torch.stack(parts)
+    if stats is not None:
+        stats.record("all_gather_small", gathered, group)
+    return gathered
 
 
 # ---------------------------------------------------------------------- small Python objects

@@ -1,99 +1,366 @@
-"""What ``p.grad`` holds for a param of a distopt model: a marker that refuses to be read.
+"""What ``p.grad`` holds for a param of a distopt model: the reduced grad, as torch scripts read it.
 
 [Note: p.grad under distopt]
 The DDP moves each grad out of ``p.grad`` into its bucket as soon as autograd has accumulated it
 (ddp/wrapper.py), and after the reduce-scatter a rank holds the reduced grad of its own shard only
-(with sharded grads, nothing else): no rank ever holds the full reduced grad that torch's DDP leaves
-in ``p.grad``. A ``p.grad`` of None would let torch's utilities work on nothing, in silence:
-``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` would return 0 and clip nothing. So once
-its grad is moved, a param's ``.grad`` is a ``GradInBuffer``: a tensor of the param's shape, dtype
-and device without storage, whose every operation raises one error that names the param and the
-optimizer's options that do what ``p.grad`` is read for (``clip_grad=``, whose global norm is
-``StepResult.grad_norm``; ``clip_grad_value=``; ``log_grad_norms=``, each param's norm in
-``StepResult.grad_norms``). Every rank runs the
-same user code, so every rank raises at the same call, and none is left waiting in a collective. A
-tensor hook that runs before autograd's accumulation removes the marker, so autograd writes the next
-grad as into an empty ``.grad``.
+(with sharded grads, nothing else): no rank holds the whole reduced grad that torch's DDP leaves
+in ``p.grad``. What torch scripts do with ``p.grad`` needs far less than the whole tensor, so
+once its grad is moved a param's ``.grad`` is a ``GradInBuffer``: a tensor of the param's shape,
+dtype and device without storage, whose operations are answered from the reduced grads:
 
-The marker keeps torch's meaning of ``p.grad``: present means "this param has a grad since the
-last zero". ``opt.zero_grad()`` and ``ddp.zero_grad()`` remove the markers with the step's
-grads. A ``zero_grad()`` of the wrapped module itself clears the markers alone (``p.grad =
-None``, or ``zero_()`` with ``set_to_none=False``, which the marker records): the next backward
-finds them cleared and starts a new step's grads, as ``opt.zero_grad()`` would have. Markers
-cleared for some params and not for others are an error, since distopt zeroes a step's grads
-as a whole.
+* the norms. At the end of the step's grad sync (ddp/grad_sync.py) every rank takes, per param,
+  the fp32 norm (types 2 and inf) of the piece of the reduced grad it holds, and one small
+  all-gather over the data-parallel group gives every rank every rank's pieces, combined in rank
+  order: the sum of the squares and the largest magnitude of each param's reduced grad, the same
+  bits on every rank (``ddp/grad_reads.py``). ``p.grad.norm()``, ``torch.linalg.vector_norm``,
+  ``torch._foreach_norm`` (so ``clip_grad_norm_``, ``get_total_norm``, whatever their
+  ``foreach``) read them and communicate nothing: a read on one rank alone (a script logging on
+  its master process) starts no collective that the other ranks do not join. torch's total norm
+  is then torch's own arithmetic on these norms, so ``error_if_nonfinite`` raises as torch's.
+  Against torch's DDP a norm differs only by the fp32 rounding of the same squares summed in
+  another order (and of an average over the ranks taken by another collective).
+* scaling in place (``mul_``, ``div_``, ``_foreach_mul_`` by a scalar: ``clip_grad_norm_``'s
+  clip) applies torch's own op to the pieces this rank holds, which are the grads the
+  optimizer steps (main grads are views of them, or copies made in the step), and scales the
+  agreed statistics alike: element-wise, so exact, and with no communication.
+* clamping in place (``clamp_``, ``_foreach_clamp_min_``/``max_``: ``clip_grad_value_``) clamps
+  the pieces; which grads the bound changes is known from the agreed largest magnitudes, alike on
+  every rank, and their statistics are agreed again, one small all-gather per call that changes
+  some grad (per param in torch's default loop over the grads, two in all with
+  ``foreach=True``). A clamp, like every write, must run on every rank, as in torch's DDP, where
+  one rank's clipping alone would leave its replica apart.
+* ``p.grad is None``: present means "this param has a grad since the last zero". With
+  ``find_unused_parameters`` the statistics carry each rank's used flags, and a param that some
+  other rank used gets its ``p.grad`` too, as torch's DDP gives it; one that no rank used keeps
+  None.
+
+What needs the whole tensor (``p.grad.clone()``, indexing, ``p.grad.abs().max()``, other norm
+types) raises one error that names the param, what works, and the optimizer's options for the
+rest (``clip_grad=``, ``clip_grad_value=``, ``log_grad_norms=``); so do tensor-parallel DTensor
+params (torch's ``p.grad`` would be a DTensor whose norm is a collective over the mesh), experts
+(each rank holds other experts under the same names, so a norm over ``model.parameters()``
+would differ by rank) and params tied across pipeline stages (the step sums their grads over
+the stages), each by name. A param owned whole by one rank (Muon's and Adafactor's layout)
+answers as any other: its owner's piece is all of it, the others' nothing. Every rank runs the
+same code, so a refusal raises on every rank at the same call, before any collective.
+
+When: the statistics are agreed at the end of every backward outside ``no_sync()`` (the
+reductions are waited for there, as torch's DDP waits at the end of its backward), so a read
+between backward and step finds them. Three backwards leave their reductions to later and agree
+at the step's first read, or at the step, which then must run on every rank: with
+``overlap_grad_reduce=False`` (nothing is launched before the sync's finish), on a pipeline
+stage (``hold_step``: the backward's end must not wait for its reductions) and a backward inside
+another one (reentrant activation checkpointing: the outer backward goes on, and its end has no
+callback of distopt's). Reads are refused, by name, during a backward, after one inside
+``no_sync()`` (torch's DDP leaves this rank's own grads there; distopt's buffers hold them, or
+their reduction, neither torch's), after ``opt.step()`` (whose unscaling and clipping change the
+buffers in place) and after the grads were zeroed. Reads answer the grads as scaled by the
+loss, as torch's do, until ``torch.amp.GradScaler.unscale_(opt)``: then they answer the
+unscaled grads, and scaling and clamping act on them ([Note: torch's GradScaler] in
+optim/amp.py).
+
+Cost: per backward outside ``no_sync()``, two norms (types 2 and inf) of the reduced grads this
+rank holds (a read of 1/d of the grads each) and one all-gather of 2 fp64 numbers per param from
+each rank (3 with ``find_unused_parameters``), always: whether some rank will read ``p.grad``
+cannot be known alike on every rank before the read, and a read must not communicate. The
+reductions are waited for at the backward's end instead of at the step, which runs right after
+it; only a backward outside ``no_sync()`` followed by another (accumulation without
+``no_sync()``) loses the overlap of its last reductions with the next forward, as under torch's
+DDP. None of this runs under ``no_sync()``.
+
+The marker keeps torch's meaning of zeroing: ``opt.zero_grad()`` and ``ddp.zero_grad()`` remove
+the markers with the step's grads. A ``zero_grad()`` of the wrapped module itself clears the
+markers alone (``p.grad = None``, or ``zero_()`` with ``set_to_none=False``, which the marker
+records): the next backward finds them cleared and starts a new step's grads, as
+``opt.zero_grad()`` would have. Markers cleared for some params and not for others are an
+error, since distopt zeroes a step's grads as a whole. A tensor hook that runs before autograd's
+accumulation removes the marker, so autograd writes the next grad as into an empty ``.grad``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-_ALLOWED = {torch.ops.aten.detach_.default}  # nn.Module.zero_grad(set_to_none=False) calls it
+from .grad_reads import NORMS, GradReads
+
+aten = torch.ops.aten
+
+WHAT_WORKS = (
+    "What torch scripts ask of p.grad works: torch.nn.utils.clip_grad_norm_, clip_grad_value_ "
+    f"and get_total_norm, p.grad.norm() and torch.linalg.vector_norm(p.grad) ({NORMS}), "
+    "p.grad is None, and scaling or clamping it in place. For the rest pass the optimizer "
+    "(distopt.DistributedOptimizer or BasicOptimizer) what you read p.grad for: clip_grad= "
+    "(the global norm is opt.step().grad_norm), clip_grad_value=, log_grad_norms=True (each "
+    "param's norm in opt.step().grad_norms). See docs/from-torch-ddp.md"
+)
+
+
+class _Slot:
+    """One param's ``p.grad``, shared by the marker and its aliases (``p.grad.data``)."""
+
+    __slots__ = ("name", "param", "reads", "zeroed")
+
+    def __init__(self, param: nn.Parameter, name: str, reads: GradReads) -> None:
+        self.param = param
+        self.name = name
+        self.reads = reads
+        self.zeroed = False
 
 
 class GradInBuffer(torch.Tensor):
     """``p.grad`` of a param whose grad distopt holds in its buffers; see
     [Note: p.grad under distopt]."""
 
-    param_name: str
-    zeroed: bool
+    slot: _Slot
 
     @staticmethod
-    def __new__(cls, param: nn.Parameter, name: str) -> GradInBuffer:
+    def __new__(cls, param: nn.Parameter, name: str, reads: GradReads,
+                slot: _Slot | None = None) -> GradInBuffer:
         marker = torch.Tensor._make_wrapper_subclass(
             cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
         )
-        marker.param_name = name
-        marker.zeroed = False
+        marker.slot = slot or _Slot(param, name, reads)
         return marker
+
+    @property
+    def param_name(self) -> str:
+        return self.slot.name
+
+    @property
+    def zeroed(self) -> bool:
+        return self.slot.zeroed
+
+    def _alias(self) -> GradInBuffer:
+        return GradInBuffer(self.slot.param, self.slot.name, self.slot.reads, self.slot)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        marker = next(a for a in args if isinstance(a, GradInBuffer))
-        if func is torch.ops.aten.zero_.default:
-            marker.zeroed = True  # the grads were zeroed: the next backward starts a new step
-            return marker
-        if func in _ALLOWED:
-            return marker
-        raise RuntimeError(
-            f"p.grad of parameter '{marker.param_name}' is not readable under distopt (it "
-            f"was used by {func}): distopt moves each gradient into its data-parallel "
-            "buffers as soon as autograd computes it, and after the reduction each rank holds "
-            "the reduced gradient of its own shard only, so no rank has what torch's DDP leaves "
-            "in p.grad. "
-            "Pass the optimizer (distopt.DistributedOptimizer or BasicOptimizer) what you "
-            "read p.grad for: clip_grad=max_norm for torch.nn.utils.clip_grad_norm_ (the "
-            "global norm is opt.step().grad_norm, get_total_norm's), clip_grad_value=v for "
-            "clip_grad_value_, log_grad_norms=True for each param's grad norm "
-            "(opt.step().grad_norms, by name). With torch.amp.GradScaler, scaler.step(opt) "
-            "unscales before clipping. See docs/mixed-precision.md"
-        )
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            raise RuntimeError(_refusal(_markers(args, kwargs)[0], func))
+        return handler(func, *args, **kwargs)
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return (f"GradInBuffer(param='{self.param_name}', shape={tuple(self.shape)}, "
+        return (f"GradInBuffer(param='{self.slot.name}', shape={tuple(self.shape)}, "
                 f"dtype={self.dtype})")
 
     def __deepcopy__(self, memo: Any) -> None:
         return None  # a copy of the model has no grads in distopt's buffers
 
 
+def _markers(args: Any, kwargs: Any) -> list[GradInBuffer]:
+    found = []
+    for value in [*args, *kwargs.values()]:
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, GradInBuffer):
+                found.append(item)
+    return found
+
+
+def _refusal(marker: GradInBuffer, func: Any) -> str:
+    return (
+        f"p.grad of parameter '{marker.slot.name}' cannot be used by {func} under distopt: "
+        "it needs the whole reduced gradient, and each rank holds its own shard of it only "
+        f"(distopt moves each gradient into its data-parallel buffers). {WHAT_WORKS}"
+    )
+
+
+def _readable(markers: list[GradInBuffer]) -> None:
+    for marker in markers:
+        if marker.slot.zeroed:
+            raise RuntimeError(
+                f"p.grad of parameter '{marker.slot.name}' was read after it was zeroed "
+                "(model.zero_grad(set_to_none=False)): the grads start again at the next "
+                "backward; read p.grad after it"
+            )
+
+
+def _by_reads(markers: list[GradInBuffer]) -> dict[GradReads, list[int]]:
+    """Positions of ``markers`` grouped by the model whose buffers hold them."""
+    groups: dict[GradReads, list[int]] = {}
+    for k, marker in enumerate(markers):
+        groups.setdefault(marker.slot.reads, []).append(k)
+    return groups
+
+
+def _only_self(func: Any, marker: Any, *others: Any) -> GradInBuffer:
+    """``marker``, which must be the op's ``self``; refused where a marker is another operand
+    (``x.mul_(p.grad)`` needs the whole tensor)."""
+    if not isinstance(marker, GradInBuffer):
+        raise RuntimeError(_refusal(_markers(others, {})[0], func))
+    for other in others:
+        if _markers([other], {}):
+            raise RuntimeError(_refusal(marker, func))
+    return marker
+
+
+def _scalar(func: Any, marker: GradInBuffer, value: Any) -> Any:
+    """A scalar operand: a number, or a tensor of one element (torch's clip coefficient)."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise RuntimeError(_refusal(marker, func))
+    return value
+
+
+# ---------------------------------------------------------------------- the handlers
+
+
+def _zero(func: Any, marker: GradInBuffer) -> GradInBuffer:
+    marker.slot.zeroed = True  # the grads were zeroed: the next backward starts a new step
+    return marker
+
+
+def _same(func: Any, marker: GradInBuffer, *args: Any) -> GradInBuffer:
+    return marker  # nn.Module.zero_grad(set_to_none=False) detaches in place
+
+
+def _alias(func: Any, marker: GradInBuffer, *args: Any) -> GradInBuffer:
+    if func is aten.view.default:  # what ``p.grad *= c`` ends with: itself, as ``p.grad``
+        if list(args[0]) != list(marker.shape):
+            raise RuntimeError(_refusal(marker, func))
+        return marker
+    return marker._alias()  # p.grad.data, p.grad.detach(): the same grad
+
+
+def _vector_norm(func: Any, marker: GradInBuffer, ord: Any = 2, dim: Any = None,
+                 keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    _only_self(func, marker)
+    if dim is not None and sorted(d % max(marker.dim(), 1) for d in dim) != list(
+            range(marker.dim())):
+        raise RuntimeError(_refusal(marker, func))  # a norm along some dimensions
+    _readable([marker])
+    norm = marker.slot.reads.norms([marker.slot.param], ord, [dtype or marker.dtype])[0]
+    return norm.reshape([1] * marker.dim()) if keepdim else norm
+
+
+def _foreach_norm(func: Any, tensors: list[torch.Tensor], ord: Any = 2,
+                  dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    markers = [t for t in tensors if isinstance(t, GradInBuffer)]
+    _readable(markers)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    plain = [k for k, t in enumerate(tensors) if not isinstance(t, GradInBuffer)]
+    if plain:  # the grads of params outside distopt's buffers (torch's ignore list)
+        for k, norm in zip(plain, func([tensors[k] for k in plain], ord, dtype=dtype),
+                           strict=True):
+            out[k] = norm
+    for reads, positions in _by_reads(markers).items():
+        norms = reads.norms([markers[k].slot.param for k in positions], ord,
+                            [dtype or markers[k].dtype for k in positions])
+        at = [k for k, t in enumerate(tensors) if isinstance(t, GradInBuffer)]
+        for k, norm in zip(positions, norms, strict=True):
+            out[at[k]] = norm
+    return out  # type: ignore[return-value]
+
+
+def _scale(divide: bool) -> Callable[..., Any]:
+    def scale(func: Any, marker: Any, other: Any) -> GradInBuffer:
+        _only_self(func, marker, other)
+        _readable([marker])
+        marker.slot.reads.scale_([marker.slot.param], _scalar(func, marker, other),
+                                 divide=divide)
+        return marker
+
+    return scale
+
+
+def _foreach_scale(divide: bool) -> Callable[..., Any]:
+    def scale(func: Any, tensors: list[torch.Tensor], other: Any) -> None:
+        markers = [t for t in tensors if isinstance(t, GradInBuffer)]
+        _readable(markers)
+        per_tensor = isinstance(other, (list, tuple))
+        if isinstance(other, torch.Tensor) or not per_tensor:
+            for marker in markers:
+                _scalar(func, marker, other)
+        plain = [k for k, t in enumerate(tensors) if not isinstance(t, GradInBuffer)]
+        if plain:
+            func([tensors[k] for k in plain], [other[k] for k in plain] if per_tensor else other)
+        at = [k for k, t in enumerate(tensors) if isinstance(t, GradInBuffer)]
+        for reads, positions in _by_reads(markers).items():
+            if per_tensor:
+                for k in positions:
+                    reads.scale_([markers[k].slot.param], other[at[k]], divide=divide)
+            else:
+                reads.scale_([markers[k].slot.param for k in positions], other,
+                             divide=divide)
+
+    return scale
+
+
+def _clamp(func: Any, marker: Any, min: Any = None, max: Any = None) -> GradInBuffer:
+    _only_self(func, marker, min, max)
+    if func is aten.clamp_max_.default:  # clamp_max_(self, max): the one bound is the max
+        min, max = None, min
+    _readable([marker])
+    marker.slot.reads.clamp_([marker.slot.param], _bound(func, marker, min),
+                             _bound(func, marker, max))
+    return marker
+
+
+def _bound(func: Any, marker: GradInBuffer, value: Any) -> float | None:
+    value = _scalar(func, marker, value)
+    return None if value is None else float(value)
+
+
+def _foreach_clamp(low: bool) -> Callable[..., Any]:
+    def clamp(func: Any, tensors: list[torch.Tensor], bound: Any) -> None:
+        markers = [t for t in tensors if isinstance(t, GradInBuffer)]
+        _readable(markers)
+        plain = [t for t in tensors if not isinstance(t, GradInBuffer)]
+        if plain:
+            func(plain, bound)
+        for reads, positions in _by_reads(markers).items():
+            value = _bound(func, markers[positions[0]], bound)
+            reads.clamp_([markers[k].slot.param for k in positions],
+                         value if low else None, None if low else value)
+
+    return clamp
+
+
+_HANDLERS: dict[Any, Callable[..., Any]] = {
+    aten.zero_.default: _zero,
+    aten.detach_.default: _same,
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.view.default: _alias,
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
+    aten.mul_.Tensor: _scale(divide=False),
+    aten.mul_.Scalar: _scale(divide=False),
+    aten.div_.Tensor: _scale(divide=True),
+    aten.div_.Scalar: _scale(divide=True),
+    aten._foreach_mul_.Scalar: _foreach_scale(divide=False),
+    aten._foreach_mul_.Tensor: _foreach_scale(divide=False),
+    aten._foreach_mul_.ScalarList: _foreach_scale(divide=False),
+    aten._foreach_div_.Scalar: _foreach_scale(divide=True),
+    aten._foreach_div_.Tensor: _foreach_scale(divide=True),
+    aten._foreach_div_.ScalarList: _foreach_scale(divide=True),
+    aten.clamp_.default: _clamp,
+    aten.clamp_min_.default: _clamp,
+    aten.clamp_max_.default: _clamp,
+    aten._foreach_clamp_min_.Scalar: _foreach_clamp(low=True),
+    aten._foreach_clamp_max_.Scalar: _foreach_clamp(low=False),
+}
+
+
 class GradMarkers:
     """Each param's marker, and which params hold theirs now (those with a grad in the buffers
     since the last zero)."""
 
-    def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str]) -> None:
-        self._markers = {p: GradInBuffer(p, names[p]) for p in params}
+    def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str],
+                 reads: GradReads) -> None:
+        self._markers = {p: GradInBuffer(p, names[p], reads) for p in params}
         self._names = names
         self._marked: set[nn.Parameter] = set()
 
     def mark(self, param: nn.Parameter) -> None:
         """``param``'s grad is in the buffers now."""
         marker = self._markers[param]
-        marker.zeroed = False
+        marker.slot.zeroed = False
         param.grad = marker
         self._marked.add(param)
 

@@ -73,7 +73,7 @@ and leave those out of the step; a param used on some ranks only is stepped on t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -87,8 +87,21 @@ from ..parallel.process_groups import ParallelGroups
 from .bucket import Bucket
 from .grad_marker import GradInBuffer, GradMarkers
 from .grad_pool import GradPool
+from .grad_reads import GradReads
 from .nan_check import raise_on_nonfinite_grad
 from .state import SYNC_TRANSITIONS, SyncState, advance
+
+# Why p.grad cannot be read now; see [Note: p.grad under distopt] in ddp/grad_marker.py.
+DURING_BACKWARD = (
+    "during a backward pass: distopt moves each grad into its buffers and reduces it there; "
+    "read p.grad after backward() returns"
+)
+AFTER_NO_SYNC = (
+    "after a backward inside no_sync(): torch's DDP leaves this rank's own unreduced grads "
+    "there, and distopt holds them in its buffers (with sharded grads, reduced already), so "
+    "neither is torch's p.grad; read it after the step's last backward, outside no_sync()"
+)
+AFTER_ZERO = "after the grads were zeroed, before any backward"
 
 
 class GradSync:
@@ -106,7 +119,12 @@ class GradSync:
         dtensor_params: frozenset[nn.Parameter],
         *,
         experts: ExpertParams | None = None,
+        refused_reads: Mapping[nn.Parameter, str] | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``refused_reads``: params whose ``p.grad`` answers nothing, each with why;
+        ``device``: where the grads are (a meta-device model's target). See [Note: p.grad
+        under distopt] in ddp/grad_marker.py."""
         self.buckets = buckets  # in launch order
         self.bucket_of = {p: b for b in buckets for p in b.params}
         self.params = params  # registration order
@@ -118,7 +136,13 @@ class GradSync:
         self.stats = stats
         self.dtensor_params = dtensor_params
         self.experts = experts
-        self.markers = GradMarkers(params, param_names)
+        # Each rank's pieces of the reduced grads span the group they are reduce-scattered
+        # over; all-reduced, every rank holds them whole.
+        self.reads = GradReads(
+            buckets, params, param_names,
+            parallel.dp_group if options.grad_policy.reduce_scatter else None, stats,
+            refused_reads or {}, device or params[0].device)
+        self.markers = GradMarkers(params, param_names, self.reads)
         # How errors name the model: "the DDP of <its module's class>" (a GAN has two).
         self.model_name = "the distopt DDP"
         self.state = SyncState.IDLE
@@ -140,6 +164,10 @@ class GradSync:
 
     def _advance(self, new: SyncState) -> None:
         self.state = advance(self.state, new, SYNC_TRANSITIONS, "the grad sync")
+
+    def rebuild_markers(self) -> None:
+        """New markers from the params as they are now (a meta-device model, materialized)."""
+        self.markers = GradMarkers(self.params, self.param_names, self.reads)
 
     # ------------------------------------------------------------------ backward
 
@@ -165,6 +193,7 @@ class GradSync:
             self._next_launch = self._next_replica = 0
         self._launches = self.sync_enabled or (self.policy.reduces_every_backward
                                                and not self.hold_step)
+        self.reads.invalidate(DURING_BACKWARD)
         self._advance(SyncState.BACKWARD)
         if on_engine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -270,6 +299,8 @@ class GradSync:
 
     def _end_backward(self) -> None:
         self._advance(SyncState.ACCUMULATED)
+        if not self.sync_enabled:
+            self.reads.why = AFTER_NO_SYNC
         if self.holding:  # the grads stay in their buffers, the params gathered
             return
         for bucket in self.buckets:  # sharded params: nothing gathered after a backward
@@ -281,6 +312,49 @@ class GradSync:
             for bucket in self.buckets:
                 bucket.expect_every_grad()
             self._next_launch = self._next_replica = 0
+        if self.sync_enabled:
+            # What p.grad reads, agreed at the end of the backward on every rank alike, or at
+            # the first read or the step; see [Note: p.grad under distopt] in
+            # ddp/grad_marker.py.
+            if self._completes_at_end():
+                self._complete()
+            else:
+                self.reads.complete = self._complete
+
+    def _completes_at_end(self) -> bool:
+        """Whether this backward's end waits for its reductions: not with overlap off (nothing
+        is launched before the sync's finish), on a pipeline stage (whose backward's end must
+        not wait for its reductions) or for a backward inside another one (reentrant activation
+        checkpointing: the outer one goes on)."""
+        return (self.options.overlap_grad_reduce and not self.hold_step
+                and torch._C._current_autograd_node() is None)
+
+    def _complete(self) -> None:
+        """Launch every bucket left, wait for every reduction, and agree on what ``p.grad``
+        reads; on every rank alike."""
+        if not self.policy.reduces_every_backward:  # sharded grads launched all at the end
+            self._launch_rest()
+        self._wait_reductions()
+        self._agree_reads()
+        self._next_launch = self._next_replica = 0  # the next backward launches from the first
+
+    def _wait_reductions(self) -> None:
+        for bucket in self.buckets:
+            bucket.wait_reduction()
+        # Micro-batches reduced under no_sync only: their second stage, once, now.
+        for bucket in self.buckets:
+            bucket.replicate_if_needed()
+            bucket.wait_reduction()
+
+    def _agree_reads(self) -> None:
+        # With find_unused_parameters a param some rank used gets its p.grad, as torch's
+        # DDP gives it.
+        track = self.options.find_unused_parameters
+        anywhere = self.reads.agree(self._used if track else None)
+        if anywhere is not None:
+            for param, used in zip(self.params, anywhere, strict=True):
+                if used and param not in self.reads.refused:
+                    self.markers.mark(param)
 
     def _launch_rest(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -313,12 +387,9 @@ class GradSync:
         # got no backward this step are left.
         if not (self.policy.reduces_every_backward and self.state is SyncState.ACCUMULATED):
             self._launch_rest()
-        for bucket in self.buckets:
-            bucket.wait_reduction()
-        # Micro-batches reduced under no_sync only: their second stage, once, now.
-        for bucket in self.buckets:
-            bucket.replicate_if_needed()
-            bucket.wait_reduction()
+        self._wait_reductions()
+        if self.state is SyncState.ACCUMULATED and not self.reads.valid:
+            self._agree_reads()  # the step's last backward was under no_sync, or held
         self._release_grad_pools()
         unused: frozenset[nn.Parameter] = frozenset()
         unused_here: list[nn.Parameter] = []
@@ -361,11 +432,14 @@ class GradSync:
         self._grad_divisor *= divisor
         if self.state is SyncState.SYNCED:
             self._apply_divisor()
+        else:  # p.grad reads it into what they answer until then
+            self.reads.divisor = self._grad_divisor
 
     def _apply_divisor(self) -> None:
         if self._grad_divisor != 1.0:
             for bucket in self.buckets:
                 bucket.owned_grad.div_(self._grad_divisor)
+            self.reads.divided(self._grad_divisor)
         self._grad_divisor = 1.0
 
     def _used_anywhere(self) -> list[int]:
@@ -388,6 +462,7 @@ class GradSync:
         for bucket in self.buckets:
             bucket.forget_grads()
         self.markers.clear()
+        self.reads.reset(AFTER_ZERO)
         self._next_launch = self._next_replica = 0
         self._used = bytearray(len(self.params))
         self.unused_params = frozenset()
@@ -407,5 +482,6 @@ class GradSync:
             bucket.forget_grads()
             bucket.wait_gather()
         self.markers.clear()
+        self.reads.reset("after its DDP was released")
         self._release_grad_pools()
         self._advance(SyncState.RELEASED)

@@ -41,8 +41,8 @@ from .gather_units import (
     unit_bucket_size,
     unit_index_of,
 )
-from .grad_marker import GradMarkers
 from .grad_pool import GradPool, grad_pools_for
+from .grad_reads import GradReads
 from .grad_sync import GradSync
 from .materialize import check_materializable, has_meta_tensors, materialize_shards, target_device
 from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
@@ -326,7 +326,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self._lay_out(whole_costs)
         if meta:  # one module at a time into this rank's shards
             materialize_shards(module, self._flat_buffers, self.parallel, self._target_device)
-            self._grad_sync.markers = GradMarkers(self.params, self.param_names)  # on device
+            self._grad_sync.rebuild_markers()  # on device
         # After materializing: the registry's weak references would forbid swapping tensors.
         param_owners.claim(self.params, self)
         torch_dcp.install(DistributedDataParallel)  # [Note: torch's DCP state dicts]
@@ -403,7 +403,8 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self._buffer_of = {p: buf for buf in self._flat_buffers for p in buf.params}
         self._grad_sync = GradSync(buckets, self.params, self.param_names, self.options,
                                    self.parallel, self.grad_pools, self.comm_stats,
-                                   self._dtensor_params, experts=self.experts)
+                                   self._dtensor_params, experts=self.experts,
+                                   refused_reads=self._refused_reads(), device=self._device)
         self._grad_sync.model_name = f"the distopt DDP of {type(self.module).__name__}"
         for hook in self._param_wait_hooks:
             hook.remove()
@@ -418,6 +419,22 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                 reshard_after_forward=self.options.reshard_after_forward,
                 holding=lambda: self._grad_sync.hold_step)
         self._grad_sync.hold_step = self._hold_step
+
+    def _refused_reads(self) -> dict[nn.Parameter, str]:
+        """The params whose ``p.grad`` answers nothing, each with why; see [Note: p.grad
+        under distopt] in ddp/grad_marker.py."""
+        use = ("; pass the optimizer clip_grad= (one norm over every rank, "
+               "opt.step().grad_norm) or clip_grad_value= instead")
+        refused = {p: ("is a tensor-parallel DTensor: torch's p.grad would be a DTensor, whose "
+                       f"norm is a collective over the TP mesh, and distopt makes none{use}")
+                   for p in self._dtensor_params}
+        if self.experts is not None:
+            refused.update({p: ("is an expert's: the ranks hold other experts under the same "
+                                "names, so a norm over model.parameters() would differ by "
+                                f"rank{use}") for p in self.experts.params})
+        refused.update({p: ("is tied to a weight of another pipeline stage: the step sums its "
+                            f"grad over the stages{use}") for p in self.tied_params})
+        return refused
 
     def _buffer_groups(self, expert: bool) -> dict[str, Any]:
         """The group a buffer's buckets reduce and gather over, this rank's place in it, and
@@ -551,6 +568,13 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
     def whole_tensor_costs(self) -> dict[nn.Parameter, float]:
         """The params owned whole by one rank, with the cost their owners balance."""
         return dict(self._whole_tensor_costs)
+
+    @property
+    def grad_reads(self) -> GradReads:
+        """What ``p.grad`` of this model's params answers between backward and step: the
+        reduced grads' norms, agreed over the ranks, and their scaling and clamping in place;
+        see [Note: p.grad under distopt] in ddp/grad_marker.py."""
+        return self._grad_sync.reads
 
     @property
     def sync_state(self) -> SyncState:

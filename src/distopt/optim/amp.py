@@ -13,12 +13,19 @@ grows the scale by torch's own rule, alike on every rank. GradScaler's own check
 this: each rank would see only the grads of its own shard, so the rank whose shard held the inf
 would halve its scale and skip, and the others would step.
 
-``scaler.unscale_(opt)`` before the step (torch's pattern for clipping between unscale and
-step) finds no grads: a main param has a ``.grad`` only while a step runs, since the reduced
-grads do not exist before (optim/main_params.py). The step then unscales as above. Clip with
-``clip_grad=``, which acts on the unscaled grads inside the step; torch's
-``clip_grad_norm_(model.parameters())`` raises instead ([Note: p.grad under distopt] in
-ddp/grad_marker.py).
+``scaler.unscale_(opt)`` before the step is torch's recipe for clipping between unscale and
+step: ``scaler.unscale_(opt)``, ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)``,
+``scaler.step(opt)``. GradScaler's own unscale finds no grads (a main param has a ``.grad`` only
+while a step runs, optim/main_params.py), so distopt wraps ``GradScaler.unscale_`` (once, when
+a distopt optimizer is built; a wrapper that calls torch's and then, for a distopt optimizer
+only, tells it): the optimizer's models then answer ``p.grad`` reads with the grads times the
+same reciprocal scale, and a clamp bounds the scaled grads by the bound times the scale
+([Note: p.grad under distopt] in ddp/grad_marker.py). The reduced grads stay scaled in the
+buffers, and the step unscales them as above, after any ``clip_grad_norm_`` scaled them:
+multiplications commute, and with torch's default factors a GradScaler's scale is a power of
+two, so unscaling first or last gives the same bits (other factors: the same to one rounding),
+and fp16 grad buffers never hold unscaled grads that would underflow. The step ends the
+unscaled reads. With ``clip_grad=`` the step clips the unscaled grads itself.
 
 GradScaler passes itself with a FutureWarning that it will one day set ``grad_scale`` and
 ``found_inf`` attributes instead; the call is the contract of this torch, so distopt silences
@@ -28,11 +35,19 @@ own verdict: distopt refuses such a step rather than take it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
+
+AFTER_STEP = (
+    "after optimizer.step(): the step unscales and clips the reduced grads in distopt's buffers "
+    "in place, so they are no longer the grads torch's p.grad would hold; read p.grad between "
+    "the step's last backward and the step, as torch's clip_grad_norm_ does (with clip_grad= "
+    "the global norm is opt.step().grad_norm)"
+)
 
 warnings.filterwarnings(
     "ignore", message="GradScaler is going to stop passing itself", category=FutureWarning
@@ -76,3 +91,21 @@ def refuse_attribute_protocol() -> None:
         "(grad_scale/found_inf attributes), so its scale would follow each rank's own inf "
         f"check: pin the torch version distopt supports, {USE_DISTOPT_SCALER}"
     )
+
+
+def hand_unscale_to(optimizer_class: type) -> None:
+    """Have ``torch.amp.GradScaler.unscale_(opt)`` tell an ``optimizer_class`` (its
+    ``_unscaled_by(scaler)``) once torch's own unscale is done (idempotent); see
+    [Note: torch's GradScaler]."""
+    original = torch.amp.GradScaler.unscale_
+    if getattr(original, "_distopt_hands_unscale", False):
+        return
+
+    @functools.wraps(original)
+    def unscale_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        original(self, optimizer)
+        if self.is_enabled() and isinstance(optimizer, optimizer_class):
+            optimizer._unscaled_by(self)  # type: ignore[attr-defined]
+
+    unscale_._distopt_hands_unscale = True  # type: ignore[attr-defined]
+    torch.amp.GradScaler.unscale_ = unscale_  # type: ignore[method-assign]

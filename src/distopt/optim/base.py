@@ -28,7 +28,8 @@ from ..layout.elementwise import ShardPiece
 from ..options import StepOptions
 from ..parallel.process_groups import ParallelGroups, common_groups
 from ..parallel.tensor_parallel import counted_grads
-from .amp import TorchGradScaler, refuse_attribute_protocol
+from . import grad_stats
+from .amp import AFTER_STEP, TorchGradScaler, hand_unscale_to, refuse_attribute_protocol
 from .kinds import check_optimizer_cls
 from .loss_scalers import ConstantLossScaler, DynamicLossScaler, LossScaler
 from .main_params import ShardMainParams
@@ -76,6 +77,7 @@ class BufferOptimizer(torch.optim.Optimizer):
             self._construct(models, optimizer_cls, params, options, loss_scaler,
                             model_parallel_group, optimizer_kwargs)
         torch_dcp.register_optimizer(self)  # [Note: torch's DCP state dicts] in ddp/torch_dcp.py
+        hand_unscale_to(BufferOptimizer)  # [Note: torch's GradScaler]
         # After the agreement, so that every stage reaches its collectives; see
         # [Note: tied stage params] in optim/tied.py.
         self._tied = tied_grads(self.models, pp_group) if pp_group is not None else None
@@ -321,7 +323,11 @@ class BufferOptimizer(torch.optim.Optimizer):
             self._tied.sum_(self.models[0].comm_stats)
         unused = {main for model in self.models for param in model.unused_params
                   for main in self._mains_of.get(param, ())}
-        result = self._pipeline.run(loss_scaler, unused)
+        try:
+            result = self._pipeline.run(loss_scaler, unused)
+        finally:
+            for model in self.models:  # see [Note: p.grad under distopt] in ddp/grad_marker.py
+                model.grad_reads.reset(AFTER_STEP)
         if result.updated and not self._first_step_done:
             # The state was just created between the step's temporaries; see
             # [Note: stranded host memory] in host_memory.py.
@@ -332,6 +338,14 @@ class BufferOptimizer(torch.optim.Optimizer):
         for owned in self._owned:
             owned.note_params_written()
         return result
+
+    def _unscaled_by(self, grad_scaler: torch.amp.GradScaler) -> None:
+        """``grad_scaler.unscale_(self)`` ran: from now until the step, ``p.grad`` of the
+        models' params reads the unscaled grads ([Note: torch's GradScaler] in optim/amp.py).
+        """
+        inverse = float(grad_stats.inverse_scale(1.0 / grad_scaler.get_scale(), self._device))
+        for model in self.models:
+            model.grad_reads.unscale = inverse
 
     def _loss_scaler_for(self, grad_scaler: torch.amp.GradScaler | None) -> Any:
         # Checked on every rank before the grad sync's collectives.

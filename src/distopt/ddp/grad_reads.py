@@ -1,0 +1,214 @@
+"""What a read of ``p.grad`` answers under distopt: the norms of the reduced grad, agreed over
+the ranks at the end of the grad sync, and its scaling and clamping in place, on the shards the
+optimizer steps. Why and when: [Note: p.grad under distopt] in ddp/grad_marker.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import collectives as comm
+from .bucket import Bucket
+
+NORMS = "norm types 2 and inf"
+
+
+class GradReads:
+    """Per param, the sum of the squares and the largest magnitude of its reduced grad over
+    every rank of ``group``, agreed by ``agree`` (the same numbers on every rank), and this
+    rank's piece of it: a view of the reduced grads that the optimizer steps, which ``scale_``
+    and ``clamp_`` change in place. ``refused``: params whose ``p.grad`` answers nothing, each
+    with why."""
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        params: list[nn.Parameter],
+        names: Mapping[nn.Parameter, str],
+        group: dist.ProcessGroup | None,
+        stats: comm.CommStats | None,
+        refused: Mapping[nn.Parameter, str],
+        device: torch.device,
+    ) -> None:
+        self.params = params
+        self.names = names
+        self.group = group
+        self.stats = stats
+        self.refused = dict(refused)
+        self.device = device
+        self._index = {p: i for i, p in enumerate(params)}
+        # A param lies in one bucket, so this rank holds at most one piece of it.
+        self._piece: dict[int, torch.Tensor] = {}
+        for bucket in buckets:
+            owned, grad = bucket.owned_range, bucket.owned_grad
+            for param, slot in zip(bucket.params, bucket.param_ranges, strict=True):
+                part = slot.intersect(owned)
+                if part is not None and param not in self.refused:
+                    self._piece[self._index[param]] = grad[part.start - owned.start:
+                                                           part.end - owned.start]
+        self._squares: torch.Tensor | None = None  # [params] fp64, summed over the ranks
+        self._largest: torch.Tensor | None = None  # [params] fp64, the max over the ranks
+        # Reads answer the pieces times unscale / divisor: torch.amp.GradScaler.unscale_'s
+        # reciprocal scale, and a divisor (ddp.divide_grads) the sync applies at its finish.
+        self.unscale = 1.0
+        self.divisor = 1.0
+        self.why = "before any backward"  # why nothing can be read now
+        # Set while the reductions are left to finish at the first read (a pipeline stage).
+        self.complete: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ the statistics
+
+    @property
+    def valid(self) -> bool:
+        return self._squares is not None
+
+    def agree(self, used: bytearray | None = None) -> list[bool] | None:
+        """After the grad sync, on every rank of the group: every param's statistics, in one
+        small all-gather; with ``used`` (this rank's flags, by param), also which params some
+        rank computed a grad for."""
+        n = len(self.params)
+        self._squares = torch.zeros(n, dtype=torch.float64, device=self.device)
+        self._largest = torch.zeros(n, dtype=torch.float64, device=self.device)
+        self.complete = None
+        anywhere = self._agree(list(range(n)), used)
+        return None if anywhere is None else [bool(u) for u in anywhere.tolist()]
+
+    def _agree(self, indices: list[int], used: bytearray | None = None) -> torch.Tensor | None:
+        rows = 2 if used is None else 3
+        local = torch.zeros(rows, len(indices), dtype=torch.float64, device=self.device)
+        slots, pieces = [], []
+        for j, i in enumerate(indices):
+            piece = self._piece.get(i)
+            if piece is not None:
+                slots.append(j)
+                pieces.append(piece)
+        if pieces:
+            where = torch.tensor(slots, device=self.device)
+            # Each piece's norms in fp32 whatever the grads' dtype, squared in fp64: what is
+            # summed over the ranks carries one fp32 rounding per piece.
+            local[0, where] = torch.stack(
+                torch._foreach_norm(pieces, 2, dtype=torch.float32)).double().square()
+            local[1, where] = torch.stack(
+                torch._foreach_norm(pieces, math.inf, dtype=torch.float32)).double()
+        if used is not None:
+            local[2] = torch.tensor([float(used[i]) for i in indices], dtype=torch.float64,
+                                    device=self.device)
+        every = comm.all_gather_small(local.view(-1), self.group, self.stats)
+        every = every.view(-1, rows, len(indices))
+        where = torch.tensor(indices, dtype=torch.long, device=self.device)
+        # In rank order on every rank, so every rank holds the same bits; amax keeps a nan.
+        self._squares[where] = every[:, 0].sum(0)
+        self._largest[where] = every[:, 1].amax(0)
+        return every[:, 2].amax(0) if used is not None else None
+
+    def invalidate(self, why: str) -> None:
+        """The grads change (a backward): nothing is read until they are agreed again."""
+        self._squares = self._largest = None
+        self.complete = None
+        self.why = why
+
+    def reset(self, why: str) -> None:
+        """A new step, or after the optimizer's: no unscale or divisor pending either."""
+        self.invalidate(why)
+        self.unscale = self.divisor = 1.0
+
+    def divided(self, divisor: float) -> None:
+        """The pending divisor was applied to the pieces: the statistics follow."""
+        if self._squares is not None:
+            self._squares.div_(divisor * divisor)
+            self._largest.div_(divisor)
+        self.divisor = 1.0
+
+    @property
+    def multiplier(self) -> float:
+        """What the reads multiply the pieces by."""
+        return abs(self.unscale) / self.divisor
+
+    # ------------------------------------------------------------------ reads and writes
+
+    def _readable(self, param: nn.Parameter) -> int:
+        if param in self.refused:
+            raise RuntimeError(f"p.grad of parameter '{self.names[param]}' "
+                               f"{self.refused[param]}")
+        if self._squares is None and self.complete is not None:
+            self.complete()
+        if self._squares is None:
+            raise RuntimeError(f"p.grad of parameter '{self.names[param]}' was read "
+                               f"{self.why}")
+        return self._index[param]
+
+    def norms(self, params: Sequence[nn.Parameter], ord: Any,
+              dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+        """``torch.linalg.vector_norm(p.grad, ord)`` of each param, in ``dtypes``, from the
+        agreed statistics: no communication."""
+        indices = [self._readable(p) for p in params]
+        where = torch.tensor(indices, dtype=torch.long, device=self.device)
+        ord = float(ord)
+        if ord == 2:
+            values = self._squares[where].sqrt()
+        elif ord == math.inf:
+            values = self._largest[where].clone()
+        else:
+            raise RuntimeError(
+                f"the norm of type {ord:g} of p.grad of parameter '{self.names[params[0]]}': "
+                f"distopt keeps the {NORMS} of each reduced gradient (its shards lie on every "
+                "rank), no other; use norm_type=2 or float('inf')"
+            )
+        values.mul_(self.multiplier)
+        out: list[torch.Tensor | None] = [None] * len(indices)
+        for dtype in dict.fromkeys(dtypes):
+            cast = values.to(dtype).unbind()
+            for k, d in enumerate(dtypes):
+                if d == dtype:
+                    out[k] = cast[k]
+        return out  # type: ignore[return-value]
+
+    def scale_(self, params: Sequence[nn.Parameter], factor: Any, *, divide: bool) -> None:
+        """Multiply (or divide) each param's grad by one scalar, in place: this rank's pieces
+        with torch's own op, the agreed statistics with it."""
+        indices = [self._readable(p) for p in params]
+        for i in indices:
+            piece = self._piece.get(i)
+            if piece is not None:
+                (piece.div_ if divide else piece.mul_)(factor)
+        by = torch.as_tensor(factor, dtype=torch.float64, device=self.device).reshape(())
+        if divide:
+            by = 1.0 / by
+        # A param listed twice is scaled twice, as torch's loop scales it.
+        times = torch.bincount(torch.tensor(indices, dtype=torch.long, device=self.device),
+                               minlength=len(self.params)).double()
+        self._squares.mul_((by * by).pow(times))
+        self._largest.mul_(by.abs().pow(times))
+
+    def clamp_(self, params: Sequence[nn.Parameter], low: float | None,
+               high: float | None) -> None:
+        """Clamp each param's grad to ``[low, high]`` in place. Which grads the bound changes
+        is known from the agreed largest magnitudes, alike on every rank; their statistics
+        are agreed again (one small all-gather), the others' stand."""
+        indices = [self._readable(p) for p in params]
+        multiplier = self.multiplier
+        largest = self._largest[torch.tensor(indices, dtype=torch.long,
+                                             device=self.device)] * multiplier
+        acts = largest.isnan()
+        if low is not None:
+            acts |= -largest < low
+        if high is not None:
+            acts |= largest > high
+        acting = list(dict.fromkeys(i for i, a in zip(indices, acts.tolist(), strict=True) if a))
+        if not acting:
+            return
+        # The pieces hold the grads over the multiplier (a GradScaler's scale, a power of two;
+        # a pending divisor): the bound scales alike.
+        low = None if low is None else low / multiplier
+        high = None if high is None else high / multiplier
+        for i in acting:
+            piece = self._piece.get(i)
+            if piece is not None:
+                piece.clamp_(min=low, max=high)
+        self._agree(acting)
