@@ -364,12 +364,14 @@ def both(request):
     return request.getfixturevalue({2: "two", 3: "three"}[request.param])
 
 
-# Two AdamW steps at lr 1e-2 from the same weights and grads averaged over the same rows: torch
-# all-reduces each grad and distopt reduce-scatters the bucket, so an average may round
-# differently (one fp32 rounding of a sum of d terms), and AdamW's update of size lr divides by
-# sqrt(v): a grad differing in its last bit moves a weight by at most ~lr * 2**-23 per step,
-# far below this. 1e-6 is 100 times that over three steps and still 10**4 times smaller than
-# one step's update, which a missed or doubled step would show.
+# torch's DDP and distopt's run the same forward and backward kernels in the same process on
+# the same rows, so each rank's grads are the same bits on any CPU; only the average over the
+# ranks may round differently (torch all-reduces each grad, distopt reduce-scatters the bucket:
+# at d = 2 the sum of two terms is exact in either order, at d = 3 one rounding, 2**-24
+# relative). AdamW's update lr * m / sqrt(v) then differs by that relative amount, ~1e-9 a step
+# at lr 1e-2, unless a grad is round-off itself (the models here have none: see _model). 1e-6
+# is 100 times the drift over a few steps and 10**4 times below one step's update, which a
+# missed, doubled or unclipped step would show.
 TRAJECTORY_TOL = 1e-6
 
 
