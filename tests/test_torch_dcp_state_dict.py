@@ -199,10 +199,12 @@ BF16 = torch.bfloat16
 # name -> (DDP options, optimizer class, optimizer options); bf16 params keep fp32 masters.
 CONFIGS = {
     "bf16-optim": ({}, torch.optim.AdamW, {}),
+    "bf16-grads": ({"shard_grads": True}, torch.optim.AdamW, {}),
     "bf16-params": ({"shard_params": True}, torch.optim.AdamW, {}),
     "lean": ({"shard_params": True, "grad_dtype": BF16}, torch.optim.AdamW,
              {"store_param_remainders": True, "state_dtype": BF16}),
     "muon": ({}, torch.optim.Muon, {"adjust_lr_fn": "match_rms_adamw"}),
+    "adafactor": ({"shard_params": True}, torch.optim.Adafactor, {}),
 }
 
 
@@ -255,6 +257,7 @@ def resumed_through_torch_functions(config: str) -> dict:
 
 
 WRITES = ["module-load", "set-model", "copy"]
+WRITTEN = ["bf16-optim", "bf16-grads", "bf16-params", "lean"]  # each sharding mode, remainders
 
 
 def writes_into_params(config: str, how: str) -> dict:
@@ -345,7 +348,7 @@ def _options_cases() -> list:
     return [("tied", tied_both_ways, ()),
             *[(f"resume-{c}", resumed_through_torch_functions, (c,)) for c in CONFIGS],
             *[(f"write-{c}-{w}", writes_into_params, (c, w))
-              for c in ("bf16-optim", "bf16-params", "lean") for w in WRITES]]
+              for c in WRITTEN for w in WRITES]]
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +374,7 @@ def test_a_run_resumed_through_torch_functions_is_the_uninterrupted_run(options_
 
 
 @pytest.mark.parametrize("how", WRITES)
-@pytest.mark.parametrize("config", ["bf16-optim", "bf16-params", "lean"])
+@pytest.mark.parametrize("config", WRITTEN)
 def test_a_write_into_bf16_params_is_what_the_next_step_starts_from(options_grid, config, how):
     for v in case_result(options_grid, f"write-{config}-{how}"):
         # What was written is bf16, exactly an fp32 master: the masters hold it exactly.
