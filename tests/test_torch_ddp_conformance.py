@@ -125,8 +125,101 @@ def module_methods_like_torch(mode: str) -> dict:
     }
 
 
+def _state(ddp: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the wrapper's state dict, read where its values are whole."""
+    if isinstance(ddp, distopt.DistributedDataParallel):
+        ddp.finish_param_sync()
+    with _readable(ddp):
+        return {k: v.detach().clone() for k, v in ddp.state_dict().items()}
+
+
+# ---------------------------------------------------------------- torch DDP scripts (#57)
+# Each trains a torch DDP script under torch's DDP and distopt's, and returns the largest
+# difference of the two state dicts at the end (or what each rank saw where distopt refuses).
+
+
+def create_graph_backward(mode: str) -> dict:
+    """``loss.backward(create_graph=True)`` (as scripts that go on to take second-order grads
+    write it). torch DDP's reducer reduces each grad detached (reducer.cpp: the higher-order
+    grad is not synchronized), and so does distopt. torch 2.13's DDP on the CPU raises in that
+    backward itself ("a leaf Variable that requires grad is being used in an in-place
+    operation", at any d); where it does, the reference is torch DDP's reduction of the same
+    grads detached, the script with ``backward()``. Returns torch's error (None where it ran)
+    and the largest difference of the state dicts after three steps."""
+    def train(kind: str, create_graph: bool) -> dict[str, torch.Tensor]:
+        ddp, opt = _wrapped(kind, mode)
+        for step in range(STEPS + 1):
+            opt.zero_grad()
+            x, y = _batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward(create_graph=create_graph)
+            opt.step()
+        return _state(ddp)
+
+    ours = train("distopt", True)
+    try:
+        reference, torch_error = train("torch", True), None
+    except RuntimeError as error:
+        reference, torch_error = train("torch", False), str(error)
+    return {"torch_error": torch_error, "diff": _largest_difference(reference, ours)}
+
+
+class _Lookup(nn.Module):
+    """An ``nn.Embedding`` and an ``nn.EmbeddingBag``, sparse or dense, and a head."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 6, sparse=sparse)
+        self.bag = nn.EmbeddingBag(20, 6, sparse=sparse)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens).mean(1) + self.bag(tokens))
+
+
+def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's rows of step ``step``'s batch of 5 tokens a row, from 20 (rows repeat tokens,
+    within a rank and across ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 20, (4 * world, 5), generator=g)
+    return tokens[rank::world], torch.randn(4 * world, 3, generator=g)[rank::world]
+
+
+def sparse_embeddings(mode: str) -> dict[str, float]:
+    """``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)``: torch DDP reduces
+    their sparse grads; distopt adds them densified into its buckets. "sgd": torch's SGD with
+    momentum, which takes sparse grads, stepping torch DDP's sparse grads against distopt's
+    dense ones. "adamw": torch's AdamW refuses sparse grads, so distopt's model with sparse
+    embeddings is compared to torch DDP's with dense ones (the same grads, dense)."""
+    out = {}
+    for name, opt_cls, kwargs in (("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                  ("adamw", torch.optim.AdamW, {"lr": 1e-2})):
+        ends = []
+        for kind in ("torch", "distopt"):
+            model = _Lookup(sparse=kind == "distopt" or name == "sgd")
+            if kind == "torch":
+                ddp = nn.parallel.DistributedDataParallel(model)
+                opt = opt_cls(ddp.parameters(), **kwargs)
+            else:
+                ddp = distopt.DistributedDataParallel(model, **MODES[mode])
+                opt = distopt.DistributedOptimizer(ddp, opt_cls, **kwargs)
+            for step in range(STEPS + 1):
+                opt.zero_grad()
+                tokens, y = _tokens(step)
+                nn.functional.mse_loss(ddp(tokens), y).backward()
+                opt.step()
+            ends.append(_state(ddp))
+        out[name] = _largest_difference(*ends)
+    return out
+
+
 def _cases() -> list:
-    return [(f"module-{mode}", module_methods_like_torch, (mode,)) for mode in MODES]
+    return [case for mode in MODES for case in (
+        (f"module-{mode}", module_methods_like_torch, (mode,)),
+        (f"create-graph-{mode}", create_graph_backward, (mode,)),
+        (f"sparse-{mode}", sparse_embeddings, (mode,)),
+    )]
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +259,20 @@ def test_module_methods_on_the_wrapper_are_torch_ddps(both, mode):
         assert v["read_back"] == (0.0, 0.0)  # what was loaded is what is read
         assert v["after_load"] <= TRAJECTORY_TOL, v["after_load"]
         assert v["moved"] > 1e-3  # the step after the load trained (a step is ~lr = 1e-2)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_backward_with_create_graph_trains_as_under_torch_ddp(both, mode):
+    for v in case_result(both, f"create-graph-{mode}"):
+        assert v["diff"] <= TRAJECTORY_TOL, v
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sparse_embedding_grads_train_as_under_torch_ddp(both, mode):
+    # SGD: one rounding of each averaged grad apart, lr 0.1, momentum 0.9, three steps: far
+    # below 1e-6 (a step moves a weight by ~1e-2).
+    for v in case_result(both, f"sparse-{mode}"):
+        assert v["sgd"] <= TRAJECTORY_TOL and v["adamw"] <= TRAJECTORY_TOL, v
 
 
 def test_the_wrapper_shadows_no_attribute_of_nn_module():
