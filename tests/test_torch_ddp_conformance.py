@@ -214,11 +214,44 @@ def sparse_embeddings(mode: str) -> dict[str, float]:
     return out
 
 
+def _reparametrized() -> nn.Module:
+    """Layers whose weight torch's utilities compute in a forward pre-hook registered before
+    wrapping: ``spectral_norm`` (from ``weight_orig``, with its power iteration's buffers),
+    ``weight_norm`` (from ``weight_g`` and ``weight_v``) and ``prune`` (``weight_orig`` times
+    a mask); and a last Linear as it comes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    nn.utils.spectral_norm(model[0])
+    nn.utils.weight_norm(model[2])
+    nn.utils.prune.l1_unstructured(model[4], "weight", amount=0.3)
+    return model
+
+
+def weight_hooks(mode: str) -> float:
+    """``spectral_norm``, ``weight_norm`` and ``prune`` applied before wrapping, trained three
+    steps under torch DDP and distopt: with sharded params distopt's gathers must run before
+    their pre-hooks read the params."""
+    ends = []
+    for kind in ("torch", "distopt"):
+        model = _reparametrized()
+        if kind == "torch":
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        else:
+            ddp = distopt.DistributedDataParallel(model, **MODES[mode])
+            opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+        _train(ddp, opt, range(STEPS + 1))
+        ends.append(_state(ddp))
+    return _largest_difference(*ends)
+
+
 def _cases() -> list:
     return [case for mode in MODES for case in (
         (f"module-{mode}", module_methods_like_torch, (mode,)),
         (f"create-graph-{mode}", create_graph_backward, (mode,)),
         (f"sparse-{mode}", sparse_embeddings, (mode,)),
+        (f"weight-hooks-{mode}", weight_hooks, (mode,)),
     )]
 
 
@@ -273,6 +306,12 @@ def test_sparse_embedding_grads_train_as_under_torch_ddp(both, mode):
     # below 1e-6 (a step moves a weight by ~1e-2).
     for v in case_result(both, f"sparse-{mode}"):
         assert v["sgd"] <= TRAJECTORY_TOL and v["adamw"] <= TRAJECTORY_TOL, v
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_spectral_norm_weight_norm_and_prune_train_as_under_torch_ddp(both, mode):
+    for diff in case_result(both, f"weight-hooks-{mode}"):
+        assert diff <= TRAJECTORY_TOL, diff
 
 
 def test_the_wrapper_shadows_no_attribute_of_nn_module():

@@ -24,6 +24,13 @@ unit where the first forward did not (another branch) reads the placeholder, whi
 naming the param ([Note: reads between uses] in ddp/param_placeholder.py): a branch that calls
 the unit's module itself is always safe.
 
+A module's own pre-hooks read its params too: torch's ``spectral_norm``, ``weight_norm`` and
+``prune`` compute ``module.weight`` from ``weight_orig`` (or ``weight_g`` and ``weight_v``) in a
+forward pre-hook registered before wrapping. The gathering pre-hooks are therefore prepended
+(``prepend=True``), so that they run before any pre-hook the module had or gets later, and
+its forward hooks appended, so that the module's own forward hooks still see the params
+gathered.
+
 The transient memory is then: the units running (nested ones inside their parents), the next
 unit prefetched, the loose buckets in use, and buckets whose grads are not all in yet; with
 ``reshard_after_forward=False`` every unit the forward ran, until its grads are in.
@@ -116,7 +123,8 @@ class ParamUnsharder:
         self._previous = {u: self._order[k - 1] if k > 0 else None
                           for k, u in enumerate(self._order)}
         self.hooks = [hook for user in self._users for hook in (
-            user.register_forward_pre_hook(ModuleHook(self._before_forward)),
+            # First of the module's pre-hooks: see "A module's own pre-hooks" in the Note.
+            user.register_forward_pre_hook(ModuleHook(self._before_forward), prepend=True),
             user.register_forward_hook(ModuleHook(self._after_forward)),
         )]
 
