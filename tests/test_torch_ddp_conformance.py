@@ -12,6 +12,7 @@ inside ``ddp.gathered_params()`` (between uses it is refused, tests/test_torch_d
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -246,12 +247,41 @@ def weight_hooks(mode: str) -> float:
     return _largest_difference(*ends)
 
 
+def copy_of_the_wrapper(mode: str) -> dict:
+    """``copy.deepcopy(ddp)`` for an evaluation copy after two steps: torch DDP's copy is a
+    second DDP; distopt refuses the copy on every rank that makes it, naming
+    ``copy.deepcopy(ddp.module)``, and the copy made that way (with sharded params inside
+    ``gathered_params()``) holds what torch's copy holds and evaluates alike. (torch's copy is
+    a DDP: its forward first broadcasts the first rank's BatchNorm statistics, as the
+    wrapper's forward does, not the module's.)"""
+    x, _ = _batch(7)
+    copies, refusal = [], None
+    for kind in ("torch", "distopt"):
+        ddp, opt = _wrapped(kind, mode)
+        _train(ddp, opt, range(STEPS))
+        if kind == "distopt":
+            ddp.finish_param_sync()
+        try:
+            copied = copy.deepcopy(ddp).module
+        except TypeError as error:
+            refusal = str(error)
+            with _readable(ddp):
+                copied = copy.deepcopy(ddp.module)
+        copies.append(copied.eval())
+    with torch.no_grad():
+        outputs = [c(x) for c in copies]
+    return {"refusal": refusal, "plain": type(copies[1]) is nn.Sequential,
+            "state": _largest_difference(*(c.state_dict() for c in copies)),
+            "output": (outputs[0] - outputs[1]).abs().max().item()}
+
+
 def _cases() -> list:
     return [case for mode in MODES for case in (
         (f"module-{mode}", module_methods_like_torch, (mode,)),
         (f"create-graph-{mode}", create_graph_backward, (mode,)),
         (f"sparse-{mode}", sparse_embeddings, (mode,)),
         (f"weight-hooks-{mode}", weight_hooks, (mode,)),
+        (f"copy-{mode}", copy_of_the_wrapper, (mode,)),
     )]
 
 
@@ -312,6 +342,15 @@ def test_sparse_embedding_grads_train_as_under_torch_ddp(both, mode):
 def test_spectral_norm_weight_norm_and_prune_train_as_under_torch_ddp(both, mode):
     for diff in case_result(both, f"weight-hooks-{mode}"):
         assert diff <= TRAJECTORY_TOL, diff
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_copy_of_the_wrapper_is_refused_naming_a_copy_of_its_module(both, mode):
+    for v in case_result(both, f"copy-{mode}"):
+        assert v["refusal"] is not None and "copy.deepcopy(ddp.module)" in v["refusal"], v
+        assert "collective" in v["refusal"]  # the cause
+        assert v["plain"] and v["state"] <= TRAJECTORY_TOL, v
+        assert v["output"] <= 10 * TRAJECTORY_TOL, v  # two layers' sums of those weights
 
 
 def test_the_wrapper_shadows_no_attribute_of_nn_module():

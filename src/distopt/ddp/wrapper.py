@@ -57,12 +57,13 @@ from .state import SyncState
 from .tied import resolve_tied_params
 from .whole_module import WholeModule
 from .whole_tensor_params import costs_of_classes
+from .wrapper_copy import NotCopied
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
+class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.Module):
     """Data parallelism over contiguous, bucketed param and grad buffers.
 
     Args:
