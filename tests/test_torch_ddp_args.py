@@ -535,6 +535,32 @@ def test_requires_grad_changed_after_wrapping_is_refused_at_the_forward():
         frozen(x)
 
 
+def test_a_param_converted_after_wrapping_is_refused():
+    """``model.to(torch.float64)`` after wrapping rebinds every param to float64 storage,
+    which distopt's fp32 buffers cannot take up ([Note: params rebound] in
+    ddp/rebound_params.py): refused at the next forward, naming the way; one param rebound
+    alone, at the step, before any param moves."""
+    refusal = (r"parameter '{}' was given other storage after the module was wrapped.*"
+               r"torch.float64.*convert or move the model before")
+    model = _model()
+    ddp = distopt.DistributedDataParallel.for_this_process(model)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+    x, y = _batch(0)
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match=refusal.format(r"[0-9.a-z]+")):
+        ddp(x.double())
+    model = _model()  # a new model and wrapper (the old one's params are float64 now)
+    ddp = distopt.DistributedDataParallel.for_this_process(model)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    model[0].weight.data = model[0].weight.data.double()
+    with pytest.raises(RuntimeError, match=refusal.format(r"0\.weight")):
+        opt.step()
+    for param, was in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.float(), was)  # nothing moved
+
+
 def test_torch_save_of_the_optimizer_on_rank_0_resumes_everywhere(both):
     for v in case_result(both, "torch-save"):
         assert "consolidate_state_dict(to=0)" in v["refused"]

@@ -275,6 +275,46 @@ def copy_of_the_wrapper(mode: str) -> dict:
             "output": (outputs[0] - outputs[1]).abs().max().item()}
 
 
+def vector_to_parameters(mode: str) -> dict:
+    """``torch.nn.utils.vector_to_parameters(vec, model.parameters())`` between steps (a
+    perturbation, an average of weights), which rebinds each ``param.data`` to a slice of
+    ``vec``, then training on. "fp32": a step, the write, two more steps at lr 1e-2. "bf16":
+    bf16 params, whose fp32 masters must follow the write: the same at lr 0, so that each side
+    ends at the written values. With sharded params the params are placeholders between
+    steps, so the call is refused, naming ``gathered_params()``, and made inside it."""
+    out = {}
+    for dtype, lr, name in ((torch.float32, 1e-2, "fp32"), (torch.bfloat16, 0.0, "bf16")):
+        ends = []
+        for kind in ("torch", "distopt"):
+            model = _model().to(dtype)
+            if kind == "torch":
+                ddp = nn.parallel.DistributedDataParallel(model)
+                opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
+            else:
+                ddp = distopt.DistributedDataParallel(model, **MODES[mode])
+                opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=lr)
+            steps = [(x.to(dtype), y.to(dtype)) for x, y in map(_batch, range(STEPS + 1))]
+            for k, (x, y) in enumerate(steps):
+                if k == 1:
+                    try:
+                        with _readable(ddp):
+                            vec = nn.utils.parameters_to_vector(model.parameters())
+                        nn.utils.vector_to_parameters(0.5 * vec, model.parameters())
+                    except RuntimeError as error:  # placeholders: refused, naming the way
+                        out["refusal"] = str(error)
+                        with _readable(ddp):
+                            vec = nn.utils.parameters_to_vector(model.parameters())
+                            nn.utils.vector_to_parameters(0.5 * vec, model.parameters())
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            ends.append(_state(ddp))
+        out[name] = _largest_difference(*ends)
+        start = {f"module.{k}": v.to(dtype) for k, v in _model().state_dict().items()}
+        out[f"{name}-moved"] = _largest_difference(ends[0], start)
+    return out
+
+
 def _cases() -> list:
     return [case for mode in MODES for case in (
         (f"module-{mode}", module_methods_like_torch, (mode,)),
@@ -282,6 +322,7 @@ def _cases() -> list:
         (f"sparse-{mode}", sparse_embeddings, (mode,)),
         (f"weight-hooks-{mode}", weight_hooks, (mode,)),
         (f"copy-{mode}", copy_of_the_wrapper, (mode,)),
+        (f"vector-{mode}", vector_to_parameters, (mode,)),
     )]
 
 
@@ -351,6 +392,18 @@ def test_a_copy_of_the_wrapper_is_refused_naming_a_copy_of_its_module(both, mode
         assert "collective" in v["refusal"]  # the cause
         assert v["plain"] and v["state"] <= TRAJECTORY_TOL, v
         assert v["output"] <= 10 * TRAJECTORY_TOL, v  # two layers' sums of those weights
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_vector_to_parameters_is_trained_from_as_under_torch_ddp(both, mode):
+    for v in case_result(both, f"vector-{mode}"):
+        assert v["fp32"] <= TRAJECTORY_TOL, v
+        assert v["bf16"] == 0.0, v  # lr 0: both end at the written values, in bf16
+        assert v["fp32-moved"] > 0.1 and v["bf16-moved"] > 0.1, v  # the write halved them
+        if mode == "params":
+            assert "gathered_params()" in v["refusal"], v
+        else:
+            assert "refusal" not in v, v
 
 
 def test_the_wrapper_shadows_no_attribute_of_nn_module():

@@ -52,6 +52,7 @@ from .param_gather import register_param_wait_hooks
 from .param_placeholder import name_params
 from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
+from .rebound_params import rebound_params_of
 from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
 from .state import SyncState
 from .tied import resolve_tied_params
@@ -402,6 +403,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
         for order, bucket in enumerate(buckets):
             bucket.order = order
         self._buffer_of = {p: buf for buf in self._flat_buffers for p in buf.params}
+        self._rebound = rebound_params_of(self._flat_buffers, self.param_names)
         self._grad_sync = GradSync(buckets, self.params, self.param_names, self.options,
                                    self.parallel, self.grad_pools, self.comm_stats,
                                    self._dtensor_params, experts=self.experts)
@@ -608,6 +610,8 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
             **kwargs: the module's keyword inputs, passed on unchanged.
         """
         self._check_trainable_unchanged()
+        if self._rebound is not None:  # see [Note: params rebound] in ddp/rebound_params.py
+            self._rebound.glance()
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
         if self._unsharder is not None:  # see [Note: where a param is used]
@@ -618,6 +622,13 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
         if self._gathers_in_flight:
             self.finish_param_sync()
         return output
+
+    def adopt_rebound_params(self) -> None:
+        """Take back into the buffers the values of params whose ``.data`` was rebound to
+        other storage (``torch.nn.utils.vector_to_parameters``); the optimizer's step and
+        state dicts do it first. See [Note: params rebound] in ddp/rebound_params.py."""
+        if self._rebound is not None:
+            self._rebound.take_up()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
