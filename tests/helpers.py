@@ -318,7 +318,7 @@ STEP_FILES = {
     "ddp/wrapper.py", "ddp/grad_sync.py", "ddp/bucket.py", "ddp/grad_storage.py",
     "ddp/state.py", "ddp/grad_marker.py", "ddp/grad_pool.py", "ddp/param_gather.py",
     "ddp/param_storage.py", "ddp/param_unshard.py", "ddp/whole_module.py",
-    "ddp/nan_check.py", "ddp/module_buffers.py", "ddp/rebound_params.py",
+    "ddp/nan_check.py", "ddp/module_buffers.py", "ddp/rebound_params.py", "ddp/trainable.py",
     "comm/collectives.py", "comm/gloo.py",
     "comm/handles.py", "comm/errors.py", "comm/stats.py", "options.py",
     "optim/optimizers.py", "optim/base.py", "optim/step.py", "optim/main_params.py",

@@ -315,6 +315,68 @@ def vector_to_parameters(mode: str) -> dict:
     return out
 
 
+def _set_requires_grad(nets: list[nn.Module], requires_grad: bool) -> None:
+    """pix2pix's and CycleGAN's ``set_requires_grad``, on the plain modules as they write it."""
+    for net in nets:
+        for param in net.parameters():
+            param.requires_grad = requires_grad
+
+
+def cyclegan_loop(mode: str) -> float:
+    """CycleGAN's loop (junyanz/pytorch-CycleGAN-and-pix2pix) on small MLPs: two generators
+    and two discriminators, each wrapped; the discriminators frozen with ``requires_grad =
+    False`` while the generators' loss (adversarial, cycle and identity terms) goes back
+    through them, then trainable again for their own update. Three iterations under torch DDP
+    and distopt; the largest difference of the four nets' params, and whether the frozen
+    discriminators' params were freed after each generators' backward (with sharded params:
+    gathered for it, then freed; otherwise never gathered apart)."""
+    rank = dist.get_rank()
+    ends, freed = [], []
+    for kind in ("torch", "distopt"):
+        torch.manual_seed(0)
+        g_ab, g_ba = (nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4))
+                      for _ in range(2))
+        d_a, d_b = (nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+                    for _ in range(2))
+        nets = [g_ab, g_ba, d_a, d_b]
+        adam = {"lr": 2e-3, "betas": (0.5, 0.999)}
+        if kind == "torch":
+            wrapped = [nn.parallel.DistributedDataParallel(n) for n in nets]
+            opt_g = torch.optim.Adam([*wrapped[0].parameters(), *wrapped[1].parameters()],
+                                     **adam)
+            opt_d = torch.optim.Adam([*wrapped[2].parameters(), *wrapped[3].parameters()],
+                                     **adam)
+        else:
+            wrapped = [distopt.DistributedDataParallel(n, **MODES[mode]) for n in nets]
+            opt_g = distopt.DistributedOptimizer(wrapped[:2], torch.optim.Adam, **adam)
+            opt_d = distopt.DistributedOptimizer(wrapped[2:], torch.optim.Adam, **adam)
+        gen_ab, gen_ba, dis_a, dis_b = wrapped
+        gan, l1 = nn.functional.mse_loss, nn.functional.l1_loss
+        g = torch.Generator().manual_seed(20 + rank)
+        for _ in range(3):
+            real_a, real_b = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g) + 1
+            fake_b, fake_a = gen_ab(real_a), gen_ba(real_b)
+            rec_a, rec_b = gen_ba(fake_b), gen_ab(fake_a)
+            _set_requires_grad([d_a, d_b], False)
+            opt_g.zero_grad()
+            loss_g = (gan(dis_b(fake_b), torch.ones(8, 1)) + gan(dis_a(fake_a), torch.ones(8, 1))
+                      + 10 * (l1(rec_a, real_a) + l1(rec_b, real_b))
+                      + 5 * (l1(gen_ba(real_a), real_a) + l1(gen_ab(real_b), real_b)))
+            loss_g.backward()
+            if kind == "distopt":  # the frozen nets' gathered params are not held on
+                freed.append(all(b.param_data is None for w in wrapped[2:] for b in w.buckets))
+            opt_g.step()
+            _set_requires_grad([d_a, d_b], True)
+            opt_d.zero_grad()
+            for dis, real, fake in ((dis_a, real_a, fake_a), (dis_b, real_b, fake_b)):
+                loss_d = 0.5 * (gan(dis(real), torch.ones(8, 1))
+                                + gan(dis(fake.detach()), torch.zeros(8, 1)))
+                loss_d.backward()
+            opt_d.step()
+        ends.append({f"{i}.{k}": v for i, w in enumerate(wrapped) for k, v in _state(w).items()})
+    return {"diff": _largest_difference(*ends), "freed": freed}
+
+
 def _cases() -> list:
     return [case for mode in MODES for case in (
         (f"module-{mode}", module_methods_like_torch, (mode,)),
@@ -323,6 +385,7 @@ def _cases() -> list:
         (f"weight-hooks-{mode}", weight_hooks, (mode,)),
         (f"copy-{mode}", copy_of_the_wrapper, (mode,)),
         (f"vector-{mode}", vector_to_parameters, (mode,)),
+        (f"cyclegan-{mode}", cyclegan_loop, (mode,)),
     )]
 
 
@@ -404,6 +467,14 @@ def test_vector_to_parameters_is_trained_from_as_under_torch_ddp(both, mode):
             assert "gathered_params()" in v["refusal"], v
         else:
             assert "refusal" not in v, v
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_cyclegan_loop_freezing_its_discriminators_ends_where_torch_ddp_ends(both, mode):
+    for v in case_result(both, f"cyclegan-{mode}"):
+        assert v["diff"] <= TRAJECTORY_TOL, v
+        if mode == "params":
+            assert v["freed"] == [True] * 3, v
 
 
 def test_the_wrapper_shadows_no_attribute_of_nn_module():

@@ -99,6 +99,7 @@ class ParamUnsharder:
         self._deferred: tuple[int, int] | None = None  # (unit to prefetch, unit it waits for)
         for bucket in self.forward_order:
             bucket.params_store.pool.on_free = self._prefetch_deferred
+        self._in_backward = False  # a backward through the units is running
         self._hook()
         self.learned = False
 
@@ -135,6 +136,7 @@ class ParamUnsharder:
         params outside their units if not yet."""
         self._running = {}
         self._deferred = None
+        self._in_backward = False  # a backward that raised never ran its callback
         if self.learned:
             self._pinned.clear()  # only the first forward pins; see read_outside_unit
             return run()
@@ -201,6 +203,9 @@ class ParamUnsharder:
                 bucket.release_params()
 
     def _before_backward(self, module: nn.Module) -> None:
+        if not self._in_backward:  # the first unit of this backward
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         for bucket in self._users[module]:
             bucket.use_params()
         unit = self._unit_index.get(module)
@@ -215,6 +220,17 @@ class ParamUnsharder:
                 self._prefetch(self._previous.get(unit))
         else:  # backward meets the buckets in launch order: the one before its first
             self._prefetch_bucket(self._position[self._users[module][0]] - 1)
+
+    def _after_backward(self) -> None:
+        # Buckets whose params are all frozen get no grad, so no grad frees them: freed here,
+        # the grad sync freeing the rest ([Note: params frozen after wrapping] in
+        # ddp/trainable.py).
+        self._in_backward = False
+        if self.holding():
+            return
+        for bucket in self.forward_order:
+            if bucket.param_data is not None and not any(p.requires_grad for p in bucket.params):
+                bucket.release_params()
 
     def _gathered(self, unit: int) -> bool:
         return any(b.param_data is not None for b in self._unit_buckets[unit])

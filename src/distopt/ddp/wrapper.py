@@ -56,6 +56,7 @@ from .rebound_params import rebound_params_of
 from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
 from .state import SyncState
 from .tied import resolve_tied_params
+from .trainable import FrozenAtWrapping
 from .whole_module import WholeModule
 from .whole_tensor_params import costs_of_classes
 from .wrapper_copy import NotCopied
@@ -276,9 +277,10 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
         self._unit_of: dict[nn.Parameter, int] | None = None  # sharded params' gather units
-        # Every param whose requires_grad the forward checks is unchanged since wrapping.
-        self._watched = [(n, p, p in self._param_index) for n, p in module.named_parameters()
-                         if p.numel() > 0 and n not in ignored]
+        # Made trainable, they are refused: [Note: params frozen after wrapping].
+        self._frozen_at_wrapping = FrozenAtWrapping(
+            [(n, p) for n, p in module.named_parameters()
+             if p.numel() > 0 and n not in ignored and p not in self._param_index])
         # One stage's refusal is every stage's: [Note: refusals across stages].
         with stages_agree(self.parallel.pp_group):
             # Known by the tie's name from here on; see [Note: tied stage params].
@@ -468,20 +470,6 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
         self._lay_out(whole_tensor_costs)  # the old buffers go once nothing views them
         self._owners_set_by = by
 
-    def _check_trainable_unchanged(self) -> None:
-        """Refuse a param whose ``requires_grad`` changed since wrapping (the buffers hold the
-        params that were trainable then): it would never be stepped, or be stepped frozen. The
-        same on every rank that runs the same code, before any collective of the forward."""
-        for name, param, wrapped in self._watched:
-            if param.requires_grad != wrapped:
-                became = "trainable" if param.requires_grad else "frozen"
-                raise RuntimeError(
-                    f"parameter '{name}' became {became} after the module was wrapped: "
-                    "distopt laid its buffers out for the params trainable then. Set "
-                    "requires_grad before distopt.DistributedDataParallel(...), or wrap the "
-                    "module again (ddp.release(), then a new DDP and optimizer)"
-                )
-
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """torch DDP's communication hook: torch's default ``allreduce_hook`` is what distopt
         does already and is accepted; any other hook is refused, naming distopt's way to its
@@ -609,7 +597,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
                 moved: each process feeds its own batch, on the module's device).
             **kwargs: the module's keyword inputs, passed on unchanged.
         """
-        self._check_trainable_unchanged()
+        self._frozen_at_wrapping.check()  # see [Note: params frozen after wrapping]
         if self._rebound is not None:  # see [Note: params rebound] in ddp/rebound_params.py
             self._rebound.glance()
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
