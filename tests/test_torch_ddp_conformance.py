@@ -377,6 +377,68 @@ def cyclegan_loop(mode: str) -> float:
     return {"diff": _largest_difference(*ends), "freed": freed}
 
 
+def _plain_model() -> nn.Module:
+    """An MLP without buffers, as nanoGPT's GPT has none: a forward under torch DDP then
+    broadcasts nothing, and torch DDP lets one rank run a forward alone."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def forward_on_one_rank(mode: str) -> dict:
+    """nanoGPT's loop: ``if iter_num % eval_interval == 0 and master_process: losses =
+    estimate_loss()``, a few forwards of the wrapped model on rank 0 alone ("eval": under
+    ``torch.no_grad()`` in eval mode, as estimate_loss runs them; "grad": one with grad
+    enabled whose output is only printed). torch DDP trains on; distopt does too with whole
+    params, and with sharded params, where every rank gathers each forward's params with every
+    other, refuses on every rank, naming the cause and the ways that work. "copy": one of those
+    ways, distopt's side evaluating on rank 0 a copy of the module made inside
+    ``gathered_params()`` on every rank. Per variant: the largest difference of the state
+    dicts (and for "copy" of the evaluated losses), or each side's error."""
+    rank = dist.get_rank()
+    out = {}
+    for variant in ("eval", "grad", "copy"):
+        ends, errors, losses = [], {}, []
+        for kind in ("torch", "distopt"):
+            model = _plain_model()
+            if kind == "torch":
+                ddp = nn.parallel.DistributedDataParallel(model)
+                opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+            else:
+                ddp = distopt.DistributedDataParallel(model, **MODES[mode])
+                opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+            try:
+                for step in range(STEPS + 1):
+                    x, y = _batch(step)
+                    if step == 1 and variant == "copy":
+                        evaluated = ddp
+                        if kind == "distopt":  # on every rank
+                            with _readable(ddp):
+                                evaluated = copy.deepcopy(ddp.module)
+                        if rank == 0:
+                            with torch.no_grad():
+                                losses.append(nn.functional.mse_loss(evaluated.eval()(x), y))
+                            evaluated.train()
+                    elif step == 1 and rank == 0:  # the master process evaluates
+                        if variant == "eval":
+                            ddp.eval()
+                            with torch.no_grad():
+                                for _ in range(2):
+                                    nn.functional.mse_loss(ddp(x), y)
+                            ddp.train()
+                        else:
+                            str(ddp(x).mean())
+                    opt.zero_grad()
+                    nn.functional.mse_loss(ddp(x), y).backward()
+                    opt.step()
+                ends.append(_state(ddp))
+            except RuntimeError as error:
+                errors[kind] = str(error)
+        out[variant] = errors or _largest_difference(*ends)
+        if losses:
+            out["copy-loss"] = (losses[0] - losses[1]).abs().item()
+    return out
+
+
 def _cases() -> list:
     return [case for mode in MODES for case in (
         (f"module-{mode}", module_methods_like_torch, (mode,)),
@@ -386,6 +448,7 @@ def _cases() -> list:
         (f"copy-{mode}", copy_of_the_wrapper, (mode,)),
         (f"vector-{mode}", vector_to_parameters, (mode,)),
         (f"cyclegan-{mode}", cyclegan_loop, (mode,)),
+        (f"one-rank-{mode}", forward_on_one_rank, (mode,)),
     )]
 
 
@@ -475,6 +538,28 @@ def test_a_cyclegan_loop_freezing_its_discriminators_ends_where_torch_ddp_ends(b
         assert v["diff"] <= TRAJECTORY_TOL, v
         if mode == "params":
             assert v["freed"] == [True] * 3, v
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_forward_on_one_rank_trains_as_under_torch_ddp_or_is_refused_on_every_rank(both, mode):
+    results = case_result(both, f"one-rank-{mode}")
+    for v in results:
+        assert v["copy"] <= TRAJECTORY_TOL, v  # the way that works, in every mode
+    assert results[0]["copy-loss"] <= TRAJECTORY_TOL, results[0]
+    for variant in ("eval", "grad"):
+        if mode != "params":
+            for v in results:
+                assert v[variant] <= TRAJECTORY_TOL, v
+            continue
+        refusals = [v[variant] for v in results]
+        for refusal in refusals:
+            assert set(refusal) == {"distopt"}, refusal  # torch trained; distopt refused
+        message = refusals[0]["distopt"]
+        assert all(r["distopt"] == message for r in refusals), refusals  # the same everywhere
+        for words in ("shard_params=True", "every rank", "rank 0", "rank 1",
+                      "gathered_params()", "copy.deepcopy(ddp.module)",
+                      "ddp.full_state_dict()"):
+            assert words in message, (words, message)
 
 
 def test_the_wrapper_shadows_no_attribute_of_nn_module():

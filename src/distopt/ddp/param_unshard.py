@@ -40,17 +40,19 @@ bound] in memory.py).
 [Note: every rank runs the same modules]
 A user's hooks gather on every rank at once, so every rank must run the forward of the same
 users, as FSDP2 requires of its units. A module run on some ranks only, chosen by the data,
-breaks that: a mixture of experts with an ``nn.Module`` per expert that skips an expert no
-token of this rank's batch was routed to (transformers' Mixtral before its experts became one
-module with stacked weights) gathers that expert's bucket where it ran, while the ranks that
-skipped it are in another collective. What follows is not distopt's to choose: a wait until
-the process group's timeout (whose ``CollectiveError`` names this cause and the fix), an abort
-inside gloo where the parted collectives differ in size, or, where they are the same size, one
-bucket's shards gathered into another's. No rank can tell alone that its peers ran other
-modules, so it is the caller's rule, not checked: run an idle expert on an empty batch (its
-grads are zeros), or hold the experts as one module's stacked weights (transformers' Mixtral
-since v5), which always runs and gives an idle expert's slice a zero grad. Branches that every
-rank takes or skips alike (the same step, the same flag) need only ``find_unused_parameters``.
+breaks that: a mixture of experts with an ``nn.Module`` per expert that skips an expert no token
+of this rank's batch was routed to (transformers' Mixtral before its experts became one module
+with stacked weights) gathers that expert's bucket where it ran, while the ranks that skipped it
+are in another collective. What follows is not distopt's to choose: a wait until the process
+group's timeout (whose ``CollectiveError`` names this cause and the fix), an abort inside gloo
+where the parted collectives differ in size, or, where they are the same size, one bucket's
+shards gathered into another's. No rank can tell alone that its peers ran other modules, so it
+is the caller's rule, not checked (the check at the start of each forward and backward,
+[Note: every rank runs every forward] in ddp/forward_check.py, sees whole forwards only): run
+an idle expert on an empty batch (its grads are zeros), or hold the experts as one module's
+stacked weights (transformers' Mixtral since v5), which always runs and gives an idle expert's
+slice a zero grad. Branches that every rank takes or skips alike (the same step, the same flag)
+need only ``find_unused_parameters``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .bucket import Bucket
+from .forward_check import ForwardCheck
 from .gather_units import GatherUnit
 from .module_hooks import ModuleHook
 
@@ -74,9 +77,12 @@ class ParamUnsharder:
 
     def __init__(self, module: nn.Module, units: list[GatherUnit],
                  bucket_of: dict[nn.Parameter, Bucket], launch_order: list[Bucket], *,
-                 reshard_after_forward: bool, holding: Callable[[], bool] = lambda: False
-                 ) -> None:
+                 reshard_after_forward: bool, holding: Callable[[], bool] = lambda: False,
+                 check: ForwardCheck | None = None) -> None:
         self.module = module
+        # Every rank starts the same forwards and backwards: [Note: every rank runs every
+        # forward] in ddp/forward_check.py (the wrapper checks its forwards with it).
+        self.check = check
         self.holding = holding  # a step held whole: nothing freed ([Note: a step held whole])
         self.bucket_of = bucket_of
         self.reshard_after_forward = reshard_after_forward
@@ -206,6 +212,8 @@ class ParamUnsharder:
         if not self._in_backward:  # the first unit of this backward
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            if self.check is not None:
+                self.check.backward()
         for bucket in self._users[module]:
             bucket.use_params()
         unit = self._unit_index.get(module)

@@ -34,6 +34,7 @@ from ..sharding import Sharding
 from . import param_owners, torch_dcp, torch_spellings
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
+from .forward_check import ForwardCheck
 from .gather_units import (
     GatherUnit,
     GatherUnitPolicy,
@@ -421,7 +422,9 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
             self._unsharder = ParamUnsharder(
                 self.module, self.gather_units, self._grad_sync.bucket_of, buckets,
                 reshard_after_forward=self.options.reshard_after_forward,
-                holding=lambda: self._grad_sync.hold_step)
+                holding=lambda: self._grad_sync.hold_step,
+                check=ForwardCheck(self.process_group, self._device,
+                                   self._grad_sync.model_name, self.comm_stats))
         self._grad_sync.hold_step = self._hold_step
 
     def _buffer_groups(self, expert: bool) -> dict[str, Any]:
@@ -600,6 +603,8 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
         self._frozen_at_wrapping.check()  # see [Note: params frozen after wrapping]
         if self._rebound is not None:  # see [Note: params rebound] in ddp/rebound_params.py
             self._rebound.glance()
+        else:  # sharded params: [Note: every rank runs every forward] in ddp/forward_check.py
+            self._unsharder.check.forward(self.training)
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
         if self._unsharder is not None:  # see [Note: where a param is used]
