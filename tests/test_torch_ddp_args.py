@@ -3,12 +3,13 @@ names what works ([Note: torch DDP's spellings] in ddp/torch_spellings.py), each
 own DDP on the same ranks.
 
 One process: the arguments' checks, bucket_cap_mb's size, zero-size params, requires_grad
-changed after wrapping, comm hooks and join. At d = 2 and 3 (``both``): the ignore list (those
-params local to each rank, the rest averaged), pytorch/examples' DCGAN loop in every sharding
-mode, a param no forward uses (refused as torch refuses it, or left out of the step as torch
-leaves it), torch's EMA under sharded params, and the optimizer saved torch's way on rank 0 and
-resumed at the same d and on one process. At d = 2: init_sync=False, and the state dict and copies
-under sharded params (torch's DCP state-dict functions: tests/test_torch_dcp_state_dict.py).
+changed after wrapping, params converted after wrapping, comm hooks and join. At d = 2 and 3
+(``both``): the ignore list (those params local to each rank, the rest averaged),
+pytorch/examples' DCGAN loop in every sharding mode, a param no forward uses (refused as torch
+refuses it, or left out of the step as torch leaves it), torch's EMA under sharded params, and
+the optimizer saved torch's way on rank 0 and resumed at the same d and on one process. At d =
+2: init_sync=False, and the state dict and copies under sharded params (torch's DCP state-dict
+functions: tests/test_torch_dcp_state_dict.py).
 """
 
 from __future__ import annotations
@@ -519,20 +520,67 @@ def test_a_zero_size_param_is_taken_as_torch_takes_it():
     assert torch.equal(model.lin.weight.detach(), ref.lin.weight.detach())
 
 
-def test_requires_grad_changed_after_wrapping_is_refused_at_the_forward():
+def test_requires_grad_changed_after_wrapping_trains_as_torch_or_is_refused():
+    """A trainable param frozen after wrapping gets nothing from the backwards it is frozen
+    for: frozen for a whole step it is refused at the step as a param without a grad (torch
+    DDP refuses it at the next forward), or left out of the step with
+    find_unused_parameters=True; unfrozen, it trains again. A param frozen when wrapped and
+    made trainable afterwards is refused at the next forward ([Note: params frozen after
+    wrapping] in ddp/trainable.py)."""
+    x, y = _batch(0)
+    for find_unused in (False, True):
+        model = _model()
+        ddp = distopt.DistributedDataParallel.for_this_process(
+            model, find_unused_parameters=find_unused)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+        model[0].weight.requires_grad_(False)
+        frozen = model[0].weight.detach().clone()
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if find_unused:
+            opt.step()
+            assert torch.equal(model[0].weight, frozen)  # left out, as torch.optim leaves it
+        else:
+            with pytest.raises(RuntimeError, match=r"got no gradient in this step on this rank "
+                                                   r"\('0.weight'\).*frozen for the whole step"):
+                opt.step()
+        model[0].weight.requires_grad_(True)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        assert not torch.equal(model[0].weight, frozen)  # trainable again: stepped
     model = _model()
-    ddp = distopt.DistributedDataParallel.for_this_process(model)
-    x, _ = _batch(0)
-    ddp(x)
-    model[0].weight.requires_grad_(False)
-    with pytest.raises(RuntimeError, match="'0.weight' became frozen after the module was"):
-        ddp(x)
-    model[0].weight.requires_grad_(True)
     model[2].bias.requires_grad_(False)
     frozen = distopt.DistributedDataParallel.for_this_process(model)
     model[2].bias.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="'2.bias' became trainable"):
+    with pytest.raises(RuntimeError, match="'2.bias' became trainable after the module was"):
         frozen(x)
+
+
+def test_a_param_converted_after_wrapping_is_refused():
+    """``model.to(torch.float64)`` after wrapping rebinds every param to float64 storage,
+    which distopt's fp32 buffers cannot take up ([Note: params rebound] in
+    ddp/rebound_params.py): refused at the next forward, naming the way; one param rebound
+    alone, at the step, before any param moves."""
+    refusal = (r"parameter '{}' was given other storage after the module was wrapped.*"
+               r"torch.float64.*convert or move the model before")
+    model = _model()
+    ddp = distopt.DistributedDataParallel.for_this_process(model)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+    x, y = _batch(0)
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match=refusal.format(r"[0-9.a-z]+")):
+        ddp(x.double())
+    model = _model()  # a new model and wrapper (the old one's params are float64 now)
+    ddp = distopt.DistributedDataParallel.for_this_process(model)
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    model[0].weight.data = model[0].weight.data.double()
+    with pytest.raises(RuntimeError, match=refusal.format(r"0\.weight")):
+        opt.step()
+    for param, was in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param.float(), was)  # nothing moved
 
 
 def test_torch_save_of_the_optimizer_on_rank_0_resumes_everywhere(both):

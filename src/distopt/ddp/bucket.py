@@ -17,6 +17,7 @@ from torch import nn
 
 from ..comm import collectives as comm
 from ..layout.elementwise import BucketLayout, Range
+from .grad_intake import write_grad
 from .grad_storage import FullGrads, ShardedGrads
 from .param_storage import SAME_MODULES, FullParams, ShardedParams
 from .state import BUCKET_TRANSITIONS, BucketState, advance
@@ -138,7 +139,10 @@ class Bucket:
         elif self.state is BucketState.EMPTY:
             self._advance(BucketState.FILLING)
         self.storage.begin_grads(self)
-        if param in self._written:
+        if grad.requires_grad or grad.is_sparse:  # [Note: grads as torch DDP takes them]
+            write_grad(param.main_grad, grad, add=param in self._written)
+            self._written.add(param)
+        elif param in self._written:
             param.main_grad.add_(grad)
         else:  # see [Note: grads written, not zeroed]
             param.main_grad.copy_(grad)

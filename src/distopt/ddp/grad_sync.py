@@ -60,14 +60,15 @@ rank holds the stage's grads and params whole during the step, not between steps
 
 [Note: params without a grad]
 A param that got no grad in any backward of a step is torch DDP's error unless
-``find_unused_parameters`` is set: torch refuses it at the next forward. Stepping it on a zero
-grad instead would move it where ``torch.optim`` leaves it (weight decay, momentum), so
-``finish`` refuses it too, naming it. The refusal comes after the step's reductions, which
-every rank runs alike whatever it used: where the params without a grad differ by rank (an
-expert no token of this rank's batch chose), the ranks that used everything are not left
-waiting in a collective, and the step stops before any param moves. With
-``find_unused_parameters`` the ranks agree which params no rank used (one small all-reduce)
-and leave those out of the step; a param used on some ranks only is stepped on the average.
+``find_unused_parameters`` is set: torch refuses it at the next forward (so is a param frozen
+after wrapping for the whole step: [Note: params frozen after wrapping] in ddp/trainable.py).
+Stepping it on a zero grad instead would move it where ``torch.optim`` leaves it (weight decay,
+momentum), so ``finish`` refuses it too, naming it. The refusal comes after the step's
+reductions, which every rank runs alike whatever it used: where the params without a grad differ
+by rank (an expert no token of this rank's batch chose), the ranks that used everything are not
+left waiting in a collective, and the step stops before any param moves. With
+``find_unused_parameters`` the ranks agree which params no rank used (one small all-reduce) and
+leave those out of the step; a param used on some ranks only is stepped on the average.
 """
 
 from __future__ import annotations
@@ -421,7 +422,8 @@ class GradSync:
             f"{len(names)} parameter(s) of {self.model_name} got no gradient in this step on "
             f"this rank ({shown}), and find_unused_parameters is False: torch DDP refuses "
             f"this too. Pass find_unused_parameters=True, which reduces the others and leaves "
-            f"a parameter no rank used out of the step, as torch.optim skips a grad of None; "
+            f"a parameter no rank used (or one frozen for the whole step) out of the step, as "
+            f"torch.optim skips a grad of None; "
             f"or freeze it (requires_grad=False) before wrapping; or use it in the forward"
         )
 

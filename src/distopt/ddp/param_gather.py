@@ -3,9 +3,10 @@
 [Note: param gather]
 After the optimizer updated its shard, each bucket's ``param_data`` is all-gathered from the
 shards. With ``overlap_param_gather`` the gathers are started asynchronously (the first layers'
-buckets first) and each module waits, in a forward pre-hook, only for the buckets of its own
-parameters. Anything still in flight when the wrapped forward returns is waited for, so a
-parameter read outside a module's own forward (a tied head) is never stale afterwards.
+buckets first) and each module waits, in a forward pre-hook that runs before its other
+pre-hooks, only for the buckets of its own parameters. Anything still in flight when the
+wrapped forward returns is waited for, so a parameter read outside a module's own forward (a
+tied head) is never stale afterwards.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def register_param_wait_hooks(
             key=lambda b: b.order,
         )
         if buckets:
+            # Before the module's own pre-hooks, which may read its params (torch's
+            # spectral_norm computes the weight from weight_orig in one).
             hooks.append(submodule.register_forward_pre_hook(
-                ModuleHook(_wait_hook(buckets, gathers_in_flight))))
+                ModuleHook(_wait_hook(buckets, gathers_in_flight)), prepend=True))
     return hooks
 
 

@@ -49,6 +49,11 @@ def name_params(names: dict[nn.Parameter, str]) -> None:
     _names.update((id(param), name) for param, name in names.items())
 
 
+def name_of(param: nn.Parameter) -> str:
+    """The name ``name_params`` recorded for ``param`` in its wrapped model."""
+    return _names.get(id(param), "?")
+
+
 def show_between_uses(param: nn.Parameter) -> None:
     """The param is a placeholder now: value reads raise. See [Note: reads between uses]."""
     if type(param) is nn.Parameter:

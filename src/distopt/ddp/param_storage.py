@@ -48,8 +48,9 @@ from torch import nn
 
 from ..comm import collectives as comm
 from ..layout.elementwise import Range
-from ..parallel.dtensor import alias_local, local_tensor
-from .param_placeholder import show_between_uses, show_in_use
+from ..parallel.dtensor import alias_local, is_dtensor, local_tensor
+from .param_placeholder import name_of, show_between_uses, show_in_use
+from .rebound_params import take_up
 from .state import PARAM_TRANSITIONS, ParamState, advance
 
 # What a sharded-params collective that timed out names beside a stuck rank; see
@@ -192,8 +193,16 @@ class ShardedParams:
 
     def keep_writes(self, rank: int) -> None:
         """Copy this rank's part of the gathered buffer back into the shard where anything
-        wrote into the buffer since it was gathered (``p.copy_`` inside ``gathered_params()``)."""
-        if self.state is not ParamState.GATHERED or self._write_count() == self._gathered_version:
+        wrote into the buffer since it was gathered (``p.copy_`` inside ``gathered_params()``),
+        or a param was rebound to other storage (``vector_to_parameters``; its values go into
+        the buffer first, [Note: params rebound] in ddp/rebound_params.py)."""
+        if self.state is not ParamState.GATHERED:
+            return
+        for param, slot, shape in self._slots:  # [Note: params rebound]
+            view = self._full[slot.start : slot.end].view(shape)
+            if not is_dtensor(param) and param.data_ptr() != view.data_ptr():
+                take_up(param, view, name_of(param))  # a write into the buffer: kept below
+        if self._write_count() == self._gathered_version:
             return
         size = self.param_shard.numel()
         with torch.no_grad():

@@ -24,6 +24,13 @@ unit where the first forward did not (another branch) reads the placeholder, whi
 naming the param ([Note: reads between uses] in ddp/param_placeholder.py): a branch that calls
 the unit's module itself is always safe.
 
+A module's own pre-hooks read its params too: torch's ``spectral_norm``, ``weight_norm`` and
+``prune`` compute ``module.weight`` from ``weight_orig`` (or ``weight_g`` and ``weight_v``) in a
+forward pre-hook registered before wrapping. The gathering pre-hooks are therefore prepended
+(``prepend=True``), so that they run before any pre-hook the module had or gets later, and
+its forward hooks appended, so that the module's own forward hooks still see the params
+gathered.
+
 The transient memory is then: the units running (nested ones inside their parents), the next
 unit prefetched, the loose buckets in use, and buckets whose grads are not all in yet; with
 ``reshard_after_forward=False`` every unit the forward ran, until its grads are in.
@@ -33,17 +40,19 @@ bound] in memory.py).
 [Note: every rank runs the same modules]
 A user's hooks gather on every rank at once, so every rank must run the forward of the same
 users, as FSDP2 requires of its units. A module run on some ranks only, chosen by the data,
-breaks that: a mixture of experts with an ``nn.Module`` per expert that skips an expert no
-token of this rank's batch was routed to (transformers' Mixtral before its experts became one
-module with stacked weights) gathers that expert's bucket where it ran, while the ranks that
-skipped it are in another collective. What follows is not distopt's to choose: a wait until
-the process group's timeout (whose ``CollectiveError`` names this cause and the fix), an abort
-inside gloo where the parted collectives differ in size, or, where they are the same size, one
-bucket's shards gathered into another's. No rank can tell alone that its peers ran other
-modules, so it is the caller's rule, not checked: run an idle expert on an empty batch (its
-grads are zeros), or hold the experts as one module's stacked weights (transformers' Mixtral
-since v5), which always runs and gives an idle expert's slice a zero grad. Branches that every
-rank takes or skips alike (the same step, the same flag) need only ``find_unused_parameters``.
+breaks that: a mixture of experts with an ``nn.Module`` per expert that skips an expert no token
+of this rank's batch was routed to (transformers' Mixtral before its experts became one module
+with stacked weights) gathers that expert's bucket where it ran, while the ranks that skipped it
+are in another collective. What follows is not distopt's to choose: a wait until the process
+group's timeout (whose ``CollectiveError`` names this cause and the fix), an abort inside gloo
+where the parted collectives differ in size, or, where they are the same size, one bucket's
+shards gathered into another's. No rank can tell alone that its peers ran other modules, so it
+is the caller's rule, not checked (the check at the start of each forward and backward,
+[Note: every rank runs every forward] in ddp/forward_check.py, sees whole forwards only): run
+an idle expert on an empty batch (its grads are zeros), or hold the experts as one module's
+stacked weights (transformers' Mixtral since v5), which always runs and gives an idle expert's
+slice a zero grad. Branches that every rank takes or skips alike (the same step, the same flag)
+need only ``find_unused_parameters``.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .bucket import Bucket
+from .forward_check import ForwardCheck
 from .gather_units import GatherUnit
 from .module_hooks import ModuleHook
 
@@ -67,9 +77,12 @@ class ParamUnsharder:
 
     def __init__(self, module: nn.Module, units: list[GatherUnit],
                  bucket_of: dict[nn.Parameter, Bucket], launch_order: list[Bucket], *,
-                 reshard_after_forward: bool, holding: Callable[[], bool] = lambda: False
-                 ) -> None:
+                 reshard_after_forward: bool, holding: Callable[[], bool] = lambda: False,
+                 check: ForwardCheck | None = None) -> None:
         self.module = module
+        # Every rank starts the same forwards and backwards: [Note: every rank runs every
+        # forward] in ddp/forward_check.py (the wrapper checks its forwards with it).
+        self.check = check
         self.holding = holding  # a step held whole: nothing freed ([Note: a step held whole])
         self.bucket_of = bucket_of
         self.reshard_after_forward = reshard_after_forward
@@ -92,6 +105,7 @@ class ParamUnsharder:
         self._deferred: tuple[int, int] | None = None  # (unit to prefetch, unit it waits for)
         for bucket in self.forward_order:
             bucket.params_store.pool.on_free = self._prefetch_deferred
+        self._in_backward = False  # a backward through the units is running
         self._hook()
         self.learned = False
 
@@ -116,7 +130,8 @@ class ParamUnsharder:
         self._previous = {u: self._order[k - 1] if k > 0 else None
                           for k, u in enumerate(self._order)}
         self.hooks = [hook for user in self._users for hook in (
-            user.register_forward_pre_hook(ModuleHook(self._before_forward)),
+            # First of the module's pre-hooks: see "A module's own pre-hooks" in the Note.
+            user.register_forward_pre_hook(ModuleHook(self._before_forward), prepend=True),
             user.register_forward_hook(ModuleHook(self._after_forward)),
         )]
 
@@ -127,6 +142,7 @@ class ParamUnsharder:
         params outside their units if not yet."""
         self._running = {}
         self._deferred = None
+        self._in_backward = False  # a backward that raised never ran its callback
         if self.learned:
             self._pinned.clear()  # only the first forward pins; see read_outside_unit
             return run()
@@ -193,6 +209,11 @@ class ParamUnsharder:
                 bucket.release_params()
 
     def _before_backward(self, module: nn.Module) -> None:
+        if not self._in_backward:  # the first unit of this backward
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            if self.check is not None:
+                self.check.backward()
         for bucket in self._users[module]:
             bucket.use_params()
         unit = self._unit_index.get(module)
@@ -207,6 +228,17 @@ class ParamUnsharder:
                 self._prefetch(self._previous.get(unit))
         else:  # backward meets the buckets in launch order: the one before its first
             self._prefetch_bucket(self._position[self._users[module][0]] - 1)
+
+    def _after_backward(self) -> None:
+        # Buckets whose params are all frozen get no grad, so no grad frees them: freed here,
+        # the grad sync freeing the rest ([Note: params frozen after wrapping] in
+        # ddp/trainable.py).
+        self._in_backward = False
+        if self.holding():
+            return
+        for bucket in self.forward_order:
+            if bucket.param_data is not None and not any(p.requires_grad for p in bucket.params):
+                bucket.release_params()
 
     def _gathered(self, unit: int) -> bool:
         return any(b.param_data is not None for b in self._unit_buckets[unit])

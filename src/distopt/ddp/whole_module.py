@@ -171,6 +171,7 @@ class WholeModule:
             return
         # Nothing may still write into the buffers once the params stop being their views.
         self._grad_sync.release()
+        self._rebound = None  # the params get storage of their own below
         if self._unsharder is not None:
             self._params_own_storage()
             self._unsharder.remove_hooks()

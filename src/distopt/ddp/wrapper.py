@@ -34,6 +34,7 @@ from ..sharding import Sharding
 from . import param_owners, torch_dcp, torch_spellings
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
+from .forward_check import ForwardCheck
 from .gather_units import (
     GatherUnit,
     GatherUnitPolicy,
@@ -52,17 +53,20 @@ from .param_gather import register_param_wait_hooks
 from .param_placeholder import name_params
 from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
+from .rebound_params import rebound_params_of
 from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
 from .state import SyncState
 from .tied import resolve_tied_params
+from .trainable import FrozenAtWrapping
 from .whole_module import WholeModule
 from .whole_tensor_params import costs_of_classes
+from .wrapper_copy import NotCopied
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
+class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.Module):
     """Data parallelism over contiguous, bucketed param and grad buffers.
 
     Args:
@@ -274,9 +278,10 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
         self._param_index = {p: i for i, p in enumerate(self.params)}
         self._unit_of: dict[nn.Parameter, int] | None = None  # sharded params' gather units
-        # Every param whose requires_grad the forward checks is unchanged since wrapping.
-        self._watched = [(n, p, p in self._param_index) for n, p in module.named_parameters()
-                         if p.numel() > 0 and n not in ignored]
+        # Made trainable, they are refused: [Note: params frozen after wrapping].
+        self._frozen_at_wrapping = FrozenAtWrapping(
+            [(n, p) for n, p in module.named_parameters()
+             if p.numel() > 0 and n not in ignored and p not in self._param_index])
         # One stage's refusal is every stage's: [Note: refusals across stages].
         with stages_agree(self.parallel.pp_group):
             # Known by the tie's name from here on; see [Note: tied stage params].
@@ -401,6 +406,7 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         for order, bucket in enumerate(buckets):
             bucket.order = order
         self._buffer_of = {p: buf for buf in self._flat_buffers for p in buf.params}
+        self._rebound = rebound_params_of(self._flat_buffers, self.param_names)
         self._grad_sync = GradSync(buckets, self.params, self.param_names, self.options,
                                    self.parallel, self.grad_pools, self.comm_stats,
                                    self._dtensor_params, experts=self.experts,
@@ -417,7 +423,9 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self._unsharder = ParamUnsharder(
                 self.module, self.gather_units, self._grad_sync.bucket_of, buckets,
                 reshard_after_forward=self.options.reshard_after_forward,
-                holding=lambda: self._grad_sync.hold_step)
+                holding=lambda: self._grad_sync.hold_step,
+                check=ForwardCheck(self.process_group, self._device,
+                                   self._grad_sync.model_name, self.comm_stats))
         self._grad_sync.hold_step = self._hold_step
 
     def _refused_reads(self) -> dict[nn.Parameter, str]:
@@ -481,20 +489,6 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
             self._params_own_storage()
         self._lay_out(whole_tensor_costs)  # the old buffers go once nothing views them
         self._owners_set_by = by
-
-    def _check_trainable_unchanged(self) -> None:
-        """Refuse a param whose ``requires_grad`` changed since wrapping (the buffers hold the
-        params that were trainable then): it would never be stepped, or be stepped frozen. The
-        same on every rank that runs the same code, before any collective of the forward."""
-        for name, param, wrapped in self._watched:
-            if param.requires_grad != wrapped:
-                became = "trainable" if param.requires_grad else "frozen"
-                raise RuntimeError(
-                    f"parameter '{name}' became {became} after the module was wrapped: "
-                    "distopt laid its buffers out for the params trainable then. Set "
-                    "requires_grad before distopt.DistributedDataParallel(...), or wrap the "
-                    "module again (ddp.release(), then a new DDP and optimizer)"
-                )
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """torch DDP's communication hook: torch's default ``allreduce_hook`` is what distopt
@@ -630,7 +624,11 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
                 moved: each process feeds its own batch, on the module's device).
             **kwargs: the module's keyword inputs, passed on unchanged.
         """
-        self._check_trainable_unchanged()
+        self._frozen_at_wrapping.check()  # see [Note: params frozen after wrapping]
+        if self._rebound is not None:  # see [Note: params rebound] in ddp/rebound_params.py
+            self._rebound.glance()
+        else:  # sharded params: [Note: every rank runs every forward] in ddp/forward_check.py
+            self._unsharder.check.forward(self.training)
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
         if self._unsharder is not None:  # see [Note: where a param is used]
@@ -641,6 +639,13 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, nn.Module):
         if self._gathers_in_flight:
             self.finish_param_sync()
         return output
+
+    def adopt_rebound_params(self) -> None:
+        """Take back into the buffers the values of params whose ``.data`` was rebound to
+        other storage (``torch.nn.utils.vector_to_parameters``); the optimizer's step and
+        state dicts do it first. See [Note: params rebound] in ddp/rebound_params.py."""
+        if self._rebound is not None:
+            self._rebound.take_up()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

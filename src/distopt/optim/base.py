@@ -401,7 +401,11 @@ class BufferOptimizer(torch.optim.Optimizer):
     def adopt_param_writes(self) -> None:
         """Make the fp32 main params follow whatever was written into the model's params since
         distopt last wrote them (a load into the module, ``p.copy_``); each step and each
-        state dict does it first. See [Note: writes into the params] in optim/main_params.py."""
+        state dict does it first. See [Note: writes into the params] in optim/main_params.py;
+        params whose ``.data`` was rebound (``vector_to_parameters``) are taken back into the
+        buffers first ([Note: params rebound] in ddp/rebound_params.py)."""
+        for model in self.models:
+            model.adopt_rebound_params()
         for owned in self._owned:
             owned.adopt_param_writes()
 
