@@ -10,10 +10,9 @@ gathers), ``no_sync``, the param gathers after a step, and ``release()``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,17 +23,15 @@ from ..comm import collectives as comm
 from ..cross_rank.model import check_same_model
 from ..cross_rank.stages import stages_agree
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
-from ..layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
+from ..layout.model_layout import resolve_bucket_size
 from ..options import GradSyncOptions
-from ..parallel.dtensor import is_dtensor, local_tensor
+from ..parallel.dtensor import is_dtensor
 from ..parallel.experts import ExpertParallel, ExpertParams
 from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from ..parallel.tensor_parallel import TensorParallelMesh, check_params
 from ..sharding import Sharding
 from . import param_owners, torch_dcp, torch_spellings
-from .bucket import Bucket
-from .buffer import ParamAndGradBuffer
-from .forward_check import ForwardCheck
+from .buffer_layout import BufferLayout
 from .gather_units import (
     GatherUnit,
     GatherUnitPolicy,
@@ -42,21 +39,15 @@ from .gather_units import (
     unit_bucket_size,
     unit_index_of,
 )
-from .grad_pool import GradPool, grad_pools_for
-from .grad_reads import GradReads
-from .grad_sync import GradSync
 from .materialize import check_materializable, has_meta_tensors, materialize_shards, target_device
 from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
 from .module_hooks import ModuleHook
 from .module_params import broadcast_initial_weights, trainable_named_params
-from .param_gather import register_param_wait_hooks
 from .param_placeholder import name_params
-from .param_storage import ParamPool, param_pools_for
 from .param_unshard import ParamUnsharder
-from .rebound_params import rebound_params_of
 from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
-from .state import SyncState
 from .tied import resolve_tied_params
+from .torch_ddp_methods import TorchDDPMethods
 from .trainable import FrozenAtWrapping
 from .whole_module import WholeModule
 from .whole_tensor_params import costs_of_classes
@@ -66,7 +57,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.Module):
+class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, PipelineStageMethods,
+                              NotCopied, nn.Module):
     """Data parallelism over contiguous, bucketed param and grad buffers.
 
     Args:
@@ -358,228 +350,6 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
             )
         ]
 
-    def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
-        experts = frozenset() if self.experts is None else self.experts.params
-        units = self._unit_of
-        return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p),
-                          alone=p in self.tied_params, expert=p in experts,
-                          unit=None if units is None else units.get(p, -1))
-                for p in self.params]
-
-    def _lay_out(self, whole_costs: dict[nn.Parameter, float]) -> None:
-        """Lay the buffers out, each param in ``whole_costs`` owned whole by one rank (owners
-        balancing the summed costs), every other param in element-wise shards, and build the
-        grad sync over their buckets. Deterministic: every rank lays out the same buffers
-        without communicating."""
-        planned = plan_model_layout(
-            self._param_specs(whole_costs), grad_dtype=self.options.grad_dtype,
-            bucket_size=self.bucket_size, dp_size=self.dp_size,
-            expert_dp_size=None if self.experts is None else self.experts.parallel.expert_dp_size,
-        )
-        policy = self.options.grad_policy
-        overlaps = self.dp_size > 1 and self.options.overlap_grad_reduce
-        self.grad_pools: dict[torch.dtype, GradPool] = (
-            {} if policy.full_grads
-            else grad_pools_for(planned.buffers, self._device, overlaps=overlaps,
-                                blocking=self.experts is None))
-        self.param_pools: dict[torch.dtype, ParamPool] = (
-            {} if policy.full_params else param_pools_for(planned.buffers))
-        self._whole_tensor_costs = dict(whole_costs)
-        self._flat_buffers = [
-            ParamAndGradBuffer(
-                [self.params[i] for i in buf.param_indices],
-                buf.layout,
-                grad_dtype=buf.grad_dtype,
-                **self._buffer_groups(buf.expert),
-                replicate_group=self.parallel.replicate_group,
-                reduce_scatter=policy.reduce_scatter,
-                stats=self.comm_stats,
-                fp32_accumulation=self.options.reduces_with_fp32_accumulation(buf.grad_dtype),
-                check_local_grads=self.options.check_for_nan_in_grad,
-                grad_pool=self.grad_pools.get(buf.grad_dtype),
-                param_pool=self.param_pools.get(buf.param_dtype),
-                device=self._device,
-            )
-            for buf in planned.buffers
-        ]
-        buckets = [self._flat_buffers[b].buckets[k] for b, k in planned.launch_order]
-        for order, bucket in enumerate(buckets):
-            bucket.order = order
-        self._buffer_of = {p: buf for buf in self._flat_buffers for p in buf.params}
-        self._rebound = rebound_params_of(self._flat_buffers, self.param_names)
-        self._grad_sync = GradSync(buckets, self.params, self.param_names, self.options,
-                                   self.parallel, self.grad_pools, self.comm_stats,
-                                   self._dtensor_params, experts=self.experts,
-                                   refused_reads=self._refused_reads(), device=self._device)
-        self._grad_sync.model_name = f"the distopt DDP of {type(self.module).__name__}"
-        for hook in self._param_wait_hooks:
-            hook.remove()
-        if self._unsharder is not None:
-            self._unsharder.remove_hooks()
-        if policy.full_params:
-            self._param_wait_hooks = register_param_wait_hooks(
-                self.module, self._grad_sync.bucket_of, lambda: self._gathers_in_flight)
-        else:  # see [Note: sharded params] in ddp/param_storage.py
-            self._unsharder = ParamUnsharder(
-                self.module, self.gather_units, self._grad_sync.bucket_of, buckets,
-                reshard_after_forward=self.options.reshard_after_forward,
-                holding=lambda: self._grad_sync.hold_step,
-                check=ForwardCheck(self.process_group, self._device,
-                                   self._grad_sync.model_name, self.comm_stats))
-        self._grad_sync.hold_step = self._hold_step
-
-    def _refused_reads(self) -> dict[nn.Parameter, str]:
-        """The params whose ``p.grad`` answers nothing, each with why; see [Note: p.grad
-        under distopt] in ddp/grad_marker.py."""
-        use = ("; pass the optimizer clip_grad= (one norm over every rank, "
-               "opt.step().grad_norm) or clip_grad_value= instead")
-        refused = {p: ("is a tensor-parallel DTensor: torch's p.grad would be a DTensor, whose "
-                       f"norm is a collective over the TP mesh, and distopt makes none{use}")
-                   for p in self._dtensor_params}
-        if self.experts is not None:
-            refused.update({p: ("is an expert's: the ranks hold other experts under the same "
-                                "names, so a norm over model.parameters() would differ by "
-                                f"rank{use}") for p in self.experts.params})
-        refused.update({p: ("is tied to a weight of another pipeline stage: the step sums its "
-                            f"grad over the stages{use}") for p in self.tied_params})
-        return refused
-
-    def _buffer_groups(self, expert: bool) -> dict[str, Any]:
-        """The group a buffer's buckets reduce and gather over, this rank's place in it, and
-        the factor grads take first: the expert-DP group for experts' buffers (see
-        [Note: expert parallelism] in parallel/experts.py), else the data-parallel group."""
-        if expert and self.experts is not None:
-            return self.experts.parallel.buffer_options()
-        return dict(dp_rank=self.dp_rank, group=self.process_group)
-
-    def lay_out_for(self, whole_tensor_costs: dict[nn.Parameter, float], *, by: str) -> None:
-        """Make sure the buffers are laid out for these owners of whole tensors: the layout
-        the DDP was built with, or (once, before the first backward) a new one. ``by`` names
-        the caller in errors. See [Note: layout planned once] in layout/model_layout.py.
-
-        Args:
-            whole_tensor_costs: every param an optimizer steps whole, with the cost its
-                owner's choice balances (what ``distopt.register_whole_tensor_optimizer``'s
-                ``cost`` gives for its shape); params not named are sharded element by
-                element. Each must be a trainable param of this model.
-            by: who asks, e.g. "DistributedOptimizer", named in the error when the buffers
-                are laid out for other owners already.
-        """
-        self._check_live()
-        unknown = [p for p in whole_tensor_costs if p not in self._param_index]
-        if unknown:
-            raise ValueError(
-                f"{by} named {len(unknown)} tensor(s) that are not trainable parameters of this "
-                "model"
-            )
-        if whole_tensor_costs == self._whole_tensor_costs:
-            self._owners_set_by = self._owners_set_by or by
-            return
-        if self._owners_set_by is not None or self._backward_seen:
-            why = (f"by {self._owners_set_by}" if self._owners_set_by
-                   else "element-wise, and a backward ran on it")
-            raise ValueError(
-                "the model's buffers are already laid out for other owners of whole tensors "
-                f"({len(self._whole_tensor_costs)} params owned whole, {why}; {by} needs "
-                f"{len(whole_tensor_costs)}): they are laid out once; build the optimizer "
-                "right after distopt.DistributedDataParallel(...), before the first backward, "
-                "one optimizer per DDP, or pass whole_tensor_params= to the DDP"
-            )
-        if self._unsharder is not None:  # the new buffers take the params' values
-            self._params_own_storage()
-        self._lay_out(whole_tensor_costs)  # the old buffers go once nothing views them
-        self._owners_set_by = by
-
-    def register_comm_hook(self, state: object, hook: Any) -> None:
-        """torch DDP's communication hook: torch's default ``allreduce_hook`` is what distopt
-        does already and is accepted; any other hook is refused, naming distopt's way to its
-        end (hooks run on torch's own flattened buckets, which distopt does not have). See
-        [Note: torch DDP's spellings] in ddp/torch_spellings.py.
-
-        Args:
-            state: the hook's state object, as torch takes it; unused, since no hook runs.
-            hook: the communication hook: torch's ``allreduce_hook`` is accepted, its fp16 and
-                bf16 compression hooks are refused naming ``grad_dtype=``, any other by name.
-        """
-        torch_spellings.check_comm_hook(hook)
-
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        """torch DDP's uneven-inputs context: refused (see ``torch_spellings.refuse_join``).
-
-        Args:
-            *args: torch's arguments (``divide_by_initial_world_size``, ``enable``,
-                ``throw_on_early_termination``); any refuses alike: give every rank the same
-                number of batches instead.
-            **kwargs: the same, by keyword.
-        """
-        torch_spellings.refuse_join()
-
-    def join_hook(self, **kwargs: Any) -> Any:
-        """What ``torch.distributed.algorithms.Join([ddp])`` asks for: refused as ``join``.
-
-        Args:
-            **kwargs: the options ``Join`` passes on (``divide_by_initial_world_size``); any
-                refuses alike.
-        """
-        torch_spellings.refuse_join()
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(
-            module: nn.Module, params_and_buffers_to_ignore: Sequence[str]) -> None:
-        """torch DDP's ignore list, set on ``module`` before wrapping it: those params and
-        buffers stay local to each rank; see [Note: torch DDP's spellings]."""
-        torch_spellings.set_ignore_list(module, params_and_buffers_to_ignore)
-
-    @property
-    def hold_step(self) -> bool:
-        """With sharded grads or params: whether backwards under ``no_sync()`` keep the step's
-        grads whole and its params gathered, for one reduction and one gather per step (a
-        pipeline stage's micro-batches; ``distopt.pipelining.PipelineStage`` sets it). See
-        [Note: a step held whole] in ddp/grad_sync.py."""
-        return self._hold_step
-
-    @hold_step.setter
-    def hold_step(self, value: bool) -> None:
-        self._hold_step = bool(value)
-        self._grad_sync.hold_step = self._hold_step
-
-    @property
-    def flat_buffers(self) -> list[ParamAndGradBuffer]:
-        """One contiguous param and grad buffer per param dtype."""
-        return self._flat_buffers
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        """Every bucket of every buffer, in launch order."""
-        return self._grad_sync.buckets
-
-    @property
-    def buffer_of(self) -> dict[nn.Parameter, ParamAndGradBuffer]:
-        """The buffer that holds each param."""
-        return self._buffer_of
-
-    @property
-    def whole_tensor_costs(self) -> dict[nn.Parameter, float]:
-        """The params owned whole by one rank, with the cost their owners balance."""
-        return dict(self._whole_tensor_costs)
-
-    @property
-    def grad_reads(self) -> GradReads:
-        """What ``p.grad`` of this model's params answers between backward and step: the
-        reduced grads' norms, agreed over the ranks, and their scaling and clamping in place;
-        see [Note: p.grad under distopt] in ddp/grad_marker.py."""
-        return self._grad_sync.reads
-
-    @property
-    def sync_state(self) -> SyncState:
-        """Where the step's grad sync is; see [Note: step states] in ddp/state.py."""
-        return self._grad_sync.state
-
-    @property
-    def unused_params(self) -> frozenset[nn.Parameter]:
-        """With find_unused_parameters: the params no rank computed a grad for this step."""
-        return self._grad_sync.unused_params
-
     @classmethod
     def for_this_process(cls, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
         """Wrap ``module`` for training on this process alone, without communication, even
@@ -639,37 +409,6 @@ class DistributedDataParallel(WholeModule, PipelineStageMethods, NotCopied, nn.M
         if self._gathers_in_flight:
             self.finish_param_sync()
         return output
-
-    def adopt_rebound_params(self) -> None:
-        """Take back into the buffers the values of params whose ``.data`` was rebound to
-        other storage (``torch.nn.utils.vector_to_parameters``); the optimizer's step and
-        state dicts do it first. See [Note: params rebound] in ddp/rebound_params.py."""
-        if self._rebound is not None:
-            self._rebound.take_up()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate grads in the buffer without reducing them (micro-batches). As with torch
-        DDP, a forward inside may still broadcast module buffers (the first micro-batch's) and
-        the forward after one run inside does not; see [Note: buffer broadcasting]."""
-        sync = self._grad_sync
-        previous = sync.sync_enabled
-        sync.sync_enabled = False
-        try:
-            yield
-        finally:
-            sync.sync_enabled = previous
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """torch DDP's flag, which ``no_sync()`` clears and nanoGPT sets by hand
-        (``model.require_backward_grad_sync = last_micro_step``): whether the next backward
-        reduces its grads (False: they accumulate in the buffers, as under ``no_sync()``)."""
-        return self._grad_sync.sync_enabled
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        self._grad_sync.sync_enabled = bool(value)
 
     def _before_accumulate(self, param: nn.Parameter, _grad: torch.Tensor) -> None:
         # Tensor hook, before autograd accumulates into param.grad; see
