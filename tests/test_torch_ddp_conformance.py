@@ -7,6 +7,14 @@ wrapper's ``nn.Module`` methods come first: ``state_dict()``, ``load_state_dict(
 ``named_parameters()``, ``named_buffers()``, ``parameters()``, ``modules()`` and ``train()`` /
 ``eval()``, keyed ``module.`` as torch DDP keys them. With sharded params a state dict is read
 inside ``ddp.gathered_params()`` (between uses it is refused, tests/test_torch_ddp_args.py).
+
+Then torch DDP scripts with two lines changed (issue #57), each trained both ways:
+``backward(create_graph=True)``; sparse ``nn.Embedding`` / ``nn.EmbeddingBag``;
+``spectral_norm``, ``weight_norm`` and ``prune`` applied before wrapping; ``copy.deepcopy(ddp)``
+(refused, naming a copy of the module, which is then compared); ``vector_to_parameters``
+between steps, in fp32 and bf16; a CycleGAN loop that freezes its discriminators; and an
+evaluation on rank 0 alone (nanoGPT's ``estimate_loss()``), which sharded params refuse on
+every rank.
 """
 
 from __future__ import annotations

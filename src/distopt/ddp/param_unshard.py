@@ -80,8 +80,8 @@ class ParamUnsharder:
                  reshard_after_forward: bool, holding: Callable[[], bool] = lambda: False,
                  check: ForwardCheck | None = None) -> None:
         self.module = module
-        # Every rank starts the same forwards and backwards: [Note: every rank runs every
-        # forward] in ddp/forward_check.py (the wrapper checks its forwards with it).
+        # Every rank starts the same forwards and backwards (None: not checked, a released
+        # wrapper's): [Note: every rank runs every forward] in ddp/forward_check.py.
         self.check = check
         self.holding = holding  # a step held whole: nothing freed ([Note: a step held whole])
         self.bucket_of = bucket_of
@@ -160,6 +160,11 @@ class ParamUnsharder:
         self._hook()
         self.learned = True
         return output
+
+    def check_forward(self, training: bool) -> None:
+        """Before the wrapper's forward, its first collective: every rank starts it."""
+        if self.check is not None:
+            self.check.forward(training)
 
     def read_outside_unit(self, reader: nn.Module, param: nn.Parameter) -> None:
         """The first forward read ``param`` in ``reader``, outside its unit's forward:

@@ -175,6 +175,7 @@ class WholeModule:
         if self._unsharder is not None:
             self._params_own_storage()
             self._unsharder.remove_hooks()
+            self._unsharder.check = None  # its forwards communicate nothing any more
         self._gathers_in_flight = False
         for handle in (*self._grad_hooks, *self._param_wait_hooks,
                        *getattr(self, "_module_state_hooks", ())):

@@ -395,10 +395,10 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
             **kwargs: the module's keyword inputs, passed on unchanged.
         """
         self._frozen_at_wrapping.check()  # see [Note: params frozen after wrapping]
-        if self._rebound is not None:  # see [Note: params rebound] in ddp/rebound_params.py
+        if self._unsharder is not None:  # see [Note: every rank runs every forward]
+            self._unsharder.check_forward(self.training)
+        elif self._rebound is not None:  # see [Note: params rebound] in ddp/rebound_params.py
             self._rebound.glance()
-        else:  # sharded params: [Note: every rank runs every forward] in ddp/forward_check.py
-            self._unsharder.check.forward(self.training)
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
         if self._unsharder is not None:  # see [Note: where a param is used]
