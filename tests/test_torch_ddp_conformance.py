@@ -265,13 +265,7 @@ def weight_hooks(mode: str) -> float:
     their pre-hooks read the params."""
     ends = []
     for kind in ("torch", "distopt"):
-        model = _reparametrized()
-        if kind == "torch":
-            ddp = nn.parallel.DistributedDataParallel(model)
-            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        else:
-            ddp = distopt.DistributedDataParallel(model, **MODES[mode])
-            opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+        ddp, opt = _wrapped(kind, mode, model=_reparametrized())
         _train(ddp, opt, range(STEPS + 1))
         ends.append(_state(ddp))
     return _largest_difference(*ends)
@@ -430,12 +424,7 @@ def forward_on_one_rank(mode: str) -> dict:
         ends, errors, losses = [], {}, []
         for kind in ("torch", "distopt"):
             model = _plain_model()
-            if kind == "torch":
-                ddp = nn.parallel.DistributedDataParallel(model)
-                opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-            else:
-                ddp = distopt.DistributedDataParallel(model, **MODES[mode])
-                opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
+            ddp, opt = _wrapped(kind, mode, model=model)
             try:
                 for step in range(STEPS + 1):
                     x, y = _batch(step)
