@@ -67,7 +67,8 @@ def train(model, ddp, opt, dp: int, dp_rank: int, steps: range) -> list[list[tor
         mine = slice(dp_rank * per, (dp_rank + 1) * per)
         F.mse_loss(ddp(x[mine]), y[mine]).backward()
         opt.step()
-        ddp.finish_param_sync()
+        if isinstance(ddp, distopt.DistributedDataParallel):  # torch's DDP: in place already
+            ddp.finish_param_sync()
         out.append([full(p).clone() for p in model.parameters()])
     return out
 

@@ -205,6 +205,8 @@ CONFIGS = {
              {"store_param_remainders": True, "state_dtype": BF16}),
     "muon": ({}, torch.optim.Muon, {"adjust_lr_fn": "match_rms_adamw"}),
     "adafactor": ({"shard_params": True}, torch.optim.Adafactor, {}),
+    # Scaled state: an fp8 mantissa and a power-of-two exponent per block, given as fp32.
+    "fp8-state": ({}, torch.optim.AdamW, {"state_dtype": torch.float8_e4m3fn}),
 }
 
 
@@ -223,12 +225,22 @@ def _bf16_run(config: str) -> tuple[distopt.DistributedDataParallel, torch.optim
     return ddp, opt
 
 
+def _own(value: torch.Tensor) -> torch.Tensor | None:
+    """This rank's elements of a sharded state dict's value (None: it holds none)."""
+    if hasattr(value, "shard"):  # boxes of this rank's flat piece
+        return None if value.shard is None else value.shard.local.clone()
+    return value.detach().clone()
+
+
 def _distopt_ends(ddp, opt) -> dict[str, torch.Tensor]:
+    """This rank's masters and state, as torch's sharded state dicts give them, and the whole
+    params: two runs at the same layout compare piece by piece, with nothing gathered."""
     ddp.finish_param_sync()
-    msd, osd = get_state_dict(ddp, opt, options=FULL)
-    out = {f"model/{k}": v.clone() for k, v in msd.items()}
+    msd, osd = get_state_dict(ddp, opt)
+    values = {f"model/{k}": v for k, v in msd.items()}
     for fqn, state in osd["state"].items():
-        out.update({f"{key}/{fqn}": v.clone() for key, v in state.items()})
+        values.update({f"{key}/{fqn}": v for key, v in state.items()})
+    out = {k: own for k, v in values.items() if (own := _own(v)) is not None}
     out.update({f"param/{k}": v.clone() for k, v in ddp.full_state_dict().items()})
     return out
 
@@ -253,7 +265,9 @@ def resumed_through_torch_functions(config: str) -> dict:
     _train(ddp, opt, range(SAVED_AT, STEPS))
     resumed = _distopt_ends(ddp, opt)
     dtypes = {k: str(v.dtype) for k, v in msd.items()}
-    return {"straight": straight, "resumed": resumed, "dtypes": dtypes}
+    state_keys = sorted({key for entries in osd["state"].values() for key in entries})
+    return {"straight": straight, "resumed": resumed, "dtypes": dtypes,
+            "state_keys": state_keys}
 
 
 WRITES = ["module-load", "set-model", "copy"]
@@ -369,6 +383,8 @@ def test_a_run_resumed_through_torch_functions_is_the_uninterrupted_run(options_
         assert set(v["resumed"]) == set(v["straight"])
         for key, value in v["straight"].items():
             assert torch.equal(v["resumed"][key], value), key
+        # torch's names only: scaled state is given as its values, without its exponents.
+        assert not any("exponents" in key for key in v["state_keys"]), v["state_keys"]
         # The model's entries are the fp32 masters, not the bf16 params.
         assert {d for k, d in v["dtypes"].items() if "running" not in k} == {"torch.float32"}
 
@@ -480,53 +496,39 @@ def tensor_parallel_both_ways() -> dict:
     """A block over a (dp=2, tp=2) mesh and the same block under torch DDP at d = 4 (the same
     four ranks): each saves after two steps with torch's functions, the other resumes and
     trains two more; both end where the uninterrupted tensor-parallel run ends."""
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import parallelize_module
+    from test_tensor_parallel_checkpoint import LR as TP_LR
+    from test_tensor_parallel_checkpoint import WD, build, train
 
-    from helpers import full
-    from models import TP_BATCH, Block, batch, tp_plan
+    from models import Block
 
     path = shared_tmpdir("torch-dcp-tp-")
-    rank = dist.get_rank()
 
-    def build(kind: str):
+    def run(kind: str) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, int, int]:
+        """(model, wrapper, optimizer, dp rank, dp size), the TP checkpoint test's settings."""
+        if kind == "distopt":
+            return (*build(2, 2, seed=0), 2)
         torch.manual_seed(0)
         model = Block()
-        if kind == "torch":
-            ddp = nn.parallel.DistributedDataParallel(model)
-            return model, ddp, torch.optim.AdamW(ddp.parameters(), lr=LR), rank, 4
-        mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model, mesh["tp"], tp_plan())
-        ddp = distopt.DistributedDataParallel(model, device_mesh=mesh, bucket_size=100)
-        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
-        return model, ddp, opt, mesh.get_coordinate()[0], 2
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=TP_LR, weight_decay=WD)
+        return model, ddp, opt, dist.get_rank(), 4
 
-    def train(run, steps: range) -> list[torch.Tensor]:
-        model, ddp, opt, dp_rank, dp = run
-        per = TP_BATCH // dp
-        for step in steps:
-            x, y = batch(step)
-            opt.zero_grad()
-            mine = slice(dp_rank * per, (dp_rank + 1) * per)
-            F.mse_loss(ddp(x[mine]), y[mine]).backward()
-            opt.step()
-        if hasattr(ddp, "finish_param_sync"):
-            ddp.finish_param_sync()
-        return [full(p).clone() for p in model.parameters()]
+    def steps(held, which: range) -> list[torch.Tensor]:
+        model, ddp, opt, dp_rank, dp = held
+        return train(model, ddp, opt, dp, dp_rank, which)[-1]
 
-    straight = train(build("distopt"), range(STEPS))
+    straight = steps(run("distopt"), range(STEPS))
     worst = {}
     for saver, loader in (("distopt", "torch"), ("torch", "distopt")):
-        run = build(saver)
-        train(run, range(SAVED_AT))
-        msd, osd = get_state_dict(run[1], run[2])
+        held = run(saver)
+        steps(held, range(SAVED_AT))
+        msd, osd = get_state_dict(held[1], held[2])
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/{saver}")
-        run = build(loader)
-        msd, osd = get_state_dict(run[1], run[2])
+        held = run(loader)
+        msd, osd = get_state_dict(held[1], held[2])
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{path}/{saver}")
-        set_state_dict(run[1], run[2], model_state_dict=msd, optim_state_dict=osd)
-        ends = train(run, range(SAVED_AT, STEPS))
+        set_state_dict(held[1], held[2], model_state_dict=msd, optim_state_dict=osd)
+        ends = steps(held, range(SAVED_AT, STEPS))
         worst[f"{loader}<-{saver}"] = max((a - b).abs().max().item()
                                           for a, b in zip(ends, straight, strict=True))
     return worst

@@ -114,8 +114,10 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
     return values
 
 
-def consolidated_state_dict(opt: Optimizer, to: int) -> dict[str, Any] | None:
-    """Every rank's ``state_dict`` merged on data-parallel rank ``to`` (None on the others);
+def consolidated_state_dict(opt: Optimizer, to: int | None,
+                            mine: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Every rank's ``state_dict`` (or the part of it given as ``mine``) merged on
+    data-parallel rank ``to`` (None on the others), or on every rank with ``to=None``;
     collective over the data-parallel group. See [Note: torch's way of saving the
     optimizer]."""
     import torch.distributed as dist
@@ -124,12 +126,16 @@ def consolidated_state_dict(opt: Optimizer, to: int) -> dict[str, Any] | None:
 
     group = opt.parallel.dp_group
     size = comm.group_size(group)
-    if not 0 <= to < size:
+    if to is not None and not 0 <= to < size:
         raise ValueError(f"consolidate_state_dict(to={to}): to must be a data-parallel rank in "
                          f"[0, {size})")
-    mine = state_dict(opt)
+    mine = state_dict(opt) if mine is None else mine
     if size == 1:
         return _merged([mine])
+    if to is None:
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, mine, group=group)
+        return _merged(everyone)
     rank = comm.group_rank(group)
     gathered: list[Any] | None = [None] * size if rank == to else None
     dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, to), group=group)

@@ -53,11 +53,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import collectives as comm
 from ..ddp import torch_dcp
 from ..ddp.whole_module import module_entries
-from ..optim.block_scaling import pow2
-from ..optim.state_precision import EXPONENTS
+from ..optim.state_precision import EXPONENTS, scaled_values
 from .checks import agree, check_groups
 from .files import CheckpointError
 from .format import (
@@ -178,7 +176,7 @@ def get_model(call: torch_dcp.DistoptCall) -> dict[str, Any]:
             return {}
         return {k: _offloaded(v, options) for k, v in out.items()}
     if full:
-        merged = _consolidated(opt, options)
+        merged = _consolidated(opt, options, state=False)
         if merged is None:
             return {}
         mains = merged["main_params"]
@@ -201,15 +199,14 @@ def get_model(call: torch_dcp.DistoptCall) -> dict[str, Any]:
     return out
 
 
-def _consolidated(opt: Any, options: Any) -> dict[str, Any] | None:
-    """Every rank's state merged whole (``consolidate_state_dict``'s) on every rank, or with
-    ``cpu_offload`` on global rank 0 alone (None elsewhere), as torch's full state dicts."""
-    merged = consolidated_state_dict(opt, to=0)
-    group = opt.parallel.dp_group
-    if comm.group_size(group) > 1 and not options.cpu_offload:
-        held = [merged]
-        dist.broadcast_object_list(held, src=dist.get_global_rank(group, 0), group=group)
-        merged = held[0]
+def _consolidated(opt: Any, options: Any, *, state: bool) -> dict[str, Any] | None:
+    """Every rank's main params (and with ``state`` its optimizer state) merged whole, as
+    ``consolidate_state_dict`` merges them, on every rank, or with ``cpu_offload`` on global
+    rank 0 alone (None elsewhere), as torch's full state dicts."""
+    mine = state_dict(opt)
+    if not state:  # the model's entries need the masters alone
+        mine["state"] = {}
+    merged = consolidated_state_dict(opt, 0 if options.cpu_offload else None, mine)
     if options.cpu_offload and dist.is_initialized() and dist.get_rank() != 0:
         return None
     return merged
@@ -279,8 +276,8 @@ def _torch_entries(entries: dict[str, Any]) -> dict[str, Any]:
         name = key.removesuffix(EXPONENTS)
         exponents = out.pop(key)
         shard = out[name]
-        values = shard.local.float() * pow2(exponents.local)
-        out[name] = FlatShard(values, shard.offset, shard.numel)
+        out[name] = FlatShard(scaled_values(shard.local, exponents.local), shard.offset,
+                              shard.numel)
     return out
 
 
@@ -292,7 +289,7 @@ def get_optim(call: torch_dcp.DistoptCall) -> dict[str, Any]:
         return {}
     ensure_state(opt)
     full = options.full_state_dict
-    sd = _consolidated(opt, options) if full else state_dict(opt)
+    sd = _consolidated(opt, options, state=True) if full else state_dict(opt)
     if sd is None:
         return {}
     params = {name: p for p, name in call.ddp.param_names.items()}

@@ -193,8 +193,7 @@ class StatePrecision:
         for key in [k for k in entries if k.endswith(EXPONENTS)]:
             exponents = entries.pop(key)
             name = key.removesuffix(EXPONENTS)
-            values = entries[name]
-            entries[name] = values.float() * pow2(exponents.reshape(values.shape))
+            entries[name] = scaled_values(entries[name], exponents)
         self._narrow(main, entries)
         return entries
 
@@ -288,6 +287,12 @@ class StatePrecision:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(0)
         return self._generators[device]
+
+
+def scaled_values(values: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of scaled state held as ``values`` with one exponent per element (as
+    state dicts and checkpoints hold it); a new tensor."""
+    return values.float() * pow2(exponents.reshape(values.shape))
 
 
 def _per_element(main: nn.Parameter, entries: dict[str, Any] | None
