@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 GiB = 2**30
-SYSTEMS = ("distopt-shard-params", "fsdp2")
+SYSTEMS = ("distopt-shard-params", "distopt-offload", "fsdp2")
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
 
 
@@ -97,7 +97,7 @@ def wrap(system: str, model, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     created on this rank's shards only."""
     import torch
 
-    if system == "distopt-shard-params":
+    if system in ("distopt-shard-params", "distopt-offload"):
         import distopt
 
         lean = {"grad_dtype": torch.bfloat16} if args.lean else {}
@@ -105,7 +105,8 @@ def wrap(system: str, model, args: argparse.Namespace) -> tuple[Any, Any, Any]:
                                               bucket_size=args.bucket_size, **lean)
         tier = ({"store_param_remainders": True, "state_dtype": torch.bfloat16} if args.lean
                 else {})
-        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW, **tier)
+        offload = {"offload_dir": args.offload} if system == "distopt-offload" else {}
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, **ADAMW, **tier, **offload)
         return ddp, opt, ddp
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -216,11 +217,75 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         record["units"] = len(ddp.gather_units)
         record["bound"] = distopt.transient_bound(
             ddp, store_param_remainders=args.lean,
-            state_dtype=torch.bfloat16 if args.lean else None).as_dict()
+            state_dtype=torch.bfloat16 if args.lean else None,
+            offload=opt.offload_tier is not None).as_dict()
+        record["digest"] = _digest(ddp, opt)
+        tier = opt.offload_tier
+        if tier is not None:
+            tier.wait()
+            record["tier"] = {"reserved": tier.nbytes, "on_disk": tier.disk_bytes(),
+                              "largest_chunk": max(size for _, size in tier.regions),
+                              "written": tier.bytes_written, "read": tier.bytes_read}
     with open(os.path.join(tmp, f"{system}-{rank}.pkl"), "wb") as f:
         pickle.dump(record, f)
     dist.barrier()
     os._exit(0)  # every result written: no group teardown to wait on
+
+
+def _digest(ddp, opt) -> str:
+    """A hash of this rank's param shards, fp32 masters and optimizer state, piece by piece
+    (no whole-shard transient): equal digests, equal bits."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+
+    def add(tensor: torch.Tensor) -> None:
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+    for buffer in ddp.flat_buffers:
+        for storage in buffer.param_storage():
+            add(storage)
+    with torch.no_grad():
+        for (_, piece, main) in opt.pieces():
+            owned = opt._piece_owner[main][0]
+            add(owned.main_value(main, piece))
+            for key in sorted(opt.state.get(main, {})):
+                value = opt.state[main][key]
+                if isinstance(value, torch.Tensor):
+                    add(value.reshape(-1))
+    return digest.hexdigest()
+
+
+def disk_baseline(directory: str, nbytes: int) -> dict[str, float]:
+    """The disk's own time to write ``nbytes`` to a file in ``directory`` (and to sync it), and
+    to read them back with nothing in the page cache: what the offload tier's bytes cost at
+    the disk's speed, with no step beside them."""
+    block = bytearray(64 << 20)
+    path = os.path.join(directory, "disk-baseline.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        written = 0
+        while written < nbytes:
+            written += os.pwrite(fd, block[: min(len(block), nbytes - written)], written)
+        os.fdatasync(fd)
+        write_s = time.perf_counter() - start
+        os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        done = 0
+        view = memoryview(block)
+        while done < nbytes:
+            got = os.preadv(fd, [view[: min(len(block), nbytes - done)]], done)
+            if got <= 0:
+                break
+            done += got
+        read_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return {"bytes": nbytes, "write_s": write_s, "read_s": read_s}
 
 
 def launch(system: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -314,11 +379,46 @@ def report(system: str, ranks: list[dict[str, Any]]) -> list[str]:
             f"{bound['grads_in_flight'] / GiB:.2f}, step {bound['step'] / GiB:.2f}: "
             f"{bound['total'] / GiB:.2f} GiB",
             f"  predicted peak = import {first['baseline'] / GiB:.2f} + state "
-            f"{state['total'] / GiB:.2f} + bound {bound['total'] / GiB:.2f} = "
-            f"{predicted / GiB:.2f} GiB; measured {worst / GiB:.2f} GiB "
+            f"{state['total'] / GiB:.2f} + bound {bound['total'] / GiB:.2f}"
+            f" = {predicted / GiB:.2f} GiB; measured {worst / GiB:.2f} GiB "
             f"({worst / predicted - 1:+.1%}); the rest is activations and the allocator",
+            f"  digest of rank 0's params, masters and state: {first['digest'][:16]}",
         ]
+    if "tier" in first:
+        tiers = [r["tier"] for r in ranks]
+        steps = max(len(first["step_s"]), 1)
+        lines.append(
+            f"  offload tier: {first['state']['offloaded'] / GiB:.2f} GiB reserved per rank "
+            f"(rank 0), {sum(t['on_disk'] for t in tiers) / GiB:.2f} GiB on disk for "
+            f"{len(ranks)} ranks; written {sum(t['written'] for t in tiers) / steps / GiB:.2f}"
+            f" GiB and read {sum(t['read'] for t in tiers) / steps / GiB:.2f} GiB a step, "
+            f"all ranks")
     return lines
+
+
+def offload_against_memory(memory: list[dict[str, Any]], offloaded: list[dict[str, Any]],
+                           directory: str) -> list[str]:
+    """The offloaded step's time over the in-memory step's (the steps after the first, the
+    slowest rank), beside the disk's own time for the bytes the tier moved in a step, and
+    whether both runs ended on the same bits."""
+    def later(ranks: list[dict[str, Any]]) -> float:
+        steps = range(1, len(ranks[0]["step_s"]))
+        return sum(max(r["step_s"][i] for r in ranks) for i in steps) / max(len(steps), 1)
+
+    steps = max(len(offloaded[0]["step_s"]), 1)
+    moved = sum(r["tier"]["written"] for r in offloaded) // steps
+    disk = disk_baseline(directory, moved)
+    t_mem, t_off = later(memory), later(offloaded)
+    same = all(a["digest"] == b["digest"] for a, b in zip(memory, offloaded, strict=True))
+    return [
+        f"offloaded step over in-memory step (steps after the first, slowest rank): "
+        f"{t_off:.1f} s / {t_mem:.1f} s = {t_off / t_mem:.2f}x; overhead {t_off - t_mem:.1f} s",
+        f"the disk alone for one step's bytes ({moved / GiB:.2f} GiB, all ranks): write + sync "
+        f"{disk['write_s']:.1f} s ({moved / disk['write_s'] / 1e6:.0f} MB/s), read "
+        f"{disk['read_s']:.1f} s ({moved / disk['read_s'] / 1e6:.0f} MB/s): "
+        f"{disk['write_s'] + disk['read_s']:.1f} s",
+        f"params, masters and state bitwise equal on every rank: {same}",
+    ]
 
 
 def fsdp2_need(num_params: int, d: int, baseline: float) -> str:
@@ -346,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="glibc's M_MMAP_THRESHOLD for every rank (MALLOC_MMAP_THRESHOLD_): "
                              "blocks above it are mapped and given back when freed, none left "
                              "in the heap's holes; default: glibc's own (dynamic, up to 32 MiB)")
+    parser.add_argument("--offload", default=None, metavar="DIR",
+                        help="distopt's offload tier in DIR (offload_dir=): the system "
+                             "distopt-offload; without --systems, the only one run")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="also save and load a distopt checkpoint in DIR, measuring both")
     parser.add_argument("--torch-checkpoint", default=None, metavar="DIR",
@@ -353,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(get_state_dict + dcp.save; get_state_dict + dcp.load + "
                              "set_state_dict), measuring both")
     args = parser.parse_args(argv)
+    if args.offload is not None and "--systems" not in (argv or sys.argv):
+        args.systems = ["distopt-offload"]
+    if "distopt-offload" in args.systems and args.offload is None:
+        parser.error("distopt-offload keeps its state in a directory: pass --offload DIR")
 
     if args.mmap_threshold is not None:  # read by glibc when each spawned rank starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
@@ -368,13 +475,18 @@ def main(argv: list[str] | None = None) -> int:
           f"available at the start; {os.cpu_count()} cores")
     print("\n".join(wall_arithmetic(num_params, args.nproc, memory, lean=args.lean)))
     baseline = 0.0
+    runs: dict[str, list[dict[str, Any]]] = {}
     for system in args.systems:
         if args.lean and system == "fsdp2":
             continue
         print()
-        ranks = launch(system, args)
+        ranks = runs[system] = launch(system, args)
         baseline = ranks[0]["baseline"]
         print("\n".join(report(system, ranks)), flush=True)
+    if "distopt-offload" in runs and "distopt-shard-params" in runs:
+        print()
+        print("\n".join(offload_against_memory(runs["distopt-shard-params"],
+                                               runs["distopt-offload"], args.offload)))
     if args.lean:
         print()
         print(fsdp2_need(num_params, args.nproc, baseline))

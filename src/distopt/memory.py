@@ -266,6 +266,9 @@ class MemoryReport:
     step reads the reduced grads in place or copies them one bucket at a time."""
     optimizer_state: int
     """The inner optimizer's state tensors (Adam's moments), step counters aside."""
+    offloaded: int = 0
+    """Bytes of main params and state on the offload tier's file (``offload_dir``), not in
+    RAM and not in ``total``; see [Note: the offload tier] in optim/offload.py."""
 
     @property
     def total(self) -> int:
@@ -305,6 +308,9 @@ def measure_state_bytes(optimizer) -> MemoryReport:
             from the first step on).
     """
     seen: set[int] = set()
+    tier = getattr(optimizer, "offload_tier", None)
+    if tier is not None:  # the tier's views live in its file, not in RAM
+        seen.add(tier.storage_key())
 
     def counted(tensors) -> int:
         return storage_bytes(tensors, seen)
@@ -328,6 +334,7 @@ def measure_state_bytes(optimizer) -> MemoryReport:
         main_params=main_params,
         main_grads=main_grads,
         optimizer_state=state,
+        offloaded=0 if tier is None else tier.nbytes,
     )
 
 
@@ -358,7 +365,8 @@ class TransientBound:
 
 
 def transient_bound(ddp, *, store_param_remainders: bool = False,
-                    state_dtype: torch.dtype | None = None) -> TransientBound:
+                    state_dtype: torch.dtype | None = None,
+                    offload: bool = False) -> TransientBound:
     """The transient bound of ``ddp`` (a ``DistributedDataParallel(shard_params=True)``), from
     its real layout: see [Note: transient bound].
 
@@ -370,6 +378,9 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
         state_dtype: the optimizer's ``state_dtype`` as one dtype: state below fp32 is
             expanded to fp32 for the step, two tensors (Adam's moments) of the shard being
             stepped. None: fp32 state, nothing to expand.
+        offload: the optimizer keeps its masters and state on the offload tier
+            (``offload_dir``): the step then holds the shard being stepped of those too
+            ([Note: the offload tier] in optim/offload.py).
 
     [Note: transient bound]
     Between steps a rank with sharded params holds its state alone. During a step it also
@@ -400,14 +411,27 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
         sum(pool.buffer_bytes for pool in ddp.grad_pools.values()),
         max(b.numel // ddp.dp_size for b in ddp.buckets), ddp.dp_size,
         gloo=is_gloo(ddp.process_group),
-        store_param_remainders=store_param_remainders, state_dtype=state_dtype)
+        store_param_remainders=store_param_remainders, state_dtype=state_dtype,
+        offloaded=offloaded_bytes_per_element(ddp.buckets[0].param_shard.dtype,
+                                              store_param_remainders, state_dtype)
+        if offload else 0.0)
+
+
+def offloaded_bytes_per_element(param_dtype: torch.dtype, store_param_remainders: bool,
+                                state_dtype: torch.dtype | None) -> float:
+    """Bytes per element the offload tier keeps of an AdamW shard: the masters (int16
+    remainders, fp32 copies of bf16/fp16 params, nothing for fp32 params) and the two
+    moments in their held dtype."""
+    masters = 2 if store_param_remainders else 0 if param_dtype == torch.float32 else 4
+    return masters + 2 * (state_dtype or torch.float32).itemsize
 
 
 def transient_bound_of_model(module: torch.nn.Module, dp_size: int, *,
                              grad_dtype: torch.dtype | None = torch.float32,
                              bucket_size: int | None = None, gloo: bool = False,
                              gather_units=None, store_param_remainders: bool = False,
-                             state_dtype: torch.dtype | None = None) -> TransientBound:
+                             state_dtype: torch.dtype | None = None,
+                             offload: bool = False) -> TransientBound:
     """``transient_bound`` of ``module`` wrapped with ``shard_params=True`` at ``dp_size``
     ranks (on gloo: ``gloo``), from the planner the DDP lays its buffers out with; ``module``
     may be on the meta device. See [Note: transient bound]."""
@@ -439,23 +463,28 @@ def transient_bound_of_model(module: torch.nn.Module, dp_size: int, *,
             widest = max(widest, numel // dp_size)
             largest_grads[buf.grad_dtype] = max(largest_grads.get(buf.grad_dtype, 0),
                                                 numel * buf.grad_dtype.itemsize)
+    param_dtype = params[0].dtype if params else torch.float32
     return _bound(unit_bytes, loose, sum(largest_grads.values()), widest, dp_size,
                   gloo=gloo and dp_size > 1, store_param_remainders=store_param_remainders,
-                  state_dtype=state_dtype)
+                  state_dtype=state_dtype,
+                  offloaded=offloaded_bytes_per_element(param_dtype, store_param_remainders,
+                                                        state_dtype) if offload else 0.0)
 
 
 def _bound(unit_bytes: list[int], loose: int, grad_buffer_bytes: int, widest_shard: int,
            dp_size: int, *, gloo: bool, store_param_remainders: bool,
-           state_dtype: torch.dtype | None) -> TransientBound:
+           state_dtype: torch.dtype | None, offloaded: float = 0.0) -> TransientBound:
     """[Note: transient bound]'s sum: the two largest units and the loose buckets; two
     buffers of the largest bucket's grads (and on gloo what two reductions receive into); one
-    shard's step temporaries."""
+    shard's step temporaries, and with the offload tier that shard's masters and state
+    (``offloaded`` bytes per element)."""
     gathered = sum(sorted(unit_bytes, reverse=True)[:2]) + loose
     step = widest_shard * 4  # AdamW's foreach temporary of the shard it steps
     if store_param_remainders:
         step += widest_shard * 4 * 2  # fp32 masters and fp32 grads of the shard
     if state_dtype is not None and state_dtype != torch.float32:
         step += widest_shard * 4 * 2  # Adam's two moments expanded to fp32 for the shard
+    step += int(widest_shard * offloaded)  # the shard's masters and state, read from the tier
     received = grad_buffer_bytes * (dp_size - 1) // dp_size if gloo else 0
     return TransientBound(gathered_params=gathered,
                           grads_in_flight=2 * (grad_buffer_bytes + received), step=step)

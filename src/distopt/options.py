@@ -220,6 +220,9 @@ class StepOptions:
     state_rounding: str = "nearest"
     """How state is narrowed to ``state_dtype``: "nearest" (ties to even) or "stochastic"
     (up or down with probability by distance, so unbiased). Refused where all state is fp32."""
+    offload_dir: str | None = None
+    """A directory whose file keeps the main params and optimizer state between steps, one
+    bucket's shard in memory at a time; see [Note: the offload tier] in optim/offload.py."""
 
     def __post_init__(self) -> None:
         check_state_dtype(self.state_dtype)

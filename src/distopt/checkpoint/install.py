@@ -60,6 +60,7 @@ def install(opt: Optimizer, states: Iterable[tuple[OwnedPiece, dict[str, Any]]],
                       if k not in ("params", CLASS_KEY) and k not in KERNEL_OPTIONS})
     if opt.loss_scaler is not None and scaler is not None:
         opt.loss_scaler.load_state_dict(scaler["state"])
+    opt.settle_offloaded()  # state loaded beside the offload tier moves into it
 
 
 def install_values(opt: Optimizer, values: Iterable[tuple[OwnedPiece, torch.Tensor,

@@ -122,9 +122,13 @@ def save_checkpoint(
         state, whole_state = parts.dcp_state(
             opt, extra, group, None if whole is None else whole.param_groups)
         if not async_save:
-            return publish(state, whole_state, group)
+            try:
+                return publish(state, whole_state, group)
+            finally:
+                opt.settle_offloaded()  # the offloaded state read, dropped from memory
         writers = background.writer_group(group)  # collective the first time
         staged = staging_of(opt).stage(state)
+        opt.settle_offloaded()
     handle = AsyncCheckpoint(final, waited)
     handle.stall_s = time.perf_counter() - called
     return background.start(handle, lambda: publish(staged, whole_state, writers),

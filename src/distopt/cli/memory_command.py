@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gathered-buckets", type=int, default=2, metavar="K",
                         help="with --shard-params: the gathered buckets a rank holds at once "
                         "(the peak's transient; 2: the bucket in use and the next, prefetched)")
+    parser.add_argument("--offload", action="store_true",
+                        help="the optimizer keeps its main params and state on the offload "
+                             "tier (DistributedOptimizer(offload_dir=...)): RAM per rank "
+                             "and bytes on the tier per rank")
     cluster = parser.add_argument_group(
         "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
         "flat over every rank")
@@ -272,6 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGiB per rank: replicated {rep_total * num_params / GIB:.2f}, "
           f"distopt {dist_total * num_params / GIB:.2f} "
           f"({rep_total / dist_total:.2f}x less); activations not included")
+    if args.offload:
+        tier = distributed["main_params"] + distributed["optimizer_state"]
+        dist_total -= tier
+        print(f"with --offload the main params and optimizer state rest on the tier's file:\n"
+              f"{tier * num_params / GIB:.2f} GiB per rank on the tier ({tier:.3f} B/param, "
+              f"written and read once a step), {dist_total * num_params / GIB:.2f} GiB per "
+              f"rank in RAM\n({dist_total:.3f} B/param); the step holds one bucket's shard of "
+              "them at a time")
     _print_staging(args, num_params, dp)
     if args.store_param_remainders and not (args.shard_params and model is not None):
         print("with --store-param-remainders the step rebuilds fp32 masters (and fp32 copies of "
@@ -310,7 +322,8 @@ def _print_sharded_peak(args: argparse.Namespace, model: torch.nn.Module, dp: in
     bound = transient_bound_of_model(
         model, dp, grad_dtype=grad_dtype, bucket_size=args.bucket_size,
         gloo=args.backend == "gloo", store_param_remainders=args.store_param_remainders,
-        state_dtype=STATE_DTYPES[args.state_dtype])
+        state_dtype=STATE_DTYPES[args.state_dtype],
+        offload=args.offload)
     process = _resident_bytes()  # this process: Python with torch and distopt imported
     peak = state_bytes + bound.total + process
     print(f"with --shard-params every component is sharded; each block (gather unit) is "

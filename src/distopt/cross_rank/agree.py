@@ -79,3 +79,14 @@ def _spread(message: str | None, groups: list[dist.ProcessGroup], device: torch.
         gathered = comm.all_gather_object(message, group)  # by every rank, found or not
         message = message or next((m for m in gathered if m is not None), None)
     return message
+
+
+def agree_on_refusal(message: str | None, parallel: ParallelGroups, device: torch.device,
+                     stats: comm.CommStats | None) -> str | None:
+    """One rank's refusal (``message``, None where this rank has none) made every rank's of
+    the data-parallel and tensor-parallel groups: the first found, or None on every rank."""
+    groups = [group for _, group, _ in compared_groups(parallel)]
+    if not groups:
+        return message
+    gloo_only = all(dist.get_backend(group) == "gloo" for group in groups)
+    return _spread(message, groups, torch.device("cpu") if gloo_only else device, stats)

@@ -69,8 +69,10 @@ def describe_optimizer(
          tuple(names[p] for p in params))
         for group, cls, params in zip(param_groups, classes, model_params, strict=True)
     )
-    return (groups, _value({f.name: getattr(step_options, f.name)
-                            for f in dataclasses.fields(step_options)}))
+    step = {f.name: getattr(step_options, f.name) for f in dataclasses.fields(step_options)}
+    if "offload_dir" in step:  # each rank's own disk: whether the tier is on must agree
+        step["offload_dir"] = step["offload_dir"] is not None
+    return (groups, _value(step))
 
 
 def first_difference(descriptions: list[Description], ranks: list[int], group_name: str

@@ -22,6 +22,7 @@ from torch import nn
 from ..comm import collectives as comm
 from ..cross_rank.model import check_same_model
 from ..cross_rank.stages import stages_agree
+from ..host_memory import keep_heap_from_stranding
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..layout.model_layout import resolve_bucket_size
 from ..options import GradSyncOptions
@@ -260,6 +261,9 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         self._target_device = (target_device(self.process_group) if meta
                                else named[0][1].device)
         torch_spellings.check_devices(device_ids, output_device, dim, self._target_device)
+        if self._target_device.type == "cpu" and not self.options.grad_policy.full_grads:
+            # Sharded grads or params on the host: [Note: the heap at the edge of memory].
+            keep_heap_from_stranding()
         # Raises, on every rank alike, where no one group spans the DP ranks.
         adopt_sync_batchnorm_group(module, self.parallel)
         if self.parallel.pp_group is not None or "torch.distributed.pipelining" in sys.modules:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..cross_rank.agree import agree_on_refusal
 from ..cross_rank.optimizer import check_same_optimizer, describe_optimizer
 from ..cross_rank.stages import stages_agree
 from ..ddp import torch_dcp
@@ -33,6 +35,7 @@ from .amp import AFTER_STEP, TorchGradScaler, hand_unscale_to, refuse_attribute_
 from .kinds import check_optimizer_cls
 from .loss_scalers import ConstantLossScaler, DynamicLossScaler, LossScaler
 from .main_params import ShardMainParams
+from .offload import OffloadError, OffloadTier, region_bytes
 from .param_groups import (
     build_inner_optimizers,
     group_class,
@@ -113,6 +116,9 @@ class BufferOptimizer(torch.optim.Optimizer):
         names = {p: m.param_names[p] for m in self.models for p in m.params}
         whole_costs = whole_tensor_costs(param_groups, group_classes, names)
         self._use_layout(whole_costs)
+        self._offload = self._build_offload_tier(
+            param_groups, group_classes, optimizer_cls, optimizer_kwargs,
+            frozenset(whole_costs), state_dtypes, block_size)
         self._build_main_params(frozenset(whole_costs))
         inner_groups = self._build_inner_optimizers(param_groups, group_classes, optimizer_cls,
                                                     optimizer_kwargs)
@@ -186,15 +192,63 @@ class BufferOptimizer(torch.optim.Optimizer):
                 {p: c for p, c in whole_costs.items() if p in model.param_names}
                 if self._sharded else {}, by="the optimizer")
 
+    def _build_offload_tier(self, param_groups: list[dict[str, Any]],
+                            group_classes: list[type[torch.optim.Optimizer]],
+                            optimizer_cls: type[torch.optim.Optimizer],
+                            optimizer_kwargs: dict[str, Any],
+                            whole_params: frozenset[nn.Parameter],
+                            state_dtypes: dict[str, torch.dtype],
+                            block_size: int) -> OffloadTier | None:
+        """The file the masters and state rest in between steps, with ``offload_dir``; its
+        refusals (no directory, no room) agreed on every rank before any collective. See
+        [Note: the offload tier] in optim/offload.py."""
+        directory = self.options.offload_dir
+        if directory is None:
+            return None
+        stepped_by = {}
+        for group, cls in zip(param_groups, group_classes, strict=True):
+            # optimizer_kwargs belong to optimizer_cls alone, as the inner optimizers take them.
+            given = optimizer_kwargs if cls is optimizer_cls else {}
+            options = {**given, **{k: v for k, v in group.items() if k != "params"}}
+            stepped_by.update(dict.fromkeys(group["params"], (cls, options)))
+        tier, message = None, None
+        try:
+            sizes = region_bytes(
+                [buf for model in self.models for buf in model.flat_buffers],
+                sharded=self._sharded, store_remainders=self.options.store_param_remainders,
+                stepped_by=stepped_by, whole_params=whole_params, state_dtypes=state_dtypes,
+                block_size=block_size)
+            tier = OffloadTier(directory, f"distopt-offload-rank{dist.get_rank()}-"
+                               f"{os.getpid()}-{id(self)}.bin", sizes, self._device)
+        except OffloadError as error:
+            message = str(error)
+        message = agree_on_refusal(message, self.parallel, self._device,
+                                   self.models[0].comm_stats)
+        if message is not None:
+            if tier is not None:
+                tier.close()
+            raise OffloadError(message)
+        return tier
+
     def _build_main_params(self, whole_params: frozenset[nn.Parameter]) -> None:
         """The fp32 main params of this rank's part of every buffer, one per piece."""
-        self._owned = [
-            ShardMainParams(buf, sharded=self._sharded,
-                            store_remainders=self.options.store_param_remainders,
-                            whole_params=whole_params)
-            for model in self.models
-            for buf in model.flat_buffers
-        ]
+        self._owned, first = [], 0
+        for model in self.models:
+            for buf in model.flat_buffers:
+                allocate = None
+                if self._offload is not None:
+                    tier, base = self._offload, first
+
+                    def allocate(bucket: int, numel: int, dtype: torch.dtype,
+                                 tier: OffloadTier = tier, base: int = base) -> torch.Tensor:
+                        return tier.allocate(base + bucket, (numel,), dtype)
+                self._owned.append(ShardMainParams(
+                    buf, sharded=self._sharded,
+                    store_remainders=self.options.store_param_remainders,
+                    whole_params=whole_params, allocate=allocate))
+                first += len(buf.buckets)
+        if self._offload is not None:
+            self._offload.release()  # the masters copied in at construction
         self._mains_of: dict[nn.Parameter, list[nn.Parameter]] = {}
         self._piece_owner: dict[nn.Parameter, tuple[ShardMainParams, ShardPiece]] = {}
         for owned in self._owned:
@@ -239,7 +293,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         # the size of what it steps) to a bucket's, not the whole shard's; the same numbers.
         sharded = any(not model.options.grad_policy.full_grads for model in self.models)
         source = (BucketByBucket(self._owned) if options.store_param_remainders
-                  else WholeShard(self._owned, mains, by_bucket=bool(state_dtypes) or sharded))
+                  else WholeShard(self._owned, mains, by_bucket=bool(state_dtypes) or sharded,
+                                  out_by_bucket=self._offload is not None))
         self._pipeline = StepPipeline(
             source=source, optimizers=self.optimizers, param_groups=inner_groups,
             counted=dict.fromkeys(counted), reduce_groups=self._reduce_groups,
@@ -248,6 +303,7 @@ class BufferOptimizer(torch.optim.Optimizer):
             clip_grad_value=options.clip_grad_value,
             grad_norm_log=self._grad_norm_log(counted) if options.log_grad_norms else None,
             state_precision=self.state_precision if state_dtypes else None,
+            offload=self._offload,
         )
 
     def _grad_norm_log(self, counted: list[nn.Parameter]) -> GradNormLog:
@@ -337,7 +393,27 @@ class BufferOptimizer(torch.optim.Optimizer):
             self._gather_params()
         for owned in self._owned:
             owned.note_params_written()
+        if self._offload is not None:  # anything read outside the chunks' window, dropped
+            self._offload.release()
         return result
+
+    @property
+    def offload_tier(self) -> OffloadTier | None:
+        """Where the masters and state rest between steps (``offload_dir``), or None."""
+        return self._offload
+
+    def settle_offloaded(self) -> None:
+        """With ``offload_dir``: state made or loaded outside a step moved into the tier,
+        and the tier's pages dropped from the process (after a load or a save)."""
+        tier = self._offload
+        if tier is None:
+            return
+        chunk = 0
+        for owned in self._owned:
+            for bucket in range(owned.num_buckets):
+                tier.place_state(chunk, owned.bucket_main_params(bucket), self.optimizer.state)
+                chunk += 1
+        tier.release()
 
     def _unscaled_by(self, grad_scaler: torch.amp.GradScaler) -> None:
         """``grad_scaler.unscale_(self)`` ran: from now until the step, ``p.grad`` of the
@@ -379,6 +455,7 @@ class BufferOptimizer(torch.optim.Optimizer):
                 model.start_param_sync(overlap=False)
         for owned in self._owned:
             owned.note_params_written()
+        self.settle_offloaded()
 
     def _model_param_scalars(self, param: Any) -> ParamScalars | None:
         """``opt.state[param]`` for a model param of this optimizer; None for any other key."""
@@ -494,7 +571,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         """The tensors that keep the main params between steps (what memory counts): the
         main params, or the int16 remainders."""
         if self.options.store_param_remainders:
-            return [owned.remainders for owned in self._owned]
+            return [t for owned in self._owned for t in owned.master_storage()]
         return self.main_params
 
     def param_group_of(self, main: nn.Parameter) -> dict[str, Any]:

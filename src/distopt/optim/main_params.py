@@ -35,7 +35,7 @@ shard only in a step after a write.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from ..ddp.buffer import ParamAndGradBuffer
 from ..layout.elementwise import ShardPiece
 from ..parallel.dtensor import local_tensor
 from .remainders import join_fp32, split_fp32
+
+MasterAllocator = Callable[[int, int, torch.dtype], torch.Tensor]
+"""``allocate(bucket, numel, dtype)``: a zeroed tensor for one bucket's masters."""
 
 
 class ShardMainParams:
@@ -56,10 +59,13 @@ class ShardMainParams:
         sharded: bool,
         store_remainders: bool = False,
         whole_params: frozenset[nn.Parameter] = frozenset(),
+        allocate: MasterAllocator | None = None,
     ) -> None:
         """``whole_params``: the params a whole-tensor optimizer steps; their pieces are whole
         (the layout makes sure of it) and their main params take the param's own shape. See
-        [Note: optimizer kinds]."""
+        [Note: optimizer kinds]. ``allocate(bucket, numel, dtype)``: where each bucket's
+        masters (or remainders) live, one tensor per bucket, zeros at first (the offload tier,
+        [Note: the offload tier] in optim/offload.py); None: one flat tensor in memory."""
         self.buffer = buffer
         layout = buffer.layout
         pieces = layout.shard_pieces(buffer.dp_rank) if sharded else layout.whole_pieces()
@@ -78,7 +84,16 @@ class ShardMainParams:
         # Separate fp32 copies only where the model's dtype is not fp32 (docs/design.md, Memory).
         self.shard_fp32 = None
         self.remainders = None  # with store_remainders; see [Note: param remainders]
-        if store_remainders:
+        self.store_remainders = store_remainders
+        self.offloaded = allocate is not None
+        if allocate is not None:
+            dtype = (torch.int16 if store_remainders
+                     else fp32 if buffer.param_dtype != fp32 else None)
+            segments = ([allocate(b, r.numel(), dtype) for b, r in enumerate(self.param_regions)]
+                        if dtype is not None else None)
+            self.remainders = segments if store_remainders else None
+            self.shard_fp32 = segments if not store_remainders else None
+        elif store_remainders:
             self.remainders = torch.zeros(total, dtype=torch.int16, device=device)
         elif buffer.param_dtype != fp32:
             self.shard_fp32 = torch.empty(total, dtype=fp32, device=device)
@@ -104,13 +119,13 @@ class ShardMainParams:
         self.main_grads: list[torch.Tensor | None] = []
         # What a main param holds between steps with remainders: one scalar, seen as its shape.
         self._placeholder = (
-            torch.zeros(1, dtype=fp32, device=device) if self.remainders is not None else None
+            torch.zeros(1, dtype=fp32, device=device) if store_remainders else None
         )
         for piece in pieces:
             grad = self._grad_segments[piece.bucket]
             lo, hi = piece.local_range.start, piece.local_range.end
             shape = self._main_shape(piece, whole_params)
-            if self.remainders is None:
+            if not store_remainders:
                 main = self._main_segments[piece.bucket][lo:hi].view(shape)  # aliases fp32 copy
             else:
                 main = self._placeholder.expand(shape)
@@ -126,11 +141,22 @@ class ShardMainParams:
 
     @staticmethod
     def _segments(
-        flat: torch.Tensor | None, offsets: list[int], regions: list[torch.Tensor]
+        flat: torch.Tensor | list[torch.Tensor] | None, offsets: list[int],
+        regions: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         if flat is None:
             return regions
+        if isinstance(flat, list):  # one tensor per bucket already (offloaded)
+            return flat
         return [flat[o : o + r.numel()] for o, r in zip(offsets, regions, strict=True)]
+
+    def master_storage(self) -> list[torch.Tensor]:
+        """The tensors that keep the masters between steps: the fp32 copies or the int16
+        remainders (one flat tensor, or one per bucket when offloaded); none for fp32 params."""
+        kept = self.remainders if self.store_remainders else self.shard_fp32
+        if kept is None:
+            return []
+        return kept if isinstance(kept, list) else [kept]
 
     def _main_shape(
         self, piece: ShardPiece, whole_params: frozenset[nn.Parameter]
@@ -162,13 +188,13 @@ class ShardMainParams:
     def adopt_param_writes(self) -> None:
         """Make the masters follow what was written into the params since
         ``note_params_written``; see [Note: writes into the params]."""
-        if self.shard_fp32 is None and self.remainders is None:
+        if self.shard_fp32 is None and not self.store_remainders:
             return  # fp32 params are their own masters
         if self._write_counts() == self._versions:
             return
         with torch.no_grad():
             for bucket, region in enumerate(self.param_regions):
-                if self.remainders is not None:
+                if self.store_remainders:
                     self._remainder_segments[bucket].zero_()
                     continue
                 main = self._main_segments[bucket]
@@ -180,6 +206,11 @@ class ShardMainParams:
         """Model params -> fp32 main params (at construction)."""
         if self.shard_fp32 is not None:
             torch._foreach_copy_(self._main_segments, self.param_regions)
+
+    def copy_bucket_params_out(self, bucket: int) -> None:
+        """One bucket's updated fp32 main params -> its region of the model's param buffer."""
+        if self.shard_fp32 is not None:
+            self.param_regions[bucket].copy_(self._main_segments[bucket])
 
     def copy_grads_in(self) -> None:
         """Reduced grads -> fp32 main grads, one copy per bucket."""
@@ -247,7 +278,7 @@ class ShardMainParams:
 
     def main_value(self, main: nn.Parameter, piece: ShardPiece) -> torch.Tensor:
         """The fp32 master values of a piece: the main param, or rebuilt from remainders."""
-        if self.remainders is None:
+        if not self.store_remainders:
             return main.detach()
         lo, hi = piece.local_range.start, piece.local_range.end
         return join_fp32(self.param_regions[piece.bucket][lo:hi],

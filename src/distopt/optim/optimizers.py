@@ -29,6 +29,7 @@ is the same pipeline with every rank owning whole buckets, all-reduced grads and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -180,6 +181,12 @@ class DistributedOptimizer(_CheckpointedOptimizer):
             refused where no state is held in those dtypes.
         state_rounding: "nearest" (ties to even) or "stochastic" (unbiased: up or down with
             probability by distance), how state is narrowed to ``state_dtype``.
+        offload_dir: a directory (on a local disk, NVMe for speed) whose file keeps this
+            rank's fp32 main params (or remainders) and optimizer state between steps; the
+            step reads each bucket's shard from it, steps it and writes it back, the next
+            bucket's read overlapped, so that RAM holds a bounded window of buckets rather
+            than the whole state. The same numbers as in memory; CPU only. See [Note: the
+            offload tier] in optim/offload.py.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr=..., betas=..., weight_decay=...).
 
     The DDP's buffers are laid out when the optimizer is built, for the owners of its
@@ -206,6 +213,7 @@ class DistributedOptimizer(_CheckpointedOptimizer):
         state_dtype: StateDtype = None,
         state_block_size: int | None = None,
         state_rounding: str = "nearest",
+        offload_dir: str | os.PathLike[str] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         models = as_model_list(model, "DistributedOptimizer")
@@ -221,7 +229,8 @@ class DistributedOptimizer(_CheckpointedOptimizer):
                               overlap_param_gather=overlap_param_gather,
                               store_param_remainders=store_param_remainders,
                               state_dtype=state_dtype, state_block_size=state_block_size,
-                              state_rounding=state_rounding)
+                              state_rounding=state_rounding,
+                              offload_dir=None if offload_dir is None else os.fspath(offload_dir))
         super().__init__(
             models, optimizer_cls, params, options, loss_scaler, model_parallel_group,
             optimizer_kwargs,

@@ -46,6 +46,7 @@ from torch import nn
 from ..comm.collectives import CommStats
 from . import grad_stats
 from .main_params import ShardMainParams
+from .offload import OffloadTier
 from .state_precision import StatePrecision
 
 
@@ -111,10 +112,13 @@ class WholeShard:
     bucket's shard at a time."""
 
     def __init__(self, owned: Sequence[ShardMainParams], mains: list[nn.Parameter],
-                 by_bucket: bool = False) -> None:
+                 by_bucket: bool = False, out_by_bucket: bool = False) -> None:
+        """``out_by_bucket`` (with ``by_bucket``): each chunk writes its params as it closes,
+        so that no later read of its masters is needed (the offload tier's)."""
         self.owned = owned
         self.mains = mains
-        self.by_bucket = by_bucket
+        self.by_bucket = by_bucket or out_by_bucket
+        self.out_by_bucket = out_by_bucket
 
     def begin(self) -> None:
         for owned in self.owned:
@@ -132,9 +136,18 @@ class WholeShard:
             return
         for owned in self.owned:
             for bucket in range(owned.num_buckets):
-                yield contextlib.nullcontext((owned.bucket_main_params(bucket), False))
+                yield self._bucket(owned, bucket)
+
+    @contextlib.contextmanager
+    def _bucket(self, owned: ShardMainParams, bucket: int
+                ) -> Iterator[tuple[list[nn.Parameter], bool]]:
+        yield owned.bucket_main_params(bucket), False
+        if self.out_by_bucket:  # not after an error: the step stops there
+            owned.copy_bucket_params_out(bucket)
 
     def end(self) -> None:
+        if self.out_by_bucket:
+            return  # the chunks wrote their params as they closed
         for owned in self.owned:
             owned.copy_params_out()
 
@@ -216,6 +229,9 @@ class StepPipeline:
     the pieces' squares are summed."""
     state_precision: StatePrecision | None = None
     """With state held below fp32: expands each chunk's state around its inner step."""
+    offload: OffloadTier | None = None
+    """With ``offload_dir``: where each chunk's masters and state rest between steps, one
+    region per chunk ([Note: the offload tier] in optim/offload.py)."""
 
     def run(self, loss_scaler: Unscaler | None, unused: set[nn.Parameter]) -> StepResult:
         """One step over grads already synced; ``unused``: main params no rank computed a
@@ -264,7 +280,10 @@ class StepPipeline:
             coef = grad_stats.clip_coefficient(self.clip_grad, total_norm)
 
         zeros = grad_stats.zero_counter(device) if self.log_num_zeros else None
-        for chunk in self.source.step_chunks():
+        tier = self.offload
+        for index, chunk in enumerate(self.source.step_chunks()):
+            if tier is not None:
+                tier.before_step(index)
             with chunk as (mains, fresh):
                 grads = _grads(mains)
                 if fresh and inv_scale is not None:
@@ -279,6 +298,10 @@ class StepPipeline:
                 with (self.state_precision.fp32(stepped) if self.state_precision
                       else contextlib.nullcontext()):
                     self._inner_step(stepped)
+            if tier is not None:
+                tier.after_step(index, mains, self.optimizers[0].state)
+        if tier is not None:
+            tier.finish_step()
         self.source.end()
         num_zeros = None if zeros is None else grad_stats.total_zeros(zeros, groups, stats)
         return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros,
