@@ -21,9 +21,17 @@ torch DDP and distopt's ZeRO-1 and ZeRO-2 would need are
 computed from their bytes per parameter and compared with this machine's memory, not run: they
 would be killed for memory, and so could be the machine's other work.
 
+``--offload DIR`` runs distopt with its offload tier in DIR (``offload_dir=``: the masters and
+the optimizer state in a file, one bucket's shard in memory at a time); beside
+``--systems distopt-shard-params distopt-offload`` it runs both in one launch and prints the
+offloaded step's time over the in-memory step's, the disk's own time for the bytes the tier
+moved, and whether both runs ended on the same bits.
+
     nice -n 15 python benchmarks/memory_wall.py --layers 20 --width 2048 --steps 3
     nice -n 15 python benchmarks/memory_wall.py --layers 32 --width 2304 --steps 5 --lean \
         --systems distopt-shard-params
+    nice -n 15 python benchmarks/memory_wall.py --layers 44 --width 2944 --seq-len 4 \
+        --steps 3 --lean --offload /tmp/tier
 """
 
 from __future__ import annotations
@@ -69,6 +77,41 @@ def meminfo() -> dict[str, int]:
         key, value = line.split(":")
         values[key] = int(value.split()[0]) * 1024
     return {"total": values["MemTotal"], "available": values["MemAvailable"]}
+
+
+class PageCacheSampler:
+    """The machine's page cache during the steps, sampled every 0.2 s on a thread: the most it
+    held above its level at the start (``Cached``), and the most of it dirty or being
+    written (``Dirty`` + ``Writeback``), in bytes."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._start = self._read()["Cached"]
+        self.peaks = {"cached_above_start": 0, "dirty_or_writeback": 0}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read() -> dict[str, int]:
+        values = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, value = line.split(":")
+            values[key] = int(value.split()[0]) * 1024
+        return values
+
+    def _run(self) -> None:
+        while not self._stopped.wait(0.2):
+            now = self._read()
+            self.peaks["cached_above_start"] = max(self.peaks["cached_above_start"],
+                                                   now["Cached"] - self._start)
+            self.peaks["dirty_or_writeback"] = max(self.peaks["dirty_or_writeback"],
+                                                   now["Dirty"] + now["Writeback"])
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 def build_on_meta(args: argparse.Namespace):
@@ -136,6 +179,7 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
                                                          args.nproc),
                             rank=rank, world_size=args.nproc)
     phases: dict[str, int] = {}
+    torch.manual_seed(0)  # the same initial values in every launch: runs compare bit for bit
     _start_phase()
     start = time.perf_counter()
     model = build_on_meta(args)
@@ -146,6 +190,7 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
     after_setup = _rss_bytes()
     generator = torch.Generator().manual_seed(1000 + rank)
     losses, times = [], []
+    page_cache = PageCacheSampler() if rank == 0 and system == "distopt-offload" else None
     for step in range(args.steps):
         _start_phase()
         if ddp is not None and step == 1:  # the transients of a step after the first
@@ -163,6 +208,8 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         reduced = loss.detach().float().clone()
         dist.all_reduce(reduced)
         losses.append(reduced.item() / args.nproc)
+    if page_cache is not None:
+        page_cache.stop()
     checkpoint_s: dict[str, float] = {}
     if args.checkpoint and ddp is not None:
         import distopt
@@ -223,6 +270,7 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         tier = opt.offload_tier
         if tier is not None:
             tier.wait()
+            record["page_cache"] = None if page_cache is None else page_cache.peaks
             record["tier"] = {"reserved": tier.nbytes, "on_disk": tier.disk_bytes(),
                               "largest_chunk": max(size for _, size in tier.regions),
                               "written": tier.bytes_written, "read": tier.bytes_read}
@@ -393,6 +441,12 @@ def report(system: str, ranks: list[dict[str, Any]]) -> list[str]:
             f"{len(ranks)} ranks; written {sum(t['written'] for t in tiers) / steps / GiB:.2f}"
             f" GiB and read {sum(t['read'] for t in tiers) / steps / GiB:.2f} GiB a step, "
             f"all ranks")
+        if first.get("page_cache"):
+            cache = first["page_cache"]
+            lines.append(
+                f"  the machine's page cache during the steps: at most "
+                f"{cache['cached_above_start'] / GiB:.2f} GiB above its start, at most "
+                f"{cache['dirty_or_writeback'] / GiB:.2f} GiB of it dirty or being written")
     return lines
 
 

@@ -341,3 +341,42 @@ def test_pipeline_stages_state_the_step_held_whole(capsys):
         assert d == pytest.approx(t + 8 * n / 2 / 2**20, abs=0.011)
     assert main(["--model", "small", "--pp", "2", "--dp", "2"]) == 0
     assert "during a step" not in capsys.readouterr().out  # full buffers hold it all along
+
+
+@pytest.mark.parametrize("argv,tier,ram", [
+    # fp32 params are their own masters: the tier holds AdamW's two fp32 moments.
+    (["--dtype", "fp32", "--grad-dtype", "fp32", "--shard-params"], 8 / 4, 8 / 4),
+    # The lean tier: remainders (2) and two bf16 moments (4) on the tier; bf16 params and
+    # grads (2 + 2) in RAM.
+    (["--dtype", "bf16", "--grad-dtype", "bf16", "--store-param-remainders",
+      "--state-dtype", "bf16", "--shard-params"], 6 / 4, 4 / 4),
+    # ZeRO-1 with bf16 params: fp32 masters and moments (4 + 8) on the tier, sharded.
+    (["--dtype", "bf16", "--grad-dtype", "fp32"], 12 / 4, 2 + 4),
+])
+def test_offload_moves_masters_and_state_to_the_tier(capsys, argv, tier, ram):
+    assert main(["--params", "4e9", "--dp", "4", "--offload", *argv]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"([\d.]+) GiB per rank on the tier \(([\d.]+) B/param.*?"
+                      r"([\d.]+) GiB per rank in RAM\s+\(([\d.]+) B/param\)", out, re.S)
+    assert found is not None, out
+    assert float(found.group(2)) == pytest.approx(tier, abs=1e-3)
+    assert float(found.group(1)) == pytest.approx(tier * 4e9 / 2**30, abs=0.01)
+    assert float(found.group(4)) == pytest.approx(ram, abs=1e-3)
+
+
+def test_offload_bound_counts_one_shard_of_the_tier():
+    """The step's transient with the tier: the stepped shard's remainders (2 B) and bf16
+    moments (4 B) beside the lean step's fp32 temporaries (AdamW's 4, masters and grads 8,
+    moments widened 8): 26 bytes an element of the widest shard against 20."""
+    from distopt.memory import transient_bound_of_model
+    from distopt.train.model import GPT, gpt_config
+
+    with torch.device("meta"):
+        model = GPT(gpt_config("small", seq_len=64)).to(torch.bfloat16)
+    lean = dict(grad_dtype=torch.bfloat16, store_param_remainders=True,
+                state_dtype=torch.bfloat16)
+    plain = transient_bound_of_model(model, 4, **lean)
+    offloaded = transient_bound_of_model(model, 4, **lean, offload=True)
+    widest = plain.step // 20
+    assert plain.step == 20 * widest and offloaded.step == 26 * widest
+    assert offloaded.gathered_params == plain.gathered_params
