@@ -22,7 +22,7 @@ glibc's defaults and trained at 5.50 GiB per rank with ``MALLOC_MMAP_THRESHOLD_=
 shards on the CPU (the modes for models at the edge of memory) sets glibc's mmap threshold to
 1 MiB itself, with ``mallopt``, when its first such DDP is built: every block of 1 MiB or more
 is then mapped on its own and unmapped when freed, and nothing large is stranded. The cost is
-a page fault per 4 KiB page of each such block at its first touch (measured in
+a page fault per 4 KiB page of each such block at its first touch (counted in
 benchmarks/README.md). The threshold is the process's, not distopt's: a user who set
 ``MALLOC_MMAP_THRESHOLD_`` keeps it, and ``DISTOPT_MMAP_THRESHOLD=off`` (or a number of bytes)
 turns distopt's choice off (or changes it). Elsewhere than glibc it does nothing.
