@@ -287,6 +287,13 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.opt.zero_grad()  # with --ft-groups the quorum, where a group behind heals
         if self.manager is not None:  # the committed steps, a healed group's included
+            if elastic.restart_count() > 0 and self.manager.current_step() == 0:
+                # A restarted group alone in its quorum would train from scratch beside a
+                # finished run: it must heal from a group still training, or stop.
+                raise RuntimeError(
+                    "this replica group was restarted but no healthy group was left to heal "
+                    "from (the others had finished or failed): it stops instead of training "
+                    "from step 0")
             self.step = self.manager.current_step()
             x, y = self.sampler.batch_at(self.step)
         else:
