@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt src/distopt/_version.py
 	$(PY) -m pip install -q --upgrade pip
 	@# A .venv made before distopt was named torch-distopt has it registered as distopt.
 	$(PY) -m pip uninstall -q -y distopt 2>/dev/null || true
-	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,hf,lightning]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,hf,lightning,ft]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -119,7 +119,8 @@ def context() -> Any:
     # The library's preload (torch, torch._dynamo, distopt: see distopt/_forkserver.py) and
     # pytest; the integrations' frameworks take seconds each to import, in every worker that
     # runs their cases (the server skips any that is not installed).
-    return mp.get_context(forkserver_preloading("pytest", "transformers.trainer", "lightning"))
+    return mp.get_context(forkserver_preloading("pytest", "transformers.trainer", "lightning",
+                                                "torchft"))
 
 
 # Names the directory that conftest.py makes for the session's temporary files and removes when

@@ -260,7 +260,7 @@ def test_installed_metadata_is_this_version():
 
 README_INSTALL = {  # each form of install line the README may give, and who runs it in CI
     "clone": (re.compile(r"^pip install -e '\.\[(?P<extras>[\w,]+)\]'$"),
-              "Makefile", "-e '.[train,dev,hf,lightning]'"),
+              "Makefile", "-e '.[train,dev,hf,lightning,ft]'"),
     "wheel": (re.compile(r"^python -m build && pip install 'dist/(?P<wheel>[\w.-]+\.whl)"
                          r"\[(?P<extras>[\w,]+)\]'$"),
               ".ci/wheel_smoke.sh", 'add base "$WHEEL[train]"'),

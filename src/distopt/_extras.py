@@ -25,6 +25,8 @@ TRAIN_NEEDS = ("matplotlib", "tqdm")
 """Imported by ``distopt train``'s rank 0: the loss plot and the progress bar."""
 BENCH_NEEDS = ("matplotlib",)
 """Imported by ``distopt bench``: the bar chart."""
+FT_NEEDS = ("torchft",)
+"""Imported by ``distopt train --ft-groups``: the Manager, its process group, the Lighthouse."""
 
 
 def _installed(module: str) -> bool:

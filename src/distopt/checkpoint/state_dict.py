@@ -164,6 +164,30 @@ def _whole(pieces: list[FlatShard]) -> FlatShard:
     return FlatShard(whole, 0, numel)
 
 
+def heal_state(opt: Optimizer) -> dict[str, Any]:
+    """What this rank holds, for the same rank of a replica group that heals from it: its
+    pieces of the optimizer state (``state_dict``) and the model params it holds between steps
+    (every param, or with sharded params its shards), so that the load needs no collective.
+    See [Note: fault-tolerant replicas] in parallel/managed_replicas.py."""
+    return {"optimizer": state_dict(opt), "params": opt.held_params()}
+
+
+def load_heal_state(opt: Optimizer, state: dict[str, Any]) -> None:
+    """Load ``heal_state`` of the same rank of a group built alike, on this rank alone: torchft
+    decides per rank which ones heal (at step 0 some ranks of a group may and others not), so
+    nothing here may wait for another rank."""
+    sd = state["optimizer"]
+    values = _pieces_of(opt, sd)
+    held = opt.held_params()
+    saved = state["params"]
+    if [(t.shape, t.dtype) for t in saved] != [(t.shape, t.dtype) for t in held]:
+        raise CheckpointError(
+            "the healthy group's params are laid out otherwise: every replica group must build "
+            "the same model with the same options and the same number of ranks")
+    install_values(opt, values, sd["param_groups"], sd["loss_scaler"])
+    opt.load_held_params(saved)
+
+
 # The public optimizers' state-dict methods do their work here, and the optimizers sit a layer
 # below this package: this module hands them its functions. See [Note: one-way imports].
 optimizers.use_state_dict_functions(sys.modules[__name__])

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..comm import collectives as comm
 from ..layout.elementwise import BucketLayout, Range
+from ..parallel.managed_replicas import ManagedReplicas
 from .grad_intake import write_grad
 from .grad_storage import FullGrads, ShardedGrads
 from .param_storage import SAME_MODULES, FullParams, ShardedParams
@@ -45,7 +46,7 @@ class Bucket:
         group: dist.ProcessGroup | None,
         reduce_scatter: bool,
         stats: comm.CommStats | None,
-        replicate_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | ManagedReplicas | None = None,
         fp32_accumulation: bool = False,
         check_local_grads: bool = False,
         grad_scale: float = 1.0,
@@ -61,7 +62,11 @@ class Bucket:
         self.params_store = params_store
         self.storage = storage
         self.group = group
-        self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
+        # A torchft Manager's groups are fault tolerant: [Note: fault-tolerant replicas].
+        self.replicate_group = (
+            replicate_group if isinstance(replicate_group, ManagedReplicas)
+            or comm.group_size(replicate_group) > 1 else None
+        )
         self.reduce_scatter = reduce_scatter
         self.fp32_accumulation = fp32_accumulation
         self.stats = stats
@@ -242,6 +247,11 @@ class Bucket:
         return True
 
     def _launch_replica(self) -> None:
+        if isinstance(self.replicate_group, ManagedReplicas):
+            self._replica_reduction = self.replicate_group.all_reduce_avg(self.owned_grad)
+            self.replica_due = False
+            self.storage.replica_started()
+            return
         # See [Note: fp32-accumulated reduce-scatter]: the second stage sums in fp32 too.
         all_reduce = (
             comm.all_reduce_avg_fp32_accum if self.fp32_accumulation else comm.all_reduce_avg

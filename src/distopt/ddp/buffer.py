@@ -19,6 +19,7 @@ from torch import nn
 from ..comm import collectives as comm
 from ..layout.elementwise import BufferLayout
 from ..parallel.dtensor import alias_local, local_tensor
+from ..parallel.managed_replicas import ManagedReplicas
 from .bucket import Bucket
 from .grad_pool import GradPool
 from .grad_storage import FullGrads, ShardedGrads
@@ -38,7 +39,7 @@ class ParamAndGradBuffer:
         group: dist.ProcessGroup | None,
         reduce_scatter: bool,
         stats: comm.CommStats | None = None,
-        replicate_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | ManagedReplicas | None = None,
         fp32_accumulation: bool = False,
         check_local_grads: bool = False,
         grad_pool: GradPool | None = None,

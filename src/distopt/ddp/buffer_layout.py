@@ -63,7 +63,8 @@ class BufferLayout:
                 buf.layout,
                 grad_dtype=buf.grad_dtype,
                 **self._buffer_groups(buf.expert),
-                replicate_group=self.parallel.replicate_group,
+                replicate_group=(self.parallel.managed_replicas
+                                 or self.parallel.replicate_group),
                 reduce_scatter=policy.reduce_scatter,
                 stats=self.comm_stats,
                 fp32_accumulation=self.options.reduces_with_fp32_accumulation(buf.grad_dtype),

@@ -28,6 +28,7 @@ from ..layout.model_layout import resolve_bucket_size
 from ..options import GradSyncOptions
 from ..parallel.dtensor import is_dtensor
 from ..parallel.experts import ExpertParallel, ExpertParams
+from ..parallel.managed_replicas import managed_replicas_for
 from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
 from ..parallel.tensor_parallel import TensorParallelMesh, check_params
 from ..sharding import Sharding
@@ -140,6 +141,14 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
             (``mesh["dp"]``) with grads averaged over every token of the batch; the dense params
             are data-parallel over every rank of the mesh. See "Experts" in docs/design.md
             and [Note: expert parallelism] in parallel/experts.py.
+        ft_manager: a ``torchft.Manager`` over this rank's replica group, whose ranks are
+            ``process_group`` (the shard group): the replica groups then average their grads
+            over the Manager's process group, each step committed only where its quorum
+            agrees, and a group that fails leaves the quorum while the others go on; one that
+            comes back heals from a healthy group's same shard. Build the Manager with
+            ``use_async_quorum=False`` and no state functions (the optimizer registers its
+            own). See docs/fault-tolerance.md and [Note: fault-tolerant replicas] in
+            parallel/managed_replicas.py.
         device_ids: torch DDP's devices of the module, with torch's rule for a module on one
             device: None (the default, right for any module) or, for a CUDA module, ``[its
             device]`` (an index or a ``torch.device``); a list for a CPU module, several
@@ -196,6 +205,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         whole_tensor_params: Mapping[nn.Parameter, type[torch.optim.Optimizer]] | None = None,
         tied_params: Mapping[str, nn.Parameter] | None = None,
         experts: ExpertParallel | None = None,
+        ft_manager: Any = None,
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
@@ -246,11 +256,16 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         self.module = module
         dp_group, replicate_group = resolve_dp_groups(process_group, device_mesh)
         dp_group = resolve_group(dp_group)
+        # Checked on every rank before any collective: what the replicas of a Manager cover.
+        managed = None if ft_manager is None else managed_replicas_for(
+            ft_manager, replicate_group=replicate_group, mesh=device_mesh, experts=experts,
+            options=self.options)
         # The TP mesh is None without DTensor params; check_params raises (on every rank, before
         # any collective) on a DTensor layout distopt cannot compose with. See
         # [Note: DTensor params].
         self.parallel = ParallelGroups.of(
-            dp_group, check_params(named, dp_group), replicate_group, mesh=device_mesh
+            dp_group, check_params(named, dp_group), replicate_group, mesh=device_mesh,
+            managed_replicas=managed,
         )
         # Raises, on every rank alike and before any collective, where experts cannot compose.
         self.experts: ExpertParams | None = None if experts is None else experts.resolve(

@@ -32,6 +32,7 @@ from ..parallel.process_groups import ParallelGroups, common_groups
 from ..parallel.tensor_parallel import counted_grads
 from . import grad_stats
 from .amp import AFTER_STEP, TorchGradScaler, hand_unscale_to, refuse_attribute_protocol
+from .fault_tolerance import FaultTolerantSteps
 from .kinds import check_optimizer_cls
 from .loss_scalers import ConstantLossScaler, DynamicLossScaler, LossScaler
 from .main_params import ShardMainParams
@@ -84,6 +85,9 @@ class BufferOptimizer(torch.optim.Optimizer):
         # After the agreement, so that every stage reaches its collectives; see
         # [Note: tied stage params] in optim/tied.py.
         self._tied = tied_grads(self.models, pp_group) if pp_group is not None else None
+        replicas = self.models[0].parallel.managed_replicas
+        self._fault_tolerance = (None if replicas is None
+                                 else FaultTolerantSteps(replicas, self))
         if self._tied is not None:
             for main in [m for m in self._pipeline.counted
                          if self.piece_info(m)[0] in self._tied.copies]:
@@ -349,6 +353,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         """Zero the grad buffers (the buffers stay allocated whatever ``set_to_none`` says)."""
         for model in self.models:
             model.zero_grad_buffer()
+        if self._fault_tolerance is not None:  # [Note: fault-tolerant replicas]
+            self._fault_tolerance.begin_step()
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -380,7 +386,12 @@ class BufferOptimizer(torch.optim.Optimizer):
         unused = {main for model in self.models for param in model.unused_params
                   for main in self._mains_of.get(param, ())}
         try:
-            result = self._pipeline.run(loss_scaler, unused)
+            # A step that failed on some replica group changes nothing anywhere in this group;
+            # see [Note: fault-tolerant replicas] in parallel/managed_replicas.py.
+            if self._fault_tolerance is not None and not self._fault_tolerance.commit():
+                result = StepResult(updated=False)
+            else:
+                result = self._pipeline.run(loss_scaler, unused)
         finally:
             for model in self.models:  # see [Note: p.grad under distopt] in ddp/grad_marker.py
                 model.grad_reads.reset(AFTER_STEP)
@@ -456,6 +467,23 @@ class BufferOptimizer(torch.optim.Optimizer):
         for owned in self._owned:
             owned.note_params_written()
         self.settle_offloaded()
+
+    def held_params(self) -> list[torch.Tensor]:
+        """The model params this rank holds between steps, buffer by buffer: each buffer's
+        whole ``param_data``, or with sharded params this rank's ``param_shards``."""
+        return [t for model in self.models for buf in model.flat_buffers
+                for t in buf.param_storage()]
+
+    def load_held_params(self, values: list[torch.Tensor]) -> None:
+        """Copy ``values`` (``held_params()`` of a rank built alike) into the params this rank
+        holds, as distopt's own write (not one the next step adopts into the main params)."""
+        for model in self.models:
+            model.finish_param_sync()
+        with torch.no_grad():
+            for held, value in zip(self.held_params(), values, strict=True):
+                held.copy_(value)
+        for owned in self._owned:
+            owned.note_params_written()
 
     def _model_param_scalars(self, param: Any) -> ParamScalars | None:
         """``opt.state[param]`` for a model param of this optimizer; None for any other key."""

@@ -56,6 +56,10 @@ class StateDictFunctions(Protocol):
     def consolidated_state_dict(self, opt: BufferOptimizer, to: int) -> dict[str, Any] | None:
         ...
 
+    def heal_state(self, opt: BufferOptimizer) -> dict[str, Any]: ...
+
+    def load_heal_state(self, opt: BufferOptimizer, state: dict[str, Any]) -> None: ...
+
 
 # The checkpoint package builds on this layer, so it hands its functions down when it is
 # imported (``import distopt`` imports it, before any optimizer can be built); see
@@ -117,6 +121,20 @@ class _CheckpointedOptimizer(BufferOptimizer):
                 "whole model"
             )
         self._consolidated = _state_dict_functions().consolidated_state_dict(self, to)
+
+    def heal_state(self) -> dict[str, Any]:
+        """This rank's state for the same rank of a torchft replica group that heals from it
+        (its pieces of the state and the model params it holds); see docs/fault-tolerance.md.
+        """
+        return _state_dict_functions().heal_state(self)
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Load ``heal_state()`` of the same rank of a group built alike; on this rank alone.
+
+        Args:
+            state: what ``heal_state()`` returned on the healthy rank.
+        """
+        _state_dict_functions().load_heal_state(self, state)
 
     def _state_is_sharded(self) -> bool:
         return self.sharded and self.parallel.dp_size > 1

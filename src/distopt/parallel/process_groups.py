@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ..comm import collectives as comm
+from .managed_replicas import ManagedReplicas
 from .tensor_parallel import TensorParallelMesh, common_mesh, stat_groups
 
 if TYPE_CHECKING:
@@ -127,17 +128,22 @@ class ParallelGroups:
     pp_group: dist.ProcessGroup | None = None
     """The pipeline stages' group (one rank per stage, at this rank's DP and TP coordinates),
     None without pipeline parallelism; see [Note: pipeline stages] in distopt/pipelining.py."""
+    managed_replicas: ManagedReplicas | None = None
+    """The replica groups a torchft Manager runs, which only the grads' second reduction stage
+    and the step's commit see (``replicate_group`` is then None); see [Note: fault-tolerant
+    replicas] in parallel/managed_replicas.py."""
 
     @classmethod
     def of(cls, dp_group: dist.ProcessGroup | None, tp: TensorParallelMesh | None,
            replicate_group: dist.ProcessGroup | None = None, *,
-           mesh: DeviceMesh | None = None) -> ParallelGroups:
+           mesh: DeviceMesh | None = None,
+           managed_replicas: ManagedReplicas | None = None) -> ParallelGroups:
         """The layout of these groups; ``mesh``: the DDP's mesh, whose "pp" dimension (if
         any) names the pipeline stages."""
         return cls(dp_group=dp_group, dp_size=comm.group_size(dp_group),
                    dp_rank=comm.group_rank(dp_group), tp=tp, replicate_group=replicate_group,
                    replicate_size=comm.group_size(replicate_group),
-                   pp_group=resolve_pp_group(mesh))
+                   pp_group=resolve_pp_group(mesh), managed_replicas=managed_replicas)
 
     @property
     def pp_size(self) -> int:

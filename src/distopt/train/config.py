@@ -166,6 +166,14 @@ class TrainConfig:
     goes on (the previous checkpoint stays the latest)."""
     progress: bool = True
     """Progress bar on rank 0."""
+    ft_groups: int | None = None
+    """Replica groups of ``nproc`` ranks each, under torchft: the state is sharded within a
+    group and the groups average their grads through a torchft Manager, so a group that fails
+    leaves the others training and heals from them when its launcher starts it again (see
+    docs/fault-tolerance.md). None: one group, no torchft."""
+    ft_lighthouse: str | None = None
+    """With ``ft_groups``: the address of a running torchft Lighthouse (``http://HOST:PORT``);
+    None: ``distopt train`` starts one."""
 
     def __post_init__(self) -> None:
         if self.lr is None:
@@ -230,6 +238,8 @@ class TrainConfig:
             problems += self._state_dtype_problems()
         if self.pp != 1:
             problems += self._pipeline_problems()
+        if self.ft_groups is not None or self.ft_lighthouse is not None:
+            problems += self._fault_tolerance_problems()
         if self.max_bytes is not None and self.max_bytes < 1:
             problems.append(f"--max-bytes must be >= 1, got {self.max_bytes}")
         if problems:
@@ -253,6 +263,21 @@ class TrainConfig:
         except (TypeError, ValueError) as error:
             return [f"--state-block-size {self.state_block_size}: {error}"]
         return []
+
+    def _fault_tolerance_problems(self) -> list[str]:
+        # What the library's ft_manager= covers, and what distopt train composes with it.
+        if self.ft_groups is None:
+            return ["--ft-lighthouse names the Lighthouse of --ft-groups: add --ft-groups G"]
+        if self.ft_groups < 1:
+            return [f"--ft-groups must be >= 1, got {self.ft_groups}"]
+        return [f"--ft-groups does not compose with {flag} (not covered by the fault-tolerant "
+                "replica groups); drop one of them"
+                for flag, on in (("--no-shard", self.no_shard), ("--shard-size", self.shard_size),
+                                 ("--pp", self.pp != 1), ("--moe", self.moe),
+                                 ("--reduce-scatter-fp32-accumulation",
+                                  self.reduce_scatter_fp32_accumulation),
+                                 ("--resume", self.resume))
+                if on]
 
     def _fp32_accumulation_problems(self) -> list[str]:
         # The library raises the same; here it is one line before any rank starts.
@@ -414,6 +439,12 @@ def parser() -> argparse.ArgumentParser:
                    "(default: torch's, 30 minutes on gloo); with --max-restarts a stuck rank "
                    "then restarts the group")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--ft-groups", type=int, default=None, metavar="G",
+                   help="G replica groups of --nproc ranks under torchft: a failed group "
+                   "leaves the others training and heals from them when restarted "
+                   "(pip install 'torch-distopt[ft]')")
+    p.add_argument("--ft-lighthouse", default=None, metavar="ADDR",
+                   help="with --ft-groups: a running torchft Lighthouse (default: start one)")
     return p
 
 

@@ -43,6 +43,10 @@ FAIL_SIGNAL_ENV = "DISTOPT_TRAIN_FAIL_SIGNAL"
 # "launcher": the rank (numbered within its launcher) takes its launcher and the launcher's
 # other ranks down with it, as when a node is lost.
 FAIL_SCOPE_ENV = "DISTOPT_TRAIN_FAIL_SCOPE"
+# With --ft-groups: the replica group whose rank fails (ranks numbered within their group);
+# unset, the rank of every group fails.
+FAIL_GROUP_ENV = "DISTOPT_TRAIN_FAIL_GROUP"
+GROUP_ENV = "DISTOPT_FT_GROUP"  # set by train/ft.py's launcher on each group's ranks
 
 
 def restart_count() -> int:
@@ -92,6 +96,8 @@ def failure_injection(rank: int) -> tuple[int, Callable[[], None]]:
     if launcher:  # the launcher's own rank numbers: the test sets the hook on one launcher
         rank = int(os.environ.get("LOCAL_RANK", "0"))
     if restart_count() > 0 or rank != int(os.environ.get(FAIL_RANK_ENV, "0")):
+        return -1, lambda: None
+    if os.environ.get(FAIL_GROUP_ENV, os.environ.get(GROUP_ENV)) != os.environ.get(GROUP_ENV):
         return -1, lambda: None
     step = int(os.environ.get(FAIL_AT_STEP_ENV, "-1"))
     if launcher:

@@ -17,6 +17,7 @@ import uuid
 import torch
 
 from .._forkserver import forkserver_preloading
+from .._version import pip_install
 from .config import TrainConfig, parse_args
 
 
@@ -44,6 +45,11 @@ def validate(config: TrainConfig, nproc: int) -> None:
     from .data import load_corpus
 
     config.check_world_size(nproc)
+    groups = config.ft_groups or 1
+    if config.batch_size % (groups * nproc):
+        raise ValueError(f"--batch-size {config.batch_size} does not split over the "
+                         f"{groups} x {nproc} ranks of --ft-groups {groups}; pick a multiple "
+                         f"of {groups * nproc}")
     corpus = load_corpus(config.data, max_bytes=config.max_bytes)
     for split, data in (("train", corpus.train), ("held-out", corpus.heldout)):
         if data.numel() <= config.seq_len:
@@ -63,7 +69,20 @@ def main(argv: list[str] | None = None) -> int:
         validate(config, nproc)
     except ValueError as error:
         return _fail(str(error))
+    if config.ft_groups is not None:
+        from .._extras import FT_NEEDS, missing
+        from . import ft
 
+        if missing(FT_NEEDS):
+            return _fail(f"--ft-groups needs torchft (not installed): {pip_install('ft')}")
+        return ft.launch_groups(config, launch_group)
+    return launch_group(config)
+
+
+def launch_group(config: TrainConfig) -> int:
+    """Start this machine's ranks under the elastic launcher and wait for them; with
+    --ft-groups, one replica group's (train/ft.py runs one per group)."""
+    nproc = check_device(config)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

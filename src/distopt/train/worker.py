@@ -26,12 +26,15 @@ from ..comm.gloo_io import idle_gloo_io_threads
 from ..dtypes import DTYPES, parse_state_dtype
 from ..optim.kinds import whole_tensor_cost
 from ..plan import ownership
-from . import elastic
+from . import elastic, ft
 from .config import OPTIMIZERS, TrainConfig, default_shard_size, param_groups
 from .data import BatchSampler, eval_batches, load_corpus
 from .model import GPT, gpt_config
 from .report import write_loss_plot, write_summary
 from .stages import GPTStage, StagedSteps
+
+FT_TIMEOUT_S = 30.0
+"""With --ft-groups and no --timeout: how long a torchft collective or quorum waits."""
 
 
 def warmup_cosine(config: TrainConfig):
@@ -54,7 +57,11 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         config.check_world_size(self.world)
         self.device = _device(config.device_type())
-        self.out = Path(config.out)
+        # With --ft-groups this rank's replica group, in a folder of its own; see train/ft.py.
+        self.group = ft.group_index() if config.ft_groups else 0
+        groups = config.ft_groups or 1
+        self.out = ft.group_out(Path(config.out), self.group) if config.ft_groups else Path(
+            config.out)
         self.ckpt_dir = self.out / "checkpoints"
         mesh = self._pipeline_mesh()
         # With --pp each stage's ranks are one data-parallel group of world / pp ranks.
@@ -65,7 +72,9 @@ class Trainer:
         self.corpus = corpus
         self.sampler = BatchSampler(
             corpus.train, seq_len=config.seq_len, global_batch_size=config.batch_size,
-            dp_rank=self.dp_rank, dp_size=self.dp_size, seed=config.seed,
+            # The replica groups split one global batch, as the ranks of one group would.
+            dp_rank=self.group * self.dp_size + self.dp_rank, dp_size=groups * self.dp_size,
+            seed=config.seed,
         )
         self.heldout = [
             (x.to(self.device), y.to(self.device))
@@ -75,6 +84,9 @@ class Trainer:
             )
         ]
 
+        self.manager, self._ft_store = (
+            ft.build_manager(self.rank, self.world, config.timeout or FT_TIMEOUT_S)
+            if config.ft_groups else (None, None))
         torch.manual_seed(config.seed)
         experts, ep_group = self._expert_mesh()
         model = GPT(gpt_config(config.model, seq_len=config.seq_len, n_experts=config.moe),
@@ -107,6 +119,7 @@ class Trainer:
             # An expert no token chose gets no grad: left out of the step where no rank ran
             # it, as torch.optim skips it ([Note: params without a grad]).
             find_unused_parameters=bool(config.moe) and not config.shard_params,
+            ft_manager=self.manager,
         )
         opt_cls, opt_kwargs = OPTIMIZERS[config.optimizer]
         scaler = distopt.DynamicLossScaler() if config.dtype == "fp16" else None
@@ -130,6 +143,9 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.pending: tuple[int, distopt.checkpoint.AsyncCheckpoint] | None = None
+        if self.manager is not None:  # what a healing group takes beside the optimizer's
+            self.manager.register_state_dict_fn("train", self._load_train_state,
+                                                self._train_state)
 
     def _pipeline_mesh(self) -> Any:
         """The ("pp", "dp") mesh of a run with --pp, else None."""
@@ -229,10 +245,19 @@ class Trainer:
             print(f"distopt train: warning: step {step}: {error}; training goes on "
                   "(--stop-on-save-failure stops instead)", file=sys.stderr, flush=True)
 
+    def _train_state(self) -> dict[str, Any]:
+        return {"scheduler": self.sched.state_dict(), "history": list(self.history)}
+
+    def _load_train_state(self, state: dict[str, Any]) -> None:
+        self.sched.load_state_dict(state["scheduler"])
+        self.history = list(state["history"])
+
     def maybe_resume(self) -> bool:
         """Resume from the latest checkpoint with --resume or when the launcher restarted
         the run (after a failure, or with another number of nodes: see train/elastic.py), at
         whatever world size it has now; collective."""
+        if self.manager is not None:
+            return False  # a restarted replica group heals from the others instead
         restarted = elastic.is_restart(self.out, self.rank)
         if not (self.config.resume or restarted) or not distopt.has_checkpoint(self.ckpt_dir):
             return False
@@ -260,9 +285,20 @@ class Trainer:
         return float(total.item()) / self.dp_size
 
     def train_step(self) -> dict[str, Any]:
-        x, y = self.sampler.next_batch()
+        self.opt.zero_grad()  # with --ft-groups the quorum, where a group behind heals
+        if self.manager is not None:  # the committed steps, a healed group's included
+            if elastic.restart_count() > 0 and self.manager.current_step() == 0:
+                # A restarted group alone in its quorum would train from scratch beside a
+                # finished run: it must heal from a group still training, or stop.
+                raise RuntimeError(
+                    "this replica group was restarted but no healthy group was left to heal "
+                    "from (the others had finished or failed): it stops instead of training "
+                    "from step 0")
+            self.step = self.manager.current_step()
+            x, y = self.sampler.batch_at(self.step)
+        else:
+            x, y = self.sampler.next_batch()
         x, y = x.to(self.device), y.to(self.device)
-        self.opt.zero_grad()
         # With --pp the schedule runs the micro-batches.
         loss_avg = (self._accumulate(x, y) if self.stages is None
                     else self.stages.train(x, y))
@@ -275,6 +311,7 @@ class Trainer:
             "grad_norm": result.grad_norm,
             "updated": result.updated,
             "lr": self.opt.param_groups[0]["lr"],
+            **({} if self.manager is None else {"quorum": self.manager.num_participants()}),
         }
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -305,6 +342,10 @@ class Trainer:
             self._record(log, {"step": 0, "heldout_loss": self.evaluate(),
                                "world_size": self.world, "dp_replicas": self.dp_replicas})
         fail_step, fail = elastic.failure_injection(self.rank)
+        self._heals_logged = 0
+        if self.manager is not None and self.rank == 0:
+            ft.log_event(self.out, {"event": "start", "attempt": elastic.restart_count(),
+                                    "step": self.step})
 
         tokens_per_step = config.batch_size * config.seq_len
         bar = _progress(config, self.rank, initial=self.step)
@@ -313,6 +354,8 @@ class Trainer:
             if self.step == fail_step:
                 fail()
             stats = self.train_step()
+            if self.manager is not None and not self._committed(log):
+                continue
             self.step += 1
             window_steps += 1
             elapsed = time.perf_counter() - window_start
@@ -327,7 +370,8 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}",
-                                tok_s=f"{stats['tokens_per_s']:.0f}")
+                                tok_s=f"{stats['tokens_per_s']:.0f}",
+                                **({"quorum": stats["quorum"]} if "quorum" in stats else {}))
             if config.save and (config.save_every and self.step % config.save_every == 0
                                 or self.step == config.steps):
                 self.save(log)
@@ -335,6 +379,22 @@ class Trainer:
             bar.close()
         self.settle(log)  # the last checkpoint is published before the run ends
         return self.finish()
+
+    def _committed(self, log: _MetricsLog) -> bool:
+        """With --ft-groups, after a step: whether the quorum committed it (else it is tried
+        again), and what this group's rank 0 logs of it for the run's ``ft`` summary."""
+        record = self.opt._fault_tolerance.record
+        if self.rank == 0:
+            for heal in record.received[self._heals_logged:]:
+                ft.log_event(self.out, {"event": "healed", **heal})
+            if self.manager.current_step() > self.step:
+                ft.log_event(self.out, {"event": "committed", "step": self.step + 1,
+                                        "attempt": elastic.restart_count()})
+            else:
+                ft.log_event(self.out, {"event": "uncommitted", "step": self.step,
+                                        "attempt": elastic.restart_count()})
+        self._heals_logged = len(record.received)
+        return self.manager.current_step() > self.step
 
     def _record(self, log: _MetricsLog, stats: dict[str, Any]) -> None:
         log.write(stats)
@@ -345,6 +405,11 @@ class Trainer:
         report = distopt.measure_state_bytes(self.opt)
         reports = [None] * self.world
         dist.all_gather_object(reports, report.as_dict())
+        if self.manager is not None:
+            restarts: list[Any] = [None] * self.world
+            dist.all_gather_object(restarts, elastic.restart_count())
+            if self.rank == 0:
+                ft.log_event(self.out, {"event": "finished", "restarts": restarts})
         summary = None
         if self.rank == 0:
             summary = write_summary(self.out, self.config, self.world, reports, self.history,
@@ -433,5 +498,8 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
     if not on_cuda:
         idle_gloo_io_threads()  # its groups exist now; see [Note: gloo's I/O thread]
     summary = trainer.run()
+    if trainer.manager is not None:
+        dist.barrier()  # every rank is done with the group's Manager before rank 0 ends it
+        trainer.manager.shutdown(wait=False)
     dist.destroy_process_group()
     return summary

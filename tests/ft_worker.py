@@ -1,0 +1,172 @@
+"""A rank of a fault-tolerant run: replica groups of distopt under torchft, one group killed.
+
+Each replica group is its own process group (its own TCP store), its ranks shard the state;
+the groups average grads through a torchft Manager and a Lighthouse that the test starts.
+``start_groups`` is the test's launcher: it starts every group's ranks from a fork server,
+and restarts a group whose rank died (as torchrun does for its own ranks), so that the group
+heals from the other one. Each rank writes, as it goes, one line per committed step (the
+step, the quorum's size, its loss) and at the end its whole state, for the test to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import distopt
+
+from dist_harness import context
+
+IN, HIDDEN, OUT = 8, 16, 4
+BATCH = 4  # rows per rank and step
+LR = 1e-2
+MODES = {"optim": {}, "grads": {"shard_grads": True}, "params": {"shard_params": True}}
+"""The sharding modes inside a group: DistributedDataParallel's arguments."""
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT))
+
+
+def batch(step: int, group: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank`` of group ``group``'s rows at ``step``: the same for a retried step."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * group + rank)
+    x = torch.randn(BATCH, IN, generator=g)
+    y = torch.randn(BATCH, OUT, generator=g)
+    return x, y
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank(spec: dict[str, Any]) -> None:
+    """One rank of one group, to ``spec["steps"]`` committed steps; exits the process at the
+    step given as ``fail_at`` if it is the failing rank."""
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    group, rank, world = spec["group"], spec["rank"], spec["world"]
+    timeout = timedelta(seconds=spec["timeout_s"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=world, timeout=timeout)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+        min_replica_size=1, use_async_quorum=False, store_addr="127.0.0.1",
+        store_port=spec["port"], rank=rank, world_size=world, replica_id=f"group{group}",
+        lighthouse_addr=spec["lighthouse"], timeout=timeout, quorum_timeout=timeout * 3,
+        connect_timeout=timeout)
+    ddp = distopt.DistributedDataParallel(build_model(), ft_manager=manager,
+                                          **MODES[spec["mode"]])
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    out = Path(spec["out"])
+    with open(out / f"steps-g{group}-r{rank}.jsonl", "a") as log:
+        _train(spec, manager, ddp, opt, log)
+    record = opt._fault_tolerance.record
+    state = {"params": {n: p.detach().clone() for n, p in ddp.full_state_dict().items()},
+             "optimizer": opt.sharded_state_dict(),
+             "heals": {"sent": record.sent, "received": record.received}}
+    torch.save(state, out / f"state-g{group}-r{rank}.pt")
+    # Every rank of the group has written before any leaves (the group's store lives in rank 0).
+    dist.barrier()
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+def _train(spec: dict[str, Any], manager: Any, ddp: Any, opt: Any, log: Any) -> None:
+    group, rank, world = spec["group"], spec["rank"], spec["world"]
+    while manager.current_step() < spec["steps"]:
+        opt.zero_grad()  # the quorum; a group behind the others heals here
+        step = manager.current_step()
+        x, y = batch(step, group, rank, world)
+        loss = loss_of(ddp, x, y)
+        if spec["fail_at"] == step and spec["fail_rank"] == rank and spec["attempt"] == 0:
+            os._exit(17)  # mid-step: after the forward, before the backward's reductions
+        loss.backward()
+        time.sleep(spec["step_s"])  # a real model's compute: the groups' steps take time
+        result = opt.step()
+        if result.updated:
+            log.write(json.dumps({"step": step, "participants": manager.num_participants(),
+                                  "loss": loss.item(), "attempt": spec["attempt"]}) + "\n")
+            log.flush()
+
+
+def _entry(spec: dict[str, Any]) -> None:
+    run_rank(spec)
+
+
+def start_group(ctx: Any, spec: dict[str, Any]) -> list[Any]:
+    procs = []
+    port = free_port()
+    for rank in range(spec["world"]):
+        p = ctx.Process(target=_entry, args=({**spec, "rank": rank, "port": port},))
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def start_groups(groups: int, world: int, *, mode: str, steps: int, out: Path,
+                 lighthouse: str, fail: tuple[int, int, int] | None, timeout_s: float = 10,
+                 step_s: float = 0.0, restart_when: Any = None,
+                 deadline_s: float = 120) -> dict[int, int]:
+    """Run ``groups`` replica groups of ``world`` ranks to ``steps`` committed steps; ``fail``:
+    (group, rank, step) to kill once; ``step_s``: seconds each step computes. A group one of
+    whose ranks died is stopped and started again, as a launcher does, once ``restart_when()``
+    is true (the time a replacement takes to come up; None: at once). Returns each group's
+    restarts."""
+    ctx = context()  # the test session's fork server (dist_harness.py)
+    base = {"world": world, "mode": mode, "steps": steps, "out": str(out),
+            "lighthouse": lighthouse, "timeout_s": timeout_s, "step_s": step_s,
+            "fail_at": None, "fail_rank": None}
+    specs = {}
+    for g in range(groups):
+        spec = {**base, "group": g, "attempt": 0}
+        if fail is not None and fail[0] == g:
+            spec.update(fail_rank=fail[1], fail_at=fail[2])
+        specs[g] = spec
+    running = {g: start_group(ctx, specs[g]) for g in specs}
+    restarts = dict.fromkeys(specs, 0)
+    down: set[int] = set()  # groups stopped, waiting to be started again
+    end = time.monotonic() + deadline_s
+    while running:
+        if time.monotonic() > end:
+            for procs in running.values():
+                for p in procs:
+                    p.kill()
+            raise TimeoutError(f"the groups did not finish in {deadline_s} s")
+        for g, procs in list(running.items()):
+            codes = [p.exitcode for p in procs]
+            if g in down:
+                if restart_when is None or restart_when():
+                    down.discard(g)
+                    restarts[g] += 1
+                    specs[g] = {**specs[g], "attempt": restarts[g]}
+                    running[g] = start_group(ctx, specs[g])
+            elif all(c == 0 for c in codes):
+                del running[g]
+            elif any(c not in (None, 0) for c in codes):
+                for p in procs:
+                    p.kill()
+                    p.join()
+                down.add(g)  # the other groups go on meanwhile
+        time.sleep(0.05)
+    return restarts
