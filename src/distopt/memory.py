@@ -14,6 +14,7 @@ import torch
 
 from .dtypes import DTYPES
 from .optim.block_scaling import DEFAULT_BLOCK_SIZE, needs_scales
+from .optim.offload import master_bytes_per_element
 from .options import check_state_block_size, check_state_dtype, remainders_problem
 from .parallel.dtensor import local_tensor
 
@@ -422,8 +423,8 @@ def offloaded_bytes_per_element(param_dtype: torch.dtype, store_param_remainders
     """Bytes per element the offload tier keeps of an AdamW shard: the masters (int16
     remainders, fp32 copies of bf16/fp16 params, nothing for fp32 params) and the two
     moments in their held dtype."""
-    masters = 2 if store_param_remainders else 0 if param_dtype == torch.float32 else 4
-    return masters + 2 * (state_dtype or torch.float32).itemsize
+    return (master_bytes_per_element(param_dtype, store_param_remainders)
+            + 2 * (state_dtype or torch.float32).itemsize)
 
 
 def transient_bound_of_model(module: torch.nn.Module, dp_size: int, *,

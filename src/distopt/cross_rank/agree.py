@@ -41,9 +41,7 @@ def raise_unless_same(
     descriptions: one 32-byte digest per rank and group, the descriptions themselves only
     where digests differ, then the verdict spread over every group; the message is what
     ``difference`` (descriptions, ranks, group name) says."""
-    # gloo communicates CPU tensors; NCCL those on the params' device.
-    gloo_only = all(dist.get_backend(group) == "gloo" for _, group, _ in described)
-    device = torch.device("cpu") if gloo_only else device
+    device = _collective_device([group for _, group, _ in described], device)
     message = None
     for name, group, mine in described:
         if _digests_differ(digest_of(mine), group, device, stats):
@@ -88,5 +86,10 @@ def agree_on_refusal(message: str | None, parallel: ParallelGroups, device: torc
     groups = [group for _, group, _ in compared_groups(parallel)]
     if not groups:
         return message
+    return _spread(message, groups, _collective_device(groups, device), stats)
+
+
+def _collective_device(groups: list[dist.ProcessGroup], device: torch.device) -> torch.device:
+    # gloo communicates CPU tensors; NCCL those on the params' device.
     gloo_only = all(dist.get_backend(group) == "gloo" for group in groups)
-    return _spread(message, groups, torch.device("cpu") if gloo_only else device, stats)
+    return torch.device("cpu") if gloo_only else device

@@ -85,7 +85,6 @@ class ShardMainParams:
         self.shard_fp32 = None
         self.remainders = None  # with store_remainders; see [Note: param remainders]
         self.store_remainders = store_remainders
-        self.offloaded = allocate is not None
         if allocate is not None:
             dtype = (torch.int16 if store_remainders
                      else fp32 if buffer.param_dtype != fp32 else None)

@@ -66,6 +66,8 @@ import torch
 from torch import nn
 
 from ..host_memory import _libc
+from ..parallel.dtensor import local_tensor
+from .kinds import state_bytes, state_keys
 
 WINDOW = 2
 """Chunks whose write to the file may still be running when another chunk is stepped."""
@@ -261,6 +263,12 @@ class OffloadTier:
             self.bytes_written += size
 
 
+def master_bytes_per_element(param_dtype: torch.dtype, store_remainders: bool) -> int:
+    """Bytes the masters take per element apart from the params: int16 remainders, an fp32
+    copy of bf16/fp16 params, nothing for fp32 params (their own masters)."""
+    return 2 if store_remainders else 0 if param_dtype == torch.float32 else 4
+
+
 StateOptions = tuple[type[torch.optim.Optimizer] | None, dict[str, Any]]
 """The class that steps a model param and its group's options (None: no group steps it)."""
 
@@ -272,14 +280,10 @@ def region_bytes(buffers: Sequence[Any], *, sharded: bool, store_remainders: boo
     """The bytes each step chunk (each bucket's shard of each buffer, in the step's order)
     reserves in the tier: its masters and its pieces' state, each tensor aligned; see
     [Note: the offload tier]. Raises ``OffloadError`` for a class whose state is unknown."""
-    from ..parallel.dtensor import local_tensor
-    from .kinds import state_bytes, state_keys
-
     sizes = []
     for buffer in buffers:
         regions = [b.param_shard if sharded else b.param_data for b in buffer.buckets]
-        master_bytes = (2 if store_remainders else 4 if buffer.param_dtype != torch.float32
-                        else 0)
+        master_bytes = master_bytes_per_element(buffer.param_dtype, store_remainders)
         per_bucket = [align(r.numel() * master_bytes) for r in regions]
         pieces = (buffer.layout.shard_pieces(buffer.dp_rank) if sharded
                   else buffer.layout.whole_pieces())
