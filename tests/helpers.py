@@ -396,7 +396,7 @@ STEP_FILES = {
     "ddp/param_gather.py", "ddp/buffer_layout.py", "ddp/torch_ddp_methods.py",
     "ddp/param_storage.py", "ddp/param_unshard.py", "ddp/whole_module.py",
     "ddp/nan_check.py", "ddp/module_buffers.py", "ddp/rebound_params.py", "ddp/trainable.py",
-    "comm/collectives.py", "comm/gloo.py",
+    "comm/collectives.py", "comm/gloo.py", "comm/gate.py",
     "comm/handles.py", "comm/errors.py", "comm/stats.py", "options.py",
     "optim/optimizers.py", "optim/base.py", "optim/step.py", "optim/main_params.py",
     "optim/remainders.py", "optim/grad_stats.py", "optim/state_precision.py",

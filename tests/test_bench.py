@@ -81,10 +81,10 @@ def test_counted_collectives_per_step(bench):
     padded = dist["distopt_comm"]["payload_bytes_per_step"]["reduce_scatter"]
     assert dist["distopt_comm"]["calls_per_step"] == {"reduce_scatter": buckets,
                                                       "all_gather": buckets,
-                                                      "all_gather_small": 1}
+                                                      "agree_grad_statistics": 1}
     assert dist["distopt_comm"]["payload_bytes_per_step"]["all_gather"] == padded
     assert n_bytes <= padded < n_bytes * 1.001
-    small = dist["distopt_comm"]["payload_bytes_per_step"]["all_gather_small"]
+    small = dist["distopt_comm"]["payload_bytes_per_step"]["agree_grad_statistics"]
     assert small % (D * 2 * 8) == 0 and 0 < small < 1e-4 * n_bytes
     assert payload["distopt"] == {"send": 2 * padded * (D - 1) / D, "all_gather_small": small}
     assert dist["calls_per_step"] == {"send": 2 * (D - 1) * buckets, "all_gather_small": 1}

@@ -446,9 +446,10 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket(world):
         assert buckets == 6  # see BUCKET
         # and the small all-gather of what p.grad reads ([Note: p.grad under distopt]).
         assert value["calls"] == {"reduce_scatter": buckets, "all_gather": buckets,
-                                  "all_gather_small": 1}
+                                  "agree_grad_statistics": 1}
         # Reduce-scatter plus all-gather of the whole buffer: one all-reduce's worth.
-        assert {op: n for op, n in value["bytes"].items() if op != "all_gather_small"} == {
+        assert {op: n for op, n in value["bytes"].items()
+                if op != "agree_grad_statistics"} == {
             "reduce_scatter": buffer_bytes, "all_gather": buffer_bytes}
         # On gloo both are point-to-point: per bucket, each rank sends every other rank its
         # chunk of the grads, then its chunk of the params, and receives theirs; nothing else.

@@ -344,7 +344,7 @@ def test_buffers_hold_local_shards_and_dp_collectives_cover_them(results):
             # One reduce-scatter and one all-gather per bucket over DP; the grad norm is summed
             # over DP, then over TP; what p.grad reads is gathered over DP.
             assert calls == {"reduce_scatter": v["buckets"], "all_gather": v["buckets"],
-                             "all_reduce_small": 2, "all_gather_small": 1}
+                             "all_reduce_small": 2, "agree_grad_statistics": 1}
         assert v["reduce_groups"] == 2
     for v in case_result(results, "parity-dp2-tp2-basic"):
         for calls in v["calls"]:

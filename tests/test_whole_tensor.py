@@ -304,7 +304,7 @@ def test_communication_is_one_reduce_scatter_and_one_gather_per_bucket(world):
                 assert sent["all_gather"] == r["bucket_bytes"]
                 # and the small ones: the step's norm, what p.grad reads.
                 assert set(calls) <= {"reduce_scatter", "all_gather", "all_reduce_small",
-                                      "all_gather_small"}
+                                      "agree_grad_statistics"}
 
 
 def test_trajectory_within_the_reference_order_noise(world):

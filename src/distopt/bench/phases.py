@@ -1,7 +1,7 @@
 """The clock of one benchmark step's phases: compute and host time apart from collective waits.
 
 distopt times its own collectives' waits (``CommStats``); a phase's time is its wall time less
-the waits that happened inside it, so that the phases and the two waits add up to the step.
+the waits that happened inside it, so that the phases and the three waits add up to the step.
 Peers report no waits: their collectives fall inside the phase that issued them.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ..ddp import agreements
 
 Mark = tuple[float, float]  # (time, seconds waited in distopt's collectives so far)
 
@@ -22,12 +24,14 @@ class PhaseClock:
         self.sync = sync
 
     def waits(self) -> dict[str, float]:
-        """Seconds spent so far blocked in distopt's reductions and gathers (0 for peers)."""
+        """Seconds spent so far blocked in distopt's reductions, gathers and agreements (the
+        collectives that carry no grad or param bytes: ddp/agreements.py); 0 for peers."""
         if self.stats is None:
-            return {"reduce": 0.0, "gather": 0.0}
+            return {"reduce": 0.0, "gather": 0.0, "agree": 0.0}
         seconds = self.stats.seconds
         return {"reduce": seconds["reduce_scatter"] + seconds["all_reduce"],
-                "gather": seconds["all_gather"]}
+                "gather": seconds["all_gather"],
+                "agree": sum(seconds[op] for op in agreements.OPS)}
 
     def mark(self) -> Mark:
         self.sync()
@@ -50,4 +54,5 @@ class PhaseClock:
                 row["wait_reduce"] = waits["reduce"] - before["reduce"]
             row[name] = seconds
         row["wait_gather"] = waits["gather"] - before["gather"]
+        row["wait_agree"] = waits["agree"] - before["agree"]
         return row

@@ -37,7 +37,7 @@ from .phases import PhaseClock
 from .stage_runs import measure_stages, summarize_stages
 from .systems import PEER_SYSTEMS, CollectiveCounter, build_system, wire_bytes
 
-PHASES = ("forward", "backward", "wait_reduce", "step", "wait_gather")
+PHASES = ("forward", "backward", "wait_reduce", "step", "wait_gather", "wait_agree")
 
 
 @dataclass(kw_only=True, slots=True)

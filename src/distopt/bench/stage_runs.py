@@ -23,7 +23,7 @@ from .phases import PhaseClock
 from .stages import build_staged_system, stage_mesh, stage_param_count
 from .systems import CollectiveCounter, wire_bytes
 
-PIPELINE_PHASES = ("schedule", "wait_reduce", "step", "wait_gather")
+PIPELINE_PHASES = ("schedule", "wait_reduce", "step", "wait_gather", "wait_agree")
 
 
 def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, Any]:

@@ -43,10 +43,12 @@ r/2 times them beyond, with a transient of r - 1 received chunks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from . import gloo, sums
+from . import gate, gloo, sums
 from .errors import CollectiveError, failures_named
 from .handles import DONE
 from .stats import CommStats, timed
@@ -115,6 +117,7 @@ def reduce_scatter_avg_fp32_accum(
 def _reduce_scatter(shard, full, group, async_op: bool, stats: CommStats | None, *,
                     on_gloo, elsewhere):
     # What every reduce-scatter shares: nothing to send on one rank, counting, timing.
+    gate.settle()
     if group_size(group) == 1:
         if shard.data_ptr() != full.data_ptr():
             shard.copy_(full)
@@ -141,6 +144,7 @@ def all_reduce_avg(
     op: str = "all_reduce",
 ):
     """Average ``full`` in place over the group; ``op`` names it in ``stats``."""
+    gate.settle()
     if group_size(group) == 1:
         return DONE
     if stats is not None:
@@ -158,6 +162,7 @@ def all_gather(
     stats: CommStats | None = None,
 ):
     """Gather every rank's ``shard`` into ``full`` (``shard`` may be this rank's chunk of it)."""
+    gate.settle()
     if group_size(group) == 1:
         if shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
@@ -184,6 +189,7 @@ def all_reduce_avg_fp32_accum(
     gathers the others' copies: it sends r - 1 copies' bytes, as much as a ring all-reduce
     (2 (r - 1)/r) at r = 2, r/2 times as much beyond. See
     [Note: fp32-accumulated reduce-scatter]; ``op`` names it in ``stats``."""
+    gate.settle()
     if group_size(group) == 1:
         return DONE
     if stats is not None:
@@ -198,6 +204,7 @@ def broadcast_from_first_ranks(
 ) -> None:
     """Give every rank the values of ``tensors`` on the rank at coordinate 0 of every group,
     going through the groups last to first (replicate group, then shard group)."""
+    gate.settle()
     for group in reversed(groups):
         if group_size(group) == 1:
             continue
@@ -216,6 +223,7 @@ def broadcast_coalesced(
     tensor: the tensors of each dtype travel in one flat copy, copied back into them once it
     has arrived. ``groups`` are (name, group) in the order to go through them; the name is the
     op counted in ``stats``."""
+    gate.settle()
     groups = [(op, group) for op, group in groups if group_size(group) > 1]
     if not groups or not tensors:
         return
@@ -246,6 +254,7 @@ def all_reduce_small(
     stats: CommStats | None = None,
 ) -> torch.Tensor:
     """Reduce a small control tensor (a norm, a flag) in place over each group in turn."""
+    gate.settle()
     for group in groups:
         if group_size(group) > 1:
             if stats is not None:
@@ -263,6 +272,7 @@ def all_gather_small(
     """Every rank's small 1-D control tensor (a few statistics per param), stacked in the
     group's rank order: ``[group size, numel]``, the same on every rank, so that each rank
     combines them in one order (and a max keeps a nan, which a MAX all-reduce may drop)."""
+    gate.settle()
     if group_size(group) == 1:
         return tensor.unsqueeze(0)
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
@@ -274,12 +284,36 @@ def all_gather_small(
     return gathered
 
 
+def all_gather_small_async(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    op: str = "all_gather_small",
+) -> tuple[torch.Tensor, Any]:
+    """``all_gather_small`` started and not waited for: ``(out, handle)``, where ``out`` is
+    ``[group size * numel]`` in the group's rank order once ``handle.wait()`` returned (a
+    handle of None: nothing to wait for). torch's own all-gather, so ordered with the group's
+    other collectives apart from distopt's point-to-point ones on gloo (comm/gloo.py)."""
+    gate.settle()
+    size = group_size(group)
+    if size == 1:
+        return tensor.clone(), None
+    out = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    if stats is not None:
+        stats.record(op, out, group)
+    with failures_named("all_gather", f"a control value ({tensor.numel()} elements)"):
+        handle = timed(stats, op, True, lambda: dist.all_gather_into_tensor(
+            out, tensor, group=group, async_op=True))
+    return out, handle
+
+
 # ---------------------------------------------------------------------- small Python objects
 
 
 def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:
     """The group's first rank's ``obj``, on every rank of ``group`` (pickled: for small
     control values such as a verdict or a path)."""
+    gate.settle()
     if group_size(group) == 1:
         return obj
     box = [obj]
@@ -289,6 +323,7 @@ def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:
 
 def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
     """Every rank's ``obj``, in group rank order (pickled: for small control values)."""
+    gate.settle()
     if group_size(group) == 1:
         return [obj]
     gathered: list[object] = [None] * group_size(group)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..layout.model_layout import ParamSpec, plan_model_layout
 from ..parallel.dtensor import local_tensor
+from . import agreements
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
 from .forward_check import ForwardCheck
@@ -98,7 +99,8 @@ class BufferLayout:
                 reshard_after_forward=self.options.reshard_after_forward,
                 holding=lambda: self._grad_sync.hold_step,
                 check=ForwardCheck(self.process_group, self._device,
-                                   self._grad_sync.model_name, self.comm_stats))
+                                   self._grad_sync.model_name, self.comm_stats)
+                if agreements.enabled() else None)
         self._grad_sync.hold_step = self._hold_step
 
     def _refused_reads(self) -> dict[nn.Parameter, str]:

@@ -30,12 +30,19 @@ run the same forwards agree at every check, whatever their data.
 What the check cannot see: ranks that start alike and part within the forward (modules run on
 some ranks only, [Note: every rank runs the same modules] in ddp/param_unshard.py), and a
 forward on one rank met by another collective than a check (one between a backward and the
-step: the step's own collectives). Cost: one all-gather of 5 int64 per rank per forward and per
-backward, torch's own (distopt's point-to-point all-gather on gloo would share its tags with a
-param gather in flight): 0.66 to 0.79 ms a check at d = 2 on gloo on the 2-core CPU machine (a
-4 KB all-reduce there: 0.6 ms), so about 1.5 ms a step of one forward and one backward; on a
-GPU the check's values are read on the host, a sync at the start of each forward and
-backward. A single process checks nothing.
+step: the step's own collectives).
+
+When: the check's all-gather is started at the forward's (or backward's) start and waited for
+by distopt's next collective, whichever it is (comm/gate.py): a param gather's launch, a
+bucket's reduction, a control value. No collective of distopt's ever starts before the check
+is settled, so ranks that parted still raise before their gathers meet, while the check's round
+trip overlaps what runs until then: the wait for a unit gathered ahead by the step
+(``overlap_param_gather``), or a backward's compute up to its first reduction where the
+params were kept after the forward. A check that nothing settled is settled by the next one.
+Cost: one all-gather of 5 int64 per rank per forward and per backward, torch's own (distopt's
+point-to-point all-gather on gloo would share its tags with a param gather in flight), about
+0.7 ms of round trip at d = 2 on gloo on the 2-core CPU machine where nothing hides it; on a
+GPU the check's values are read on the host when it settles. A single process checks nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as comm
+from ..comm import gate
+from ..comm.stats import timed
+from . import agreements
 
 _FORWARD, _BACKWARD = 1, 2
 _serials = itertools.count()  # per process: every rank builds its DDPs in the same order
@@ -80,15 +90,24 @@ class ForwardCheck:
     def _check(self, kind: int, count: int, grad: bool, training: bool) -> None:
         if self.size == 1:
             return
+        gate.settle()  # the check before this one, if nothing settled it
         mine = torch.tensor([kind, self.serial, count, int(grad), int(training)],
                             dtype=torch.int64, device=self.device)
         rows = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
         if self.stats is not None:
-            self.stats.record("forward_check", mine, self.group)
+            self.stats.record(agreements.FORWARD_CHECK, mine, self.group)
         # torch's own all-gather, not distopt's point-to-point one on gloo (comm/gloo.py):
         # ordered with the group's other collectives, apart from a param gather in flight.
         with comm.failures_named("all_gather", "the forward check (5 int64 a rank)"):
-            dist.all_gather_into_tensor(rows, mine, group=self.group)
+            handle = timed(self.stats, agreements.FORWARD_CHECK, True,
+                           lambda: dist.all_gather_into_tensor(rows, mine, group=self.group,
+                                                               async_op=True))
+        # Waited for by distopt's next collective, whatever it is: see "When" in the Note.
+        gate.hold(lambda: self._verify(handle, rows))
+
+    def _verify(self, handle: object, rows: torch.Tensor) -> None:
+        with comm.failures_named("all_gather", "the forward check (5 int64 a rank)"):
+            handle.wait()
         rows_list = rows.view(self.size, -1).tolist()
         if all(row == rows_list[0] for row in rows_list):
             return

@@ -44,9 +44,11 @@ the stages), each by name. A param owned whole by one rank (Muon's and Adafactor
 answers as any other: its owner's piece is all of it, the others' nothing. Every rank runs the
 same code, so a refusal raises on every rank at the same call, before any collective.
 
-When: the statistics are agreed at the end of every backward outside ``no_sync()`` (the
-reductions are waited for there, as torch's DDP waits at the end of its backward), so a read
-between backward and step finds them. Three backwards leave their reductions to later and agree
+When: the statistics are taken at the end of every backward outside ``no_sync()`` (the
+reductions are waited for there, as torch's DDP waits at the end of its backward) and their
+all-gather is started there, on every rank; it is waited for at the first read, or by the next
+backward or zero of the grads, so a read between backward and step finds them and a step that
+reads nothing does not wait for them (``distopt bench``'s ``wait_agree``). Three backwards leave their reductions to later and agree
 at the step's first read, or at the step, which then must run on every rank: with
 ``overlap_grad_reduce=False`` (nothing is launched before the sync's finish), on a pipeline
 stage (``hold_step``: the backward's end must not wait for its reductions) and a backward inside
@@ -59,9 +61,11 @@ loss, as torch's do, until ``torch.amp.GradScaler.unscale_(opt)``: then they ans
 unscaled grads, and scaling and clamping act on them ([Note: torch's GradScaler] in
 optim/amp.py).
 
-Cost: per backward outside ``no_sync()``, two norms (types 2 and inf) of the reduced grads this
-rank holds (a read of 1/d of the grads each) and one all-gather of 2 fp64 numbers per param from
-each rank (3 with ``find_unused_parameters``), always: whether some rank will read ``p.grad``
+Cost: per backward outside ``no_sync()``, two norms (type 2, and the largest magnitude from
+one ``aminmax`` pass on a CPU, where torch's norm of type inf is tens of times slower) of the
+reduced grads this rank holds (a read of 1/d of the grads each) and one all-gather of 2 fp64
+numbers per param from each rank (3 with ``find_unused_parameters``, waited for at once, since
+``p.grad is None`` reads its flags), always: whether some rank will read ``p.grad``
 cannot be known alike on every rank before the read, and a read must not communicate. The
 reductions are waited for at the backward's end instead of at the step, which runs right after
 it; only a backward outside ``no_sync()`` followed by another (accumulation without

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as comm
+from . import agreements
 from .bucket import Bucket
 
 NORMS = "norm types 2 and inf"
@@ -54,6 +55,8 @@ class GradReads:
                                                            part.end - owned.start]
         self._squares: torch.Tensor | None = None  # [params] fp64, summed over the ranks
         self._largest: torch.Tensor | None = None  # [params] fp64, the max over the ranks
+        # An agreement started and not waited for: (indices, rows, output, handle).
+        self._pending: tuple | None = None
         # Reads answer the pieces times unscale / divisor: torch.amp.GradScaler.unscale_'s
         # reciprocal scale, and a divisor (ddp.divide_grads) the sync applies at its finish.
         self.unscale = 1.0
@@ -68,18 +71,63 @@ class GradReads:
     def valid(self) -> bool:
         return self._squares is not None
 
+    @property
+    def pending(self) -> bool:
+        """Whether an agreement was started and not yet waited for."""
+        return self._pending is not None
+
     def agree(self, used: bytearray | None = None) -> list[bool] | None:
         """After the grad sync, on every rank of the group: every param's statistics, in one
         small all-gather; with ``used`` (this rank's flags, by param), also which params some
         rank computed a grad for."""
-        n = len(self.params)
-        self._squares = torch.zeros(n, dtype=torch.float64, device=self.device)
-        self._largest = torch.zeros(n, dtype=torch.float64, device=self.device)
-        self.complete = None
-        anywhere = self._agree(list(range(n)), used)
+        self._start_agreement(used)
+        anywhere = self._finish_agreement()
         return None if anywhere is None else [bool(u) for u in anywhere.tolist()]
 
-    def _agree(self, indices: list[int], used: bytearray | None = None) -> torch.Tensor | None:
+    def start_agreement(self) -> None:
+        """After the grad sync, on every rank of the group: start the all-gather of every
+        param's statistics and return; the first read, or ``settle()``, waits for it."""
+        self._start_agreement(None)
+
+    def settle(self) -> None:
+        """Wait for an agreement in flight, if any (its result stands for the reads)."""
+        if self._pending is not None:
+            self._finish_agreement()
+
+    def _start_agreement(self, used: bytearray | None) -> None:
+        self.settle()
+        n = len(self.params)
+        self._squares = self._largest = None
+        self.complete = None
+        self._pending = self._launch(list(range(n)), used)
+        self.complete = self._finish_agreement
+
+    def _finish_agreement(self) -> torch.Tensor | None:
+        indices, rows, every, handle = self._pending
+        self._pending = None
+        self.complete = None
+        if handle is not None:
+            handle.wait()
+        n = len(self.params)
+        if self._squares is None:
+            self._squares = torch.zeros(n, dtype=torch.float64, device=self.device)
+            self._largest = torch.zeros(n, dtype=torch.float64, device=self.device)
+        every = every.view(-1, rows, len(indices))
+        where = torch.tensor(indices, dtype=torch.long, device=self.device)
+        # In rank order on every rank, so every rank holds the same bits; amax keeps a nan.
+        self._squares[where] = every[:, 0].sum(0)
+        self._largest[where] = every[:, 1].amax(0)
+        return every[:, 2].amax(0) if rows == 3 else None
+
+    def _agree(self, indices: list[int]) -> None:
+        """The statistics of ``indices`` agreed again now (after a write changed them)."""
+        self.settle()
+        self._pending = self._launch(indices, None)
+        self._finish_agreement()
+
+    def _launch(self, indices: list[int], used: bytearray | None) -> tuple:
+        """This rank's statistics of ``indices`` (and ``used`` flags) and the all-gather that
+        brings every rank's, started: (indices, rows, output, handle or None)."""
         rows = 2 if used is None else 3
         local = torch.zeros(rows, len(indices), dtype=torch.float64, device=self.device)
         slots, pieces = [], []
@@ -94,21 +142,17 @@ class GradReads:
             # summed over the ranks carries one fp32 rounding per piece.
             local[0, where] = torch.stack(
                 torch._foreach_norm(pieces, 2, dtype=torch.float32)).double().square()
-            local[1, where] = torch.stack(
-                torch._foreach_norm(pieces, math.inf, dtype=torch.float32)).double()
+            local[1, where] = _largest_magnitudes(pieces).double()
         if used is not None:
             local[2] = torch.tensor([float(used[i]) for i in indices], dtype=torch.float64,
                                     device=self.device)
-        every = comm.all_gather_small(local.view(-1), self.group, self.stats)
-        every = every.view(-1, rows, len(indices))
-        where = torch.tensor(indices, dtype=torch.long, device=self.device)
-        # In rank order on every rank, so every rank holds the same bits; amax keeps a nan.
-        self._squares[where] = every[:, 0].sum(0)
-        self._largest[where] = every[:, 1].amax(0)
-        return every[:, 2].amax(0) if used is not None else None
+        every, handle = comm.all_gather_small_async(local.view(-1), self.group, self.stats,
+                                                    op=agreements.GRAD_STATISTICS)
+        return indices, rows, every, handle
 
     def invalidate(self, why: str) -> None:
         """The grads change (a backward): nothing is read until they are agreed again."""
+        self.settle()  # every rank waits for what every rank started
         self._squares = self._largest = None
         self.complete = None
         self.why = why
@@ -136,7 +180,8 @@ class GradReads:
         if param in self.refused:
             raise RuntimeError(f"p.grad of parameter '{self.names[param]}' "
                                f"{self.refused[param]}")
-        if self._squares is None and self.complete is not None:
+        # A held sync's completion starts the agreement, whose own completion waits for it.
+        while self._squares is None and self.complete is not None:
             self.complete()
         if self._squares is None:
             raise RuntimeError(f"p.grad of parameter '{self.names[param]}' was read "
@@ -212,3 +257,16 @@ class GradReads:
             if piece is not None:
                 piece.clamp_(min=low, max=high)
         self._agree(acting)
+
+
+def _largest_magnitudes(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Each piece's largest magnitude (a nan where it holds one), exact in any dtype. On a CPU
+    from ``aminmax`` (one vectorized pass); there torch's norm of type inf takes tens of times
+    longer, and it ran on every backward."""
+    if pieces[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(pieces, math.inf, dtype=torch.float32))
+    largest = []
+    for piece in pieces:
+        low, high = torch.aminmax(piece)
+        largest.append(torch.maximum(high, low.neg()))  # maximum propagates a nan
+    return torch.stack(largest).float()

@@ -85,6 +85,7 @@ from ..options import GradSyncOptions
 from ..parallel.dtensor import local_grad
 from ..parallel.experts import ExpertParams, used_anywhere
 from ..parallel.process_groups import ParallelGroups
+from . import agreements
 from .bucket import Bucket
 from .grad_marker import GradInBuffer, GradMarkers
 from .grad_pool import GradPool
@@ -144,6 +145,9 @@ class GradSync:
             parallel.dp_group if options.grad_policy.reduce_scatter else None, stats,
             refused_reads or {}, device or params[0].device)
         self.markers = GradMarkers(params, param_names, self.reads)
+        self.agreements = agreements.enabled()
+        if not self.agreements:
+            self.reads.why = "in a DDP built without agreements (a benchmark's)"
         # How errors name the model: "the DDP of <its module's class>" (a GAN has two).
         self.model_name = "the distopt DDP"
         self.state = SyncState.IDLE
@@ -348,10 +352,17 @@ class GradSync:
             bucket.wait_reduction()
 
     def _agree_reads(self) -> None:
+        if not self.agreements:  # a benchmark's DDP without them (ddp/agreements.py)
+            return
         # With find_unused_parameters a param some rank used gets its p.grad, as torch's
-        # DDP gives it.
+        # DDP gives it: ``p.grad is None`` reads the flags, so they are waited for here.
         track = self.options.find_unused_parameters
-        anywhere = self.reads.agree(self._used if track else None)
+        if not track:
+            # Waited for at the first read, or by the next backward or zero: off the step's
+            # critical path, and a read on one rank still communicates nothing.
+            self.reads.start_agreement()
+            return
+        anywhere = self.reads.agree(self._used)
         if anywhere is not None:
             for param, used in zip(self.params, anywhere, strict=True):
                 if used and param not in self.reads.refused:
@@ -389,7 +400,8 @@ class GradSync:
         if not (self.policy.reduces_every_backward and self.state is SyncState.ACCUMULATED):
             self._launch_rest()
         self._wait_reductions()
-        if self.state is SyncState.ACCUMULATED and not self.reads.valid:
+        if (self.state is SyncState.ACCUMULATED and not self.reads.valid
+                and not self.reads.pending):
             self._agree_reads()  # the step's last backward was under no_sync, or held
         self._release_grad_pools()
         unused: frozenset[nn.Parameter] = frozenset()

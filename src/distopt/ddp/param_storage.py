@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as comm
+from ..comm import gate
 from ..layout.elementwise import Range
 from ..parallel.dtensor import alias_local, is_dtensor, local_tensor
 from .param_placeholder import name_of, show_between_uses, show_in_use
@@ -164,6 +165,7 @@ class ShardedParams:
         (nothing to do when gathered or gathering already)."""
         if self.state is not ParamState.SHARDED:
             return
+        gate.settle()  # a forward check in flight, before this rank changes anything
         self._full.untyped_storage().resize_(self._nbytes)
         self.pool.gathered(self._nbytes)
         with comm.failures_named("all_gather", who, SAME_MODULES):
