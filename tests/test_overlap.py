@@ -227,6 +227,38 @@ def counts_per_step() -> dict:
     }
 
 
+def agreements_per_step() -> dict:
+    """The agreements of one step (ddp/agreements.py): the grad statistics' all-gather is left
+    in flight at the end of the backward and waited for by the next zero of the grads; a DDP
+    built without them (the benchmarks' switch) runs none and refuses p.grad reads."""
+    from distopt.ddp import agreements
+
+    out = {}
+    for variant in ("with", "without"):
+        torch.manual_seed(0)
+        with agreements.without() if variant == "without" else contextlib.nullcontext():
+            ddp = distopt.DistributedDataParallel(Shuffled(), bucket_size=BUCKET)
+        opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW)
+        tokens, targets = batches(0, global_batch=4 * dist.get_world_size())
+        ddp.comm_stats.reset()
+        opt.zero_grad()
+        _loss(ddp, tokens, targets).backward()
+        reads = ddp._grad_sync.reads
+        pending_after_backward = reads.pending
+        opt.step()
+        opt.zero_grad()
+        try:
+            _loss(ddp, tokens, targets).backward()
+            read = float(next(ddp.parameters()).grad.norm())
+        except RuntimeError as error:
+            read = str(error)
+        opt.step()
+        out[variant] = {"calls": dict(ddp.comm_stats.calls), "read": read,
+                        "pending_after_backward": pending_after_backward,
+                        "pending_after_zero": reads.pending}
+    return out
+
+
 def late_grads() -> dict:
     """Several backwards per step without no_sync, as torch DDP takes them (see [Note: several
     backwards per step]): two backwards reduce and add, overlapped or not, and a backward after
@@ -380,6 +412,7 @@ def _cases() -> list:
     cases.append(("strict-first-use", strict_gather_with_first_use, ()))
     cases.append(("counts", counts_per_step, ()))
     cases.append(("late-grads", late_grads, ()))
+    cases.append(("agreements", agreements_per_step, ()))
     cases.append(("rewrap", rewrap, ()))
     return cases
 
@@ -411,6 +444,19 @@ def test_overlap_is_bitwise_identical_under_delays(world, delay):
     _, results = world
     for value in case_result(results, f"delay-{delay}"):
         _assert_identical(value)
+
+
+def test_the_grad_statistics_are_agreed_off_the_critical_path(world):
+    for value in case_result(world[1], "agreements"):
+        with_, without = value["with"], value["without"]
+        # Two backwards, each one all-gather of the statistics, left in flight by the
+        # backward and waited for by the next zero (or the first read).
+        assert with_["calls"]["agree_grad_statistics"] == 2
+        assert with_["pending_after_backward"] and not with_["pending_after_zero"]
+        assert isinstance(with_["read"], float) and with_["read"] > 0
+        assert "agree_grad_statistics" not in without["calls"]
+        assert without["calls"]["reduce_scatter"] == with_["calls"]["reduce_scatter"]
+        assert "without agreements" in without["read"], without["read"]
 
 
 def test_no_sync_micro_batches_with_overlap(world):

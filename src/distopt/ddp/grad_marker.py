@@ -48,8 +48,9 @@ When: the statistics are taken at the end of every backward outside ``no_sync()`
 reductions are waited for there, as torch's DDP waits at the end of its backward) and their
 all-gather is started there, on every rank; it is waited for at the first read, or by the next
 backward or zero of the grads, so a read between backward and step finds them and a step that
-reads nothing does not wait for them (``distopt bench``'s ``wait_agree``). Three backwards leave their reductions to later and agree
-at the step's first read, or at the step, which then must run on every rank: with
+reads nothing does not wait for them (``distopt bench``'s ``wait_agree``). Three backwards
+leave their reductions to later and agree at the step's first read, or at the step, which then
+must run on every rank: with
 ``overlap_grad_reduce=False`` (nothing is launched before the sync's finish), on a pipeline
 stage (``hold_step``: the backward's end must not wait for its reductions) and a backward inside
 another one (reentrant activation checkpointing: the outer backward goes on, and its end has no

@@ -42,6 +42,7 @@ class GradReads:
         self.group = group
         self.stats = stats
         self.refused = dict(refused)
+        self.refused_all = ""  # set where every read is refused (ddp/agreements.py)
         self.device = device
         self._index = {p: i for i, p in enumerate(params)}
         # A param lies in one bucket, so this rank holds at most one piece of it.
@@ -177,9 +178,9 @@ class GradReads:
     # ------------------------------------------------------------------ reads and writes
 
     def _readable(self, param: nn.Parameter) -> int:
-        if param in self.refused:
-            raise RuntimeError(f"p.grad of parameter '{self.names[param]}' "
-                               f"{self.refused[param]}")
+        if param in self.refused or self.refused_all:
+            why = self.refused.get(param, self.refused_all)
+            raise RuntimeError(f"p.grad of parameter '{self.names[param]}' {why}")
         # A held sync's completion starts the agreement, whose own completion waits for it.
         while self._squares is None and self.complete is not None:
             self.complete()

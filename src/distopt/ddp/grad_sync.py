@@ -147,7 +147,7 @@ class GradSync:
         self.markers = GradMarkers(params, param_names, self.reads)
         self.agreements = agreements.enabled()
         if not self.agreements:
-            self.reads.why = "in a DDP built without agreements (a benchmark's)"
+            self.reads.refused_all = "was read in a DDP built without agreements (a benchmark's)"
         # How errors name the model: "the DDP of <its module's class>" (a GAN has two).
         self.model_name = "the distopt DDP"
         self.state = SyncState.IDLE
