@@ -59,9 +59,8 @@ LABELS = {
     "deepspeed-z3": "DeepSpeed ZeRO-3",
 }
 
-SMALL_BYTES = 64 * 1024
-"""A gather or reduction of at most this many bytes is counted as a control value's: the
-models' smallest bucket or FSDP2 unit is larger."""
+CONTROL_DTYPES = (torch.float64, torch.int64)
+"""The dtypes of distopt's control values; the benchmark's grads and params are never fp64."""
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}
 
@@ -162,9 +161,9 @@ class CollectiveCounter:
                 nbytes = tensor.numel() * tensor.element_size()
                 if times_group:
                     nbytes *= dist.get_world_size(kwargs.get("group"))
-                # Control values (a verdict, a norm, what p.grad reads), not grads or params.
-                small = "_small" if tensor.numel() <= 16 or (
-                    op in ("all_gather", "all_reduce") and nbytes <= SMALL_BYTES) else ""
+                # Control values (a verdict, a norm, what p.grad reads), not grads or params:
+                # a few numbers, or distopt's fp64 statistics and int64 checks.
+                small = "_small" if tensor.numel() <= 16 or tensor.dtype in CONTROL_DTYPES else ""
                 group = kwargs.get("group")
                 stage = "stage_" if any(group is g for g in self.stage_groups) else ""
                 self.calls[stage + op + small] += 1
