@@ -328,10 +328,12 @@ class Bucket:
         store.start_gather(self.group, self.stats, self._describe_params())
         store.wait(self._describe_params())
 
-    def release_params(self, *, placeholders: bool = True) -> None:
+    def release_params(self, *, placeholders: bool = True, autograd_reads: bool = False) -> None:
         """Sharded params: back to this rank's shard alone (``placeholders=False``: the params
-        were given storage of their own and keep it)."""
-        self.params_store.release(self._describe_params(), placeholders=placeholders)
+        were given storage of their own and keep it; ``autograd_reads``: a backward will read
+        views of them, [Note: views that outlive a gather] in ddp/gathered_views.py)."""
+        self.params_store.release(self._describe_params(), placeholders=placeholders,
+                                  autograd_reads=autograd_reads)
 
     def keep_param_writes(self) -> None:
         """Sharded params: what was written into the gathered params since they were

@@ -50,6 +50,7 @@ from ..comm import collectives as comm
 from ..comm import gate
 from ..layout.elementwise import Range
 from ..parallel.dtensor import alias_local, is_dtensor, local_tensor
+from .gathered_views import backward_keeps_graph, viewed_elsewhere
 from .param_placeholder import name_of, show_between_uses, show_in_use
 from .rebound_params import take_up
 from .state import PARAM_TRANSITIONS, ParamState, advance
@@ -81,6 +82,9 @@ class ParamPool:
         self.live_bytes = 0
         self.peak_buffers = 0  # the most gathered buckets at once since built (or reset_peak)
         self.peak_bytes = 0
+        # Storages a free left to views kept of them rather than resizing them ([Note: views
+        # that outlive a gather] in ddp/gathered_views.py): none in a training step.
+        self.left_to_views = 0
         # Called after each free: the unsharder's deferred prefetch ([Note: where a param is
         # used] in ddp/param_unshard.py).
         self.on_free: Callable[[], None] | None = None
@@ -117,7 +121,8 @@ class FullParams:
     def wait(self, who: str) -> None:
         """Always whole."""
 
-    def release(self, who: str, *, placeholders: bool = True) -> None:
+    def release(self, who: str, *, placeholders: bool = True,
+                autograd_reads: bool = False) -> None:
         """Always whole: nothing to free."""
 
 
@@ -132,16 +137,21 @@ class ShardedParams:
         self.param_shard = param_shard  # [bucket numel / d], kept between uses
         self.pool = pool
         # [bucket numel]: its storage holds memory only while gathered (see ParamPool).
-        self._full = torch.empty(bucket_numel, dtype=param_shard.dtype,
-                                 device=param_shard.device)
-        self._nbytes = self._full.untyped_storage().nbytes()
-        self._full.untyped_storage().resize_(0)
+        self._full = self._empty_full(bucket_numel, param_shard)
+        self._nbytes = bucket_numel * param_shard.element_size()
         self._slots = [(p, r, local_tensor(p).shape) for p, r in zip(params, param_ranges,
                                                                      strict=True)]
         self._placeholder = placeholder
         self._handle: Any = None
         self._gathered_version = -1  # the buffer's version once gathered
         self.state = ParamState.SHARDED
+
+    @staticmethod
+    def _empty_full(numel: int, like: torch.Tensor) -> torch.Tensor:
+        # [numel] on a storage of no bytes: given them at each gather.
+        full = torch.empty(numel, dtype=like.dtype, device=like.device)
+        full.untyped_storage().resize_(0)
+        return full
 
     @property
     def param_data(self) -> torch.Tensor | None:
@@ -211,15 +221,23 @@ class ShardedParams:
             self.param_shard.copy_(self._full[rank * size : (rank + 1) * size])
         self._gathered_version = self._write_count()
 
-    def release(self, who: str, *, placeholders: bool = True) -> None:
+    def release(self, who: str, *, placeholders: bool = True,
+                autograd_reads: bool = False) -> None:
         """Back to the shard alone: placeholders (unless the params were given storage of
-        their own), the buffer's memory freed."""
+        their own), the buffer's memory freed, or left to views kept of it unless autograd
+        will read them again (``autograd_reads``: the end of a forward with grad enabled);
+        see [Note: views that outlive a gather] in ddp/gathered_views.py."""
         if self.state is ParamState.SHARDED:
             return
         self.wait(who)  # a gather in flight still writes into the buffer
         if placeholders:
             self.show_placeholders()
-        self._full.untyped_storage().resize_(0)
+        if (not autograd_reads and not backward_keeps_graph()
+                and viewed_elsewhere(self._full)):
+            self._full = self._empty_full(self._full.numel(), self._full)
+            self.pool.left_to_views += 1
+        else:
+            self._full.untyped_storage().resize_(0)
         self.pool.freed(self._nbytes)
         self._advance(ParamState.SHARDED, who)
 

@@ -211,7 +211,9 @@ class ParamUnsharder:
             return  # backward needs them next (the root's) or keeps them
         for bucket in buckets:
             if self._running[bucket] <= 0 and bucket not in self._pinned:
-                bucket.release_params()
+                # With grad enabled autograd saved views of them, which the backward's gather
+                # fills again: [Note: views that outlive a gather] in ddp/gathered_views.py.
+                bucket.release_params(autograd_reads=grad)
 
     def _before_backward(self, module: nn.Module) -> None:
         if not self._in_backward:  # the first unit of this backward
