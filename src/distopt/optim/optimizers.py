@@ -158,16 +158,19 @@ class DistributedOptimizer(_CheckpointedOptimizer):
     Args:
         model: a distopt DistributedDataParallel built with ``use_distributed_optimizer=True``,
             or a list of them (model chunks sharing one data-parallel group).
-        optimizer_cls: a ``torch.optim.Optimizer`` subclass: element-wise (AdamW, SGD, ...),
-            whose state is sharded element by element, or whole-tensor (``torch.optim.Muon``,
-            ``torch.optim.Adafactor``, or one declared with
-            ``distopt.register_whole_tensor_optimizer``), whose params are each owned whole by
-            one rank; see [Note: optimizer kinds] in optim/kinds.py.
-        params: optional torch-style param groups over the module's params (a list of params,
-            or of dicts with ``params`` and per-group options). None: one group with all
-            trainable params. A group may name its own class under ``"optimizer"`` (Muon for
-            the hidden matrices, ``"optimizer": torch.optim.AdamW`` for the rest); its options
-            then come from the group and that class's defaults, not ``optimizer_kwargs``. See
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass: element-wise (AdamW, SGD, ...,
+            or one declared with ``distopt.register_elementwise_optimizer``), whose state is
+            sharded element by element, or any other (``torch.optim.Muon``,
+            ``torch.optim.Adafactor``, a repository's own LARS), whose params are each owned
+            whole by one rank; LBFGS and SparseAdam are refused. See [Note: optimizer kinds]
+            in optim/kinds.py.
+        params: optional torch-style param groups over the module's params (a list of params
+            or of ``(name, param)`` pairs such as ``model.named_parameters()``, or of dicts
+            with ``params`` and per-group options; named params put ``param_names`` in each
+            group, as torch.optim does). None: one group with all trainable params. A group
+            may name its own class under ``"optimizer"`` (Muon for the hidden matrices,
+            ``"optimizer": torch.optim.AdamW`` for the rest); its options then come from the
+            group and that class's defaults, not ``optimizer_kwargs``. See
             [Note: one optimizer, several classes].
         clip_grad: max global grad norm (one norm over every shard, bucket and dtype, and over
             the tensor-parallel ranks of DTensor params), or None.
@@ -273,8 +276,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
             that gets no grad is then left out of the step, as torch.optim leaves it).
         optimizer_cls: the inner ``torch.optim.Optimizer`` subclass (AdamW, SGD, Muon, ...),
             as for DistributedOptimizer.
-        params: optional torch-style param groups over the module's params, as for
-            DistributedOptimizer; None: one group with all trainable params.
+        params: optional torch-style param groups over the module's params (named or not),
+            as for DistributedOptimizer; None: one group with all trainable params.
         clip_grad: max global grad norm (one norm over every bucket and dtype, and over the
             tensor-parallel ranks of DTensor params), or None.
         loss_scaler: ``DynamicLossScaler()`` or ``ConstantLossScaler(s)`` for fp16, or None.
