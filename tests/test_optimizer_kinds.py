@@ -54,9 +54,9 @@ def test_kinds_follow_the_class_hierarchy():
 @pytest.mark.parametrize(
     "cls,message",
     [
-        (torch.optim.LBFGS, "LBFGS is neither element-wise nor declared whole-tensor"),
-        (torch.optim.SparseAdam, "SparseAdam is neither element-wise"),
-        (HomeMade, "register_whole_tensor_optimizer"),
+        (torch.optim.LBFGS, "LBFGS cannot be stepped by distopt: its step re-evaluates"),
+        (torch.optim.SparseAdam, "SparseAdam cannot be stepped by distopt: it steps sparse"),
+        (type("MyLBFGS", (torch.optim.LBFGS,), {}), "MyLBFGS cannot be stepped"),
         (torch.optim.AdamW(nn.Linear(1, 1).parameters()), "the class, not an instance"),
         (NotAnOptimizer, "must be a torch.optim.Optimizer subclass"),
     ],
@@ -71,6 +71,15 @@ def test_refused_classes_say_why_and_what_to_do(cls, message):
     with pytest.raises(TypeError, match="param group 1's \"optimizer\""):
         distopt.DistributedOptimizer(ddp, torch.optim.AdamW, params=[
             {"params": [model[0].weight]}, {"params": [model[2].weight], "optimizer": cls}])
+
+
+def test_a_class_no_one_declared_is_owned_whole_by_its_elements():
+    assert whole_tensor_cost(HomeMade) is numel_cost
+    check_optimizer_cls(HomeMade)
+    ddp = distopt.DistributedDataParallel(_model())
+    opt = distopt.DistributedOptimizer(ddp, HomeMade, lr=0.1)
+    assert all(b.layout.whole_tensor for b in ddp.buckets)
+    assert [m.shape for m in opt.main_params] == [p.shape for p in ddp.module.parameters()]
 
 
 def test_register_takes_classes_only():

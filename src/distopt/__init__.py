@@ -18,7 +18,7 @@ from .memory import (
     theoretical_bytes_per_param,
     transient_bound,
 )
-from .optim.kinds import register_whole_tensor_optimizer
+from .optim.kinds import register_elementwise_optimizer, register_whole_tensor_optimizer
 from .optim.loss_scalers import ConstantLossScaler, DynamicLossScaler
 from .optim.optimizers import BasicOptimizer, DistributedOptimizer, StepResult
 from .parallel.experts import ExpertParallel
@@ -40,6 +40,7 @@ __all__ = [
     "measure_state_bytes",
     "transient_bound",
     "TransientBound",
+    "register_elementwise_optimizer",
     "register_whole_tensor_optimizer",
     "save_checkpoint",
     "theoretical_bytes_per_param",

@@ -16,7 +16,11 @@ same for every piece of a parameter and are kept once per parameter.
      "param_groups": [{"lr": 0.01, ..., "params": ["emb.weight", ...]}, ...],
      "main_params": {name: FlatShard},                  # fp32 master values this rank owns
      "state": {name: {"exp_avg": FlatShard, "exp_avg_sq": FlatShard, "step": tensor(10.)}},
-     "loss_scaler": {"type": "DynamicLossScaler", "state": {"scale": 65536.0, ...}} or None}
+     "loss_scaler": {"type": "DynamicLossScaler", "state": {"scale": 65536.0, ...}} or None,
+     "rank_part": {"rank": 1, "world_size": 2}}        # sharded, unconsolidated: whose part
+
+A param group of params given as ``(name, param)`` pairs also lists ``"param_names"``, the
+names as given, as torch.optim's state dicts do.
 
 Names are the DDP's parameter names, prefixed by ``chunk{i}.`` when the optimizer spans several
 model chunks. As with ``torch.optim``, the tensors are the live ones, not copies. A checkpoint
@@ -85,6 +89,11 @@ from ..parallel.dtensor import is_dtensor
 from .files import CheckpointError
 
 STATE_DICT_FORMAT = "distopt.optimizer/1"
+
+RANK_PART_KEY = "rank_part"
+"""In ``opt.state_dict()`` of a sharded optimizer: ``{"rank": r, "world_size": w}``, the
+process whose part of the state the dict holds (see [Note: torch's way of saving the
+optimizer] in state_dict.py)."""
 
 class Optimizer(Protocol):
     """What every checkpoint function reads of a distopt optimizer (either of them,
@@ -415,7 +424,8 @@ def merge_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
     """
     if not state_dicts:
         raise ValueError("merge_state_dicts needs at least one state dict")
-    merged = {k: v for k, v in state_dicts[0].items() if k not in ("main_params", "state")}
+    merged = {k: v for k, v in state_dicts[0].items()
+              if k not in ("main_params", "state", RANK_PART_KEY)}  # every rank's, no one's
     main_params: dict[str, list[FlatShard]] = {}
     state: dict[str, dict[str, Any]] = {}
     for sd in state_dicts:

@@ -4,19 +4,23 @@ The format is [Note: DP-size independent state] (format.py). The public optimize
 (optim/optimizers.py) call these functions; see [Note: one-way imports].
 
 [Note: torch's way of saving the optimizer]
+A sharded optimizer's rank holds its own shard of the state only. ``opt.state_dict()`` gives
+what torch's FSDP2 optimizer state dict gives, each rank's part (its DTensor shards there, its
+flat shards here), so that a warm restart on the same ranks (``sd = opt.state_dict()``, an
+option changed in ``sd["param_groups"]``, ``opt.load_state_dict(sd)``) and one file per rank
+work as under FSDP2; the part is marked with the process it belongs to (``RANK_PART_KEY``).
 A torch DDP script saves the optimizer on one rank, ``torch.save(opt.state_dict(), path)``
-under ``if rank == 0``, and loads it on every rank. A sharded optimizer's rank holds its own
-shard of the state only, so such a file would resume no other rank, and it would fail only at
-the load, maybe days later. So, as torch's ``ZeroRedundancyOptimizer``: ``state_dict()`` of a
-sharded optimizer over several ranks is refused, naming the ways that work, unless
-``opt.consolidate_state_dict(to=r)`` ran on every rank first; then rank ``r``'s
-``state_dict()`` is the whole state (each flat shard covering its whole param), which loads on
-every rank at any data-parallel size (a load slices its own pieces out of it). The
-consolidation gathers every rank's shard to rank ``r``: the whole optimizer state there, once.
-``opt.sharded_state_dict()`` is each rank's own part, for code that keeps one file per rank
-(and merges them; a load takes any set of shards that covers its pieces), and
-``distopt.save_checkpoint`` writes a sharded checkpoint without gathering. ``FlatShard`` is
-registered with torch's safe globals, so the default ``torch.load`` reads such a file.
+under ``if rank == 0``, and loads it on every rank: rank 0's part resumes no other rank, so a
+load of a part marked as another process's is refused on every rank, naming the ways that
+work. The first of them is torch's ``ZeroRedundancyOptimizer`` rule:
+``opt.consolidate_state_dict(to=r)`` on every rank gathers every rank's shard to rank ``r``,
+whose ``state_dict()`` is then the whole state (each flat shard covering its whole param),
+which loads on every rank at any data-parallel size (a load slices its own pieces out of it):
+the whole optimizer state there, once. ``opt.sharded_state_dict()`` is each rank's own part
+unmarked, for code that merges every rank's (a load takes any set of shards that covers its
+pieces), and ``distopt.save_checkpoint`` writes a sharded checkpoint without gathering.
+``FlatShard`` is registered with torch's safe globals, so the default ``torch.load`` reads
+such a file.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..optim import optimizers
 from .checks import agree, check_groups, check_optimizer_class, check_scaler
 from .files import CheckpointError
 from .format import (
+    RANK_PART_KEY,
     STATE_DICT_FORMAT,
     FlatShard,
     Optimizer,
@@ -73,6 +79,12 @@ def state_dict(opt: Optimizer) -> dict[str, Any]:
     }
 
 
+def rank_part(opt: Optimizer) -> dict[str, Any]:
+    """``state_dict`` of this rank's part, marked with the process it belongs to."""
+    return {**state_dict(opt), RANK_PART_KEY: {"rank": dist.get_rank(),
+                                               "world_size": dist.get_world_size()}}
+
+
 def load_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
     """Validate ``state_dict`` against this rank's pieces, agree across ranks, then load it."""
     error, values = None, None
@@ -97,6 +109,7 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
             f"{STATE_DICT_FORMAT!r}); torch.optim state dicts load with "
             "distopt.load_plain_checkpoint"
         )
+    _check_rank_part(sd.get(RANK_PART_KEY))
     check_optimizer_class(opt, saved_group_classes(sd["param_groups"], sd["optimizer"]),
                           "the state dict")
     check_groups(opt, [g["params"] for g in sd["param_groups"]], "the state dict")
@@ -114,14 +127,28 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
     return values
 
 
+def _check_rank_part(part: dict[str, int] | None) -> None:
+    """A rank's part loads on that rank only; see [Note: torch's way of saving the optimizer]."""
+    if part is None:
+        return
+    here = ((dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1))
+    if (part["rank"], part["world_size"]) != here:
+        raise CheckpointError(
+            f"it is the part of rank {part['rank']} of {part['world_size']} processes (a "
+            "sharded optimizer's opt.state_dict() holds its own rank's shards, as FSDP2's "
+            f"does), loaded on rank {here[0]} of {here[1]}: load each rank's own "
+            "opt.state_dict() (one file per rank), or call opt.consolidate_state_dict(to=0) "
+            "on every rank before rank 0's opt.state_dict() (the whole state, which loads on "
+            "every rank at any size), or save with distopt.save_checkpoint(path, ddp, opt)"
+        )
+
+
 def consolidated_state_dict(opt: Optimizer, to: int | None,
                             mine: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Every rank's ``state_dict`` (or the part of it given as ``mine``) merged on
     data-parallel rank ``to`` (None on the others), or on every rank with ``to=None``;
     collective over the data-parallel group. See [Note: torch's way of saving the
     optimizer]."""
-    import torch.distributed as dist
-
     from ..comm import collectives as comm
 
     group = opt.parallel.dp_group

@@ -69,10 +69,12 @@ class TrainerOptimizer(torch.optim.Optimizer):
         """distopt's step, then a new step's grads; returns its ``StepResult``.
 
         Args:
-            closure: must be None, as for distopt's optimizers: the Trainer runs forward and
-                backward before the step.
+            closure: must be None: the Trainer runs forward and backward before the step.
         """
-        result = self.distributed.step(closure)
+        if closure is not None:
+            raise ValueError("DistoptTrainer's optimizer takes no closure: the Trainer runs "
+                             "forward and backward before the step")
+        result = self.distributed.step()
         self.distributed.zero_grad()
         self.last_result = result
         norm = result.grad_norm

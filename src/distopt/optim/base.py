@@ -13,7 +13,7 @@ import contextlib
 import functools
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +109,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         self.models = list(models)
         self._first_step_done = False
         self._consolidated: dict[str, Any] | None = None  # see consolidate_state_dict
+        self.last_step_result: StepResult | None = None  # see [Note: step(closure)]
         self.options = options
         self.loss_scaler = loss_scaler
         self.model_parallel_group = model_parallel_group
@@ -358,24 +359,34 @@ class BufferOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(  # type: ignore[override]
-        self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None
-    ) -> StepResult:
+        self, closure: Callable[[], Any] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> Any:
         """Finish the grad sync, then unscale, clip and step this rank's shard, and gather the
-        params.
+        params. Returns the step's ``StepResult``, or with a ``closure`` what the closure
+        returned, as torch.optim does (the ``StepResult`` is then ``last_step_result``).
 
         Args:
-            closure: torch.optim's loss closure; must be None: the grads are reduced before
-                the step, so it cannot run forward and backward again. Run them, then call
-                ``step()``.
+            closure: torch.optim's loss closure, or None: called once, with grad enabled,
+                before the step; it runs forward and backward on every rank (and usually
+                ``zero_grad()`` first), as under torch DDP. See [Note: step(closure)].
             grad_scaler: passed by ``torch.amp.GradScaler.step(opt)``, whose scale and inf/nan
                 verdict the step then uses instead of a ``loss_scaler`` (the optimizer may not
                 have both); None when called directly. See [Note: torch's GradScaler] in
                 optim/amp.py.
         """
-        if closure is not None:
-            raise ValueError(
-                "distopt optimizers take no closure: run forward and backward, then call step()"
-            )
+        if closure is None:
+            return self._step(grad_scaler)
+        # [Note: step(closure)]
+        # As torch.optim's: the closure (forward and backward, on every rank) runs once under
+        # enable_grad, the step follows as after a backward in the loop, and what the closure
+        # returned is returned untouched; the StepResult is kept in last_step_result.
+        with torch.enable_grad():
+            loss = closure()
+        self._step(grad_scaler)
+        return loss
+
+    def _step(self, grad_scaler: torch.amp.GradScaler | None) -> StepResult:
         loss_scaler = self._loss_scaler_for(grad_scaler)
         for model in self.models:
             model.finish_grad_sync()
@@ -406,6 +417,7 @@ class BufferOptimizer(torch.optim.Optimizer):
             owned.note_params_written()
         if self._offload is not None:  # anything read outside the chunks' window, dropped
             self._offload.release()
+        self.last_step_result = result
         return result
 
     @property

@@ -15,12 +15,20 @@ part may be depends on what the optimizer reads when it updates an element:
   owner steps it alone, and the ordinary reduce-scatter and all-gather carry it: no collective
   is added, and the bytes sent grow only by the padding of those buckets. Which rank owns
   which param balances a cost per param: for Muon the multiply-adds of Newton-Schulz, for
-  Adafactor (whose work is linear) the elements. A user's own class joins with
+  Adafactor (whose work is linear) the elements. A user's own class declares its cost with
   ``register_whole_tensor_optimizer``. On a hierarchical mesh
   ([Note: hierarchical data parallelism] in parallel/process_groups.py) the owners are ranks
   of the shard group, and each replica's owner steps the param, as each replica keeps its own state.
-* Anything else (LBFGS's line search over the whole model, SparseAdam's sparse grads) is
-  refused.
+* Any other ``torch.optim.Optimizer`` subclass (a repository's own LARS, LAMB or Lion) is owned
+  whole too, its cost the elements: whatever its step reads of one param (``torch.norm(p)``
+  and ``torch.norm(grad)`` for LARS's trust ratio), the owner holds all of it, so the result
+  is that of torch DDP with the same class, on any class that updates each param from its own
+  values and state. Only an update that reads several params at once could differ, and
+  ``torch.optim`` has two such classes, refused by name (``REFUSED_OPTIMIZERS``): LBFGS
+  (its line search re-evaluates the closure and steps the whole model's flattened params) and
+  SparseAdam (it takes sparse grads only; distopt reduces dense ones). A user's element-wise
+  class may be declared so with ``register_elementwise_optimizer``, to be sharded element by
+  element.
 """
 
 from __future__ import annotations
@@ -153,8 +161,9 @@ def register_whole_tensor_optimizer(
     """Declare that ``optimizer_cls`` (and its subclasses) must see each parameter whole.
 
     distopt then has each param of its groups owned whole by one data-parallel rank, the owners
-    chosen to balance ``cost(shape)`` summed per rank. Returns the class, so that it also works
-    as a decorator. See [Note: optimizer kinds].
+    chosen to balance ``cost(shape)`` summed per rank. A class distopt does not know is owned
+    whole already, its cost the elements: declaring it gives the cost and the state's size.
+    Returns the class, so that it also works as a decorator. See [Note: optimizer kinds].
 
     Args:
         optimizer_cls: a ``torch.optim.Optimizer`` subclass whose step reads a param as a whole
@@ -168,24 +177,73 @@ def register_whole_tensor_optimizer(
             memory estimates read it, never the step. None: two fp32 tensors shaped like the
             param (Adam's moments).
     """
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise TypeError(
-            f"register_whole_tensor_optimizer takes a torch.optim.Optimizer subclass, got "
-            f"{optimizer_cls!r}"
-        )
+    _check_declared(optimizer_cls, "register_whole_tensor_optimizer")
     _KINDS[optimizer_cls] = OptimizerKind(
         None, state_bytes or per_element(2), numel_cost if cost is None else cost
     )
     return optimizer_cls
 
 
+def register_elementwise_optimizer(
+    optimizer_cls: Cls, state_bytes: StateBytes | None = None,
+) -> Cls:
+    """Declare that ``optimizer_cls`` (and its subclasses) updates each element from that
+    element's grad and state alone, so that distopt shards it element by element, as AdamW.
+
+    Without a declaration a class distopt does not know is owned whole, param by param, which
+    is exact for any class; an element-wise one declared here is split evenly across the
+    ranks instead. Returns the class, so that it also works as a decorator. See
+    [Note: optimizer kinds].
+
+    Args:
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass whose step reads no more than one
+            element of each tensor at a time (no norm, mean or shape of a param); anything
+            else gives other results than torch.optim's. Declaring a class again replaces its
+            entry.
+        state_bytes: bytes of fp32 state the class keeps for a param of the given shape,
+            ``state_bytes(shape, group_options)``; only distopt's memory estimates read it.
+            None: two fp32 tensors shaped like the param (Adam's moments).
+    """
+    _check_declared(optimizer_cls, "register_elementwise_optimizer")
+    _KINDS[optimizer_cls] = OptimizerKind(None, state_bytes or per_element(2))
+    return optimizer_cls
+
+
+REFUSED_OPTIMIZERS: dict[type[torch.optim.Optimizer], str] = {
+    torch.optim.LBFGS: (
+        "its step re-evaluates the closure several times (a line search) and keeps a history "
+        "over the whole model's flattened params, which no rank holds"),
+    torch.optim.SparseAdam: (
+        "it steps sparse grads only, and distopt reduces dense ones; use torch.optim.Adam or "
+        "AdamW (sparse embedding grads are reduced dense and step with them)"),
+}
+"""torch.optim classes whose update reads more than one param, or grads distopt does not give,
+by the reason given in their refusal."""
+
+_UNDECLARED = OptimizerKind(None, per_element(2), numel_cost)
+"""The kind of a class distopt does not know: each param owned whole, by its elements."""
+
+
+def refusal_of(optimizer_cls: type[torch.optim.Optimizer]) -> str | None:
+    """Why distopt cannot step ``optimizer_cls``, or None when it can."""
+    for klass in optimizer_cls.__mro__:
+        if klass in _KINDS:
+            return None
+        if klass in REFUSED_OPTIMIZERS:
+            return REFUSED_OPTIMIZERS[klass]
+    return None
+
+
 def kind_of(optimizer_cls: type[torch.optim.Optimizer]) -> OptimizerKind | None:
     """The table's entry for a class: the nearest declared class in its MRO decides (so a
-    subclass of AdamW declared whole-tensor is one); None for a class distopt cannot shard."""
+    subclass of AdamW declared whole-tensor is one); a class no entry covers is owned whole
+    (``_UNDECLARED``); None for a class distopt cannot step (``REFUSED_OPTIMIZERS``)."""
     for klass in optimizer_cls.__mro__:
         if klass in _KINDS:
             return _KINDS[klass]
-    return None
+        if klass in REFUSED_OPTIMIZERS:
+            return None
+    return _UNDECLARED
 
 
 def whole_tensor_cost(optimizer_cls: type[torch.optim.Optimizer]) -> WholeTensorCost | None:
@@ -251,26 +309,28 @@ def _defaults(optimizer_cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
 
 
 def check_optimizer_cls(optimizer_cls: Any, where: str = "optimizer_cls") -> None:
-    """Raise unless ``optimizer_cls`` is an optimizer class distopt can shard."""
+    """Raise unless ``optimizer_cls`` is an optimizer class distopt can step: any
+    ``torch.optim.Optimizer`` subclass but those of ``REFUSED_OPTIMIZERS``."""
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(
             f"{where} must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
             f"(the class, not an instance), got {optimizer_cls!r}"
         )
-    if whole_tensor_cost(optimizer_cls) is None and not issubclass(
-        optimizer_cls, ELEMENTWISE_OPTIMIZERS
-    ):
-        elementwise = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        whole = ", ".join(sorted(c.__name__ for c, k in _KINDS.items() if k.whole_tensor_cost))
+    reason = refusal_of(optimizer_cls)
+    if reason is not None:
         raise TypeError(
-            f"{where} {optimizer_cls.__name__} is neither element-wise nor declared "
-            "whole-tensor, so "
-            f"distopt cannot shard it. Use an element-wise optimizer ({elementwise}) or a "
-            f"whole-tensor one ({whole}); if each of its updates reads only whole parameters, "
-            "declare it with distopt.register_whole_tensor_optimizer(cls) (each param is then "
-            "owned whole by one rank)"
+            f"{where} {optimizer_cls.__name__} cannot be stepped by distopt: {reason}. Use an "
+            "optimizer whose update of a param reads that param alone: any torch.optim class "
+            "but LBFGS and SparseAdam, or your own (each param is then owned whole by one rank)"
         )
 
+
+def _check_declared(optimizer_cls: Any, who: str) -> None:
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"{who} takes a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+    reason = REFUSED_OPTIMIZERS.get(optimizer_cls)
+    if reason is not None:
+        raise TypeError(f"{who}: {optimizer_cls.__name__} cannot be stepped by distopt: {reason}")
 
 
 # The DDP lays its buffers out for whole_tensor_params= when it is built, before any optimizer

@@ -51,6 +51,8 @@ class StateDictFunctions(Protocol):
 
     def state_dict(self, opt: BufferOptimizer) -> dict[str, Any]: ...
 
+    def rank_part(self, opt: BufferOptimizer) -> dict[str, Any]: ...
+
     def load_state_dict(self, opt: BufferOptimizer, state_dict: dict[str, Any]) -> None: ...
 
     def consolidated_state_dict(self, opt: BufferOptimizer, to: int) -> dict[str, Any] | None:
@@ -86,20 +88,15 @@ class _CheckpointedOptimizer(BufferOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state, keyed by parameter name ([Note: DP-size independent state] in
         distopt/checkpoint/format.py): whole on one process or replicated; sharded over
-        several ranks, the one ``consolidate_state_dict`` gathered to this rank, else refused
-        ([Note: torch's way of saving the optimizer] in checkpoint/state_dict.py)."""
+        several ranks, the one ``consolidate_state_dict`` gathered to this rank, else this
+        rank's part, as FSDP2's optimizer state dict holds each rank's shards, marked with
+        the rank it belongs to ([Note: torch's way of saving the optimizer] in
+        checkpoint/state_dict.py)."""
         if not self._state_is_sharded():
             return _state_dict_functions().state_dict(self)
         if self._consolidated is not None:
             return self._consolidated
-        raise RuntimeError(
-            f"opt.state_dict() of a sharded optimizer over {self.parallel.dp_size} ranks: "
-            "each rank holds its own shard of the state, so a file of it would resume no other "
-            "rank. Call opt.consolidate_state_dict(to=0) on every rank first (then rank 0's "
-            "opt.state_dict() is the whole state, loadable on every rank at any data-parallel "
-            "size), or save with distopt.save_checkpoint(path, ddp, opt) (collective, sharded), "
-            "or keep each rank's part with opt.sharded_state_dict()"
-        )
+        return _state_dict_functions().rank_part(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer state (a shard of each param it owns), in
@@ -145,10 +142,12 @@ class _CheckpointedOptimizer(BufferOptimizer):
         Args:
             state_dict: the whole state (``state_dict()`` of a replicated optimizer, or of
                 the rank a sharded one was consolidated to), or shards that cover this rank's
-                pieces: its own ``sharded_state_dict()`` at the same DP size, or every rank's
-                merged with ``distopt.checkpoint.merge_state_dicts`` at another. Every rank
-                checks it against the model, the optimizer class, the groups and the loss
-                scaler before any rank loads, then takes the pieces it owns.
+                pieces: its own ``state_dict()`` or ``sharded_state_dict()`` at the same DP
+                size (a part ``state_dict()`` marked as another rank's is refused), or every
+                rank's merged with ``distopt.checkpoint.merge_state_dicts`` at another. Every
+                rank checks it against the model, the optimizer class, the groups and the loss
+                scaler before any rank loads, then takes the pieces it owns and the groups'
+                options (a changed ``lr`` is a warm restart, as with torch.optim).
         """
         _state_dict_functions().load_state_dict(self, state_dict)
 
@@ -159,16 +158,19 @@ class DistributedOptimizer(_CheckpointedOptimizer):
     Args:
         model: a distopt DistributedDataParallel built with ``use_distributed_optimizer=True``,
             or a list of them (model chunks sharing one data-parallel group).
-        optimizer_cls: a ``torch.optim.Optimizer`` subclass: element-wise (AdamW, SGD, ...),
-            whose state is sharded element by element, or whole-tensor (``torch.optim.Muon``,
-            ``torch.optim.Adafactor``, or one declared with
-            ``distopt.register_whole_tensor_optimizer``), whose params are each owned whole by
-            one rank; see [Note: optimizer kinds] in optim/kinds.py.
-        params: optional torch-style param groups over the module's params (a list of params,
-            or of dicts with ``params`` and per-group options). None: one group with all
-            trainable params. A group may name its own class under ``"optimizer"`` (Muon for
-            the hidden matrices, ``"optimizer": torch.optim.AdamW`` for the rest); its options
-            then come from the group and that class's defaults, not ``optimizer_kwargs``. See
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass: element-wise (AdamW, SGD, ...,
+            or one declared with ``distopt.register_elementwise_optimizer``), whose state is
+            sharded element by element, or any other (``torch.optim.Muon``,
+            ``torch.optim.Adafactor``, a repository's own LARS), whose params are each owned
+            whole by one rank; LBFGS and SparseAdam are refused. See [Note: optimizer kinds]
+            in optim/kinds.py.
+        params: optional torch-style param groups over the module's params (a list of params
+            or of ``(name, param)`` pairs such as ``model.named_parameters()``, or of dicts
+            with ``params`` and per-group options; named params put ``param_names`` in each
+            group, as torch.optim does). None: one group with all trainable params. A group
+            may name its own class under ``"optimizer"`` (Muon for the hidden matrices,
+            ``"optimizer": torch.optim.AdamW`` for the rest); its options then come from the
+            group and that class's defaults, not ``optimizer_kwargs``. See
             [Note: one optimizer, several classes].
         clip_grad: max global grad norm (one norm over every shard, bucket and dtype, and over
             the tensor-parallel ranks of DTensor params), or None.
@@ -274,8 +276,8 @@ class BasicOptimizer(_CheckpointedOptimizer):
             that gets no grad is then left out of the step, as torch.optim leaves it).
         optimizer_cls: the inner ``torch.optim.Optimizer`` subclass (AdamW, SGD, Muon, ...),
             as for DistributedOptimizer.
-        params: optional torch-style param groups over the module's params, as for
-            DistributedOptimizer; None: one group with all trainable params.
+        params: optional torch-style param groups over the module's params (named or not),
+            as for DistributedOptimizer; None: one group with all trainable params.
         clip_grad: max global grad norm (one norm over every bucket and dtype, and over the
             tensor-parallel ranks of DTensor params), or None.
         loss_scaler: ``DynamicLossScaler()`` or ``ConstantLossScaler(s)`` for fp16, or None.

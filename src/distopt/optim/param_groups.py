@@ -25,6 +25,11 @@ OptimizerClass = type[torch.optim.Optimizer]
 CLASS_KEY = "optimizer"
 """The key under which a param group names its optimizer class."""
 
+NAMES_KEY = "param_names"
+"""The key under which a param group lists its params' names when they were given as
+``(name, param)`` pairs, as torch.optim's groups do: one per model param of the group (the
+inner group's ``"params"`` are this rank's pieces of them)."""
+
 
 def group_class(group: dict[str, Any], default: OptimizerClass) -> OptimizerClass:
     """The optimizer class that steps ``group``: the one it names, or ``default``."""
@@ -67,7 +72,11 @@ def whole_tensor_costs(
 def normalize_param_groups(
     params: Iterable[Any] | None, models: list[DistributedDataParallel]
 ) -> list[dict[str, Any]]:
-    """Torch-style param groups, checked to name each trainable model param at most once."""
+    """Torch-style param groups, checked to name each trainable model param at most once.
+
+    As torch.optim, a group's params may be ``(name, param)`` pairs (``named_parameters()``):
+    the group then lists the params under ``"params"`` and their names, as given, under
+    ``"param_names"``, and every group must be named or none."""
     known = {p: m for m in models for p in m.params}
     if params is None:
         _refuse_ignored_trainable(models)
@@ -79,12 +88,23 @@ def normalize_param_groups(
         groups = [{"params": groups}]
     seen: set[nn.Parameter] = set()
     result = []
-    for group in groups:
+    for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError("each param group must be a dict with a 'params' entry")
         plist = group["params"]
         plist = [plist] if isinstance(plist, torch.Tensor) else list(plist)
-        plist = [p for p in plist if p.numel() > 0]  # nothing to step, as in torch.optim
+        plist, names = _split_names(plist, index)
+        if names is not None:
+            group = {**group, NAMES_KEY: names}
+        if NAMES_KEY in group:
+            if len(group[NAMES_KEY]) != len(plist):
+                raise ValueError(
+                    f"param group {index} has {len(group[NAMES_KEY])} param_names for "
+                    f"{len(plist)} params: give one name per param, or (name, param) pairs")
+            # Nothing to step in an empty param, as in torch.optim; its name goes with it.
+            group = {**group, NAMES_KEY: [n for n, p in zip(group[NAMES_KEY], plist, strict=True)
+                                          if p.numel() > 0]}
+        plist = [p for p in plist if p.numel() > 0]
         for p in plist:
             if p not in known:
                 raise ValueError(
@@ -99,7 +119,38 @@ def normalize_param_groups(
                 )
             seen.add(p)
         result.append({**group, "params": plist})
+    if len({NAMES_KEY in group for group in result}) > 1:
+        raise ValueError(
+            "some param groups name their params ((name, param) pairs, from "
+            "named_parameters()) and some do not: torch.optim takes all named or none; name "
+            "every group's params, or none"
+        )
     return result
+
+
+def _split_names(plist: list[Any], index: int) -> tuple[list[Any], list[str] | None]:
+    """A group's params and, where they are ``(name, param)`` pairs, their names."""
+    pairs = [isinstance(p, tuple) for p in plist]
+    if not any(pairs):
+        for p in plist:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"param group {index} holds a {type(p).__name__}: params are tensors (the "
+                    "module's parameters) or (name, param) pairs, as named_parameters() gives"
+                )
+        return plist, None
+    if not all(pairs):
+        raise ValueError(
+            f"param group {index} names some of its params ((name, param) pairs) and not "
+            "others: torch.optim takes all named or none"
+        )
+    for p in plist:
+        if len(p) != 2 or not isinstance(p[0], str) or not isinstance(p[1], torch.Tensor):
+            raise TypeError(
+                f"param group {index} holds {p!r:.80}: a named param is a (name, param) pair "
+                "of a str and a tensor, as named_parameters() gives"
+            )
+    return [p for _, p in plist], [n for n, _ in plist]
 
 # [Note: one optimizer, several classes]
 # The usual recipe for Muon trains the hidden matrices with Muon and the embeddings, norms and
