@@ -15,11 +15,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import test_torch_ddp_conformance as conformance
 import torch
-import torch.distributed as dist
 from torch import nn
 
-import test_torch_ddp_conformance as conformance
 from dist_harness import case_result, run_cases
 
 MODES = list(conformance.MODES)

@@ -29,20 +29,44 @@ dtype and device without storage, whose operations are answered from the reduced
   some grad (per param in torch's default loop over the grads, two in all with
   ``foreach=True``). A clamp, like every write, must run on every rank, as in torch's DDP, where
   one rank's clipping alone would leave its replica apart.
+* writes, as one rule: an element-wise op (tagged ``torch.Tag.pointwise``, and ``zero_``,
+  ``fill_``, ``copy_``) in place into ``p.grad`` or with ``out=p.grad``, its other operands
+  scalars, ``p.grad`` itself or tensors of the param's shape (or broadcasting to it): a rank's
+  piece is a contiguous range of the flattened param, so the op on the piece with the same range
+  of each operand (expanded to the param's shape) writes exactly what torch's writes there; then
+  the param's statistics are agreed again (one small all-gather). Gradient noise
+  (``p.grad.add_(noise)``), ``torch.nan_to_num(p.grad, ..., out=p.grad)``, ``copy_``, ``zero_``,
+  signSGD's ``sign_`` and Gradient Centralization's ``p.grad.add_(-p.grad.mean(dim=1,
+  keepdim=True))`` are such writes. Out of place (``p.grad.abs()``) an op makes a new tensor of
+  the whole grad: refused by name, naming the reduction that answers (``p.grad.norm(1)``).
+* reductions the statistics do not hold (``sum``, ``mean``, ``amax``, ``amin``, ``max``,
+  ``min``, norms of other orders, each whole or along dimensions: a row of a matrix may straddle
+  two ranks' pieces): each rank reduces the grad in fp64 with the reduction's neutral element
+  outside its piece, and one small all-gather combines the ranks' results in rank order (sums
+  of disjoint elements, maxima of them: exact up to fp64 rounding, the same bits on every rank).
+  These reads communicate, so they run on every rank (``ddp/grad_reductions.py``).
 * ``p.grad is None``: present means "this param has a grad since the last zero". With
   ``find_unused_parameters`` the statistics carry each rank's used flags, and a param that some
   other rank used gets its ``p.grad`` too, as torch's DDP gives it; one that no rank used keeps
   None.
+* assignments, seen at the step (``take_grad_writes``, from the markers, ddp/grad_markers.py):
+  a param whose ``p.grad`` the loop set to None (DINO's ``cancel_gradients_last_layer``) is left
+  out of the step as torch.optim leaves it (no update, weight decay or step count): the rule
+  for a param no rank used (``unused_params``), its piece zeroed so that no norm of the step
+  counts it. ``p.grad = t`` (the param's shape) is the grad: each rank copies its own range of
+  ``t`` into its piece. The loop runs on every rank, so every rank sees the same.
 
-What needs the whole tensor (``p.grad.clone()``, indexing, ``p.grad.abs().max()``, other norm
-types) raises one error that names the param, what works, and the optimizer's options for the
-rest (``clip_grad=``, ``clip_grad_value=``, ``log_grad_norms=``); so do tensor-parallel DTensor
-params (torch's ``p.grad`` would be a DTensor whose norm is a collective over the mesh), experts
-(each rank holds other experts under the same names, so a norm over ``model.parameters()``
-would differ by rank) and params tied across pipeline stages (the step sums their grads over
-the stages), each by name. A param owned whole by one rank (Muon's and Adafactor's layout)
-answers as any other: its owner's piece is all of it, the others' nothing. Every rank runs the
-same code, so a refusal raises on every rank at the same call, before any collective.
+A write, like a clamp, must run on every rank, as in torch's DDP, where one rank's write alone
+would leave its replica apart. What needs the whole tensor (``p.grad.clone()``, indexing,
+``cumsum``, a write into another tensor from ``p.grad``) raises one error that names the param,
+what works, and the optimizer's options for the rest (``clip_grad=``, ``clip_grad_value=``,
+``log_grad_norms=``); so do tensor-parallel DTensor params (torch's ``p.grad`` would be a
+DTensor whose norm is a collective over the mesh), experts (each rank holds other experts under
+the same names, so a norm over ``model.parameters()`` would differ by rank) and params tied
+across pipeline stages (the step sums their grads over the stages), each by name. A param
+owned whole by one rank (Muon's and Adafactor's layout) answers as any other: its owner's piece
+is all of it, the others' nothing. Every rank runs the same code, so a refusal raises on every
+rank at the same call, before any collective.
 
 When: the statistics are agreed at the end of every backward outside ``no_sync()`` (the
 reductions are waited for there, as torch's DDP waits at the end of its backward), so a read
@@ -54,10 +78,10 @@ another one (reentrant activation checkpointing: the outer backward goes on, and
 callback of distopt's). Reads are refused, by name, during a backward, after one inside
 ``no_sync()`` (torch's DDP leaves this rank's own grads there; distopt's buffers hold them, or
 their reduction, neither torch's), after ``opt.step()`` (whose unscaling and clipping change the
-buffers in place) and after the grads were zeroed. Reads answer the grads as scaled by the
-loss, as torch's do, until ``torch.amp.GradScaler.unscale_(opt)``: then they answer the
-unscaled grads, and scaling and clamping act on them ([Note: torch's GradScaler] in
-optim/amp.py).
+buffers in place); after the grads were zeroed ``p.grad`` is None, or reads zeros. Reads
+answer the grads as scaled by the loss, as torch's do, until
+``torch.amp.GradScaler.unscale_(opt)``: then they answer the unscaled grads, and writes act on
+them ([Note: torch's GradScaler] in optim/amp.py).
 
 Cost: per backward outside ``no_sync()``, two norms (types 2 and inf) of the reduced grads this
 rank holds (a read of 1/d of the grads each) and one all-gather of 2 fp64 numbers per param from
@@ -68,13 +92,16 @@ it; only a backward outside ``no_sync()`` followed by another (accumulation with
 ``no_sync()``) loses the overlap of its last reductions with the next forward, as under torch's
 DDP. None of this runs under ``no_sync()``.
 
-The marker keeps torch's meaning of zeroing: ``opt.zero_grad()`` and ``ddp.zero_grad()`` remove
-the markers with the step's grads. A ``zero_grad()`` of the wrapped module itself clears the
-markers alone (``p.grad = None``, or ``zero_()`` with ``set_to_none=False``, which the marker
-records): the next backward finds them cleared and starts a new step's grads, as
-``opt.zero_grad()`` would have. Markers cleared for some params and not for others are an
-error, since distopt zeroes a step's grads as a whole. A tensor hook that runs before autograd's
-accumulation removes the marker, so autograd writes the next grad as into an empty ``.grad``.
+The marker keeps torch's meaning of zeroing: ``opt.zero_grad()`` and ``ddp.zero_grad()``
+remove the markers with the step's grads; with ``set_to_none=False`` each marker stays, zeroed,
+and answers every read as the zeros torch's zeroed grad holds (no communication; a write into
+it must leave it zero). A ``zero_grad()`` of the wrapped module itself clears the markers alone
+(``p.grad = None``, or ``zero_()`` with ``set_to_none=False``, which the marker records, and
+which between backward and step also zeroes the pieces): the next backward finds them cleared
+and starts a new step's grads, as ``opt.zero_grad()`` would have. Markers cleared for some
+params and not for others are an error at the next backward, since distopt zeroes a step's
+grads as a whole. A tensor hook that runs before autograd's accumulation removes the marker,
+so autograd writes the next grad as into an empty ``.grad``.
 """
 
 from __future__ import annotations
@@ -87,19 +114,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .grad_reads import NORMS, GradReads
+from .grad_messages import OUT_OF_PLACE, refusal
+from .grad_reads import GradReads
 from .grad_reductions import REDUCTIONS, ShardedReduction, sharded_reduction, vector_norm
 
 aten = torch.ops.aten
 
-WHAT_WORKS = (
-    "What torch scripts ask of p.grad works: torch.nn.utils.clip_grad_norm_, clip_grad_value_ "
-    f"and get_total_norm, p.grad.norm() and torch.linalg.vector_norm(p.grad) ({NORMS}), "
-    "p.grad is None, and scaling or clamping it in place. For the rest pass the optimizer "
-    "(distopt.DistributedOptimizer or BasicOptimizer) what you read p.grad for: clip_grad= "
-    "(the global norm is opt.step().grad_norm), clip_grad_value=, log_grad_norms=True (each "
-    "param's norm in opt.step().grad_norms). See docs/from-torch-ddp.md"
-)
 
 
 class _Slot:
@@ -178,18 +198,7 @@ def _markers(args: Any, kwargs: Any) -> list[GradInBuffer]:
 
 
 def _refusal(marker: GradInBuffer, func: Any, why: str = "") -> str:
-    return (
-        f"p.grad of parameter '{marker.slot.name}' cannot be used by {func} under distopt: "
-        "it needs the whole reduced gradient, and each rank holds its own shard of it only "
-        f"(distopt moves each gradient into its data-parallel buffers){why}. {WHAT_WORKS}"
-    )
-
-
-OUT_OF_PLACE = (
-    ": an element-wise op out of place makes a new tensor of the whole gradient; write into "
-    "p.grad in place or with out=p.grad, or read a reduction of it (p.grad.abs().sum() is "
-    "p.grad.norm(1), p.grad.abs().max() is p.grad.norm(float('inf')))"
-)
+    return refusal(marker.slot.name, func, why)
 
 
 def _by_reads(markers: list[GradInBuffer]) -> dict[GradReads, list[int]]:

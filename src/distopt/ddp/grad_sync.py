@@ -178,7 +178,7 @@ class GradSync:
         and the marker goes, so the grad is written as into an empty ``.grad``."""
         if self.state is not SyncState.BACKWARD:
             self._start_backward()
-        param.grad = None
+        self.markers.drop(param)  # not a p.grad set to None by the user: see take_grad_writes
 
     def _start_backward(self, *, on_engine: bool = True) -> None:
         # Grads cleared outside distopt (a zero_grad of the wrapped module) start a new step;
