@@ -392,7 +392,8 @@ def train_in_pool_killed(step: int, rank: int, *args: str) -> str:
 
 STEP_FILES = {
     "ddp/wrapper.py", "ddp/grad_sync.py", "ddp/bucket.py", "ddp/grad_storage.py",
-    "ddp/state.py", "ddp/grad_marker.py", "ddp/grad_reads.py", "ddp/grad_pool.py",
+    "ddp/state.py", "ddp/grad_marker.py", "ddp/grad_markers.py", "ddp/grad_reads.py",
+    "ddp/grad_pool.py",
     "ddp/param_gather.py", "ddp/buffer_layout.py", "ddp/torch_ddp_methods.py",
     "ddp/param_storage.py", "ddp/param_unshard.py", "ddp/whole_module.py",
     "ddp/nan_check.py", "ddp/module_buffers.py", "ddp/rebound_params.py", "ddp/trainable.py",

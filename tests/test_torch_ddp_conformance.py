@@ -621,7 +621,7 @@ def whole_reads_refused(mode: str) -> list[str]:
     nn.functional.mse_loss(ddp(x), y).backward()
     grad = ddp.module[0].weight.grad
     messages = []
-    for use in (grad.clone, lambda: grad[0], lambda: grad.abs().max(), lambda: grad.norm(1)):
+    for use in (grad.clone, lambda: grad[0], lambda: grad.abs().max(), lambda: grad.cumsum(0)):
         try:
             use()
             messages.append("no error")
@@ -806,10 +806,10 @@ def test_p_grad_is_none_as_torch_ddps(both, mode):
 def test_reads_of_the_whole_grad_are_refused_by_name(both, mode):
     messages = case_result(both, f"refused-{mode}")
     assert all(m == messages[0] for m in messages)  # on every rank alike
-    for message in messages[0][:3]:
+    for message in messages[0]:
         assert message.startswith("p.grad of parameter '0.weight' cannot be used by aten.")
         assert "clip_grad_norm_" in message and "clip_grad=" in message
-    assert "norm of type 1" in messages[0][3] and "norm_type=2" in messages[0][3]
+    # Norms of other orders answer (tests/test_torch_grad_writes.py).
 
 
 @pytest.mark.parametrize("mode", list(MODES))

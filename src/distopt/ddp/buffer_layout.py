@@ -215,6 +215,11 @@ class BufferLayout:
         """With find_unused_parameters: the params no rank computed a grad for this step."""
         return self._grad_sync.unused_params
 
+    def take_grad_writes(self) -> None:
+        """At the step: ``p.grad`` set to None leaves its param out, a tensor assigned is its
+        grad; see [Note: p.grad under distopt] in ddp/grad_marker.py."""
+        self._grad_sync.take_grad_writes()
+
     def adopt_rebound_params(self) -> None:
         """Take back into the buffers the values of params whose ``.data`` was rebound to
         other storage (``torch.nn.utils.vector_to_parameters``); the optimizer's step and

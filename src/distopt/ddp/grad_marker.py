@@ -29,20 +29,44 @@ dtype and device without storage, whose operations are answered from the reduced
   some grad (per param in torch's default loop over the grads, two in all with
   ``foreach=True``). A clamp, like every write, must run on every rank, as in torch's DDP, where
   one rank's clipping alone would leave its replica apart.
+* writes, as one rule: an element-wise op (tagged ``torch.Tag.pointwise``, and ``zero_``,
+  ``fill_``, ``copy_``) in place into ``p.grad`` or with ``out=p.grad``, its other operands
+  scalars, ``p.grad`` itself or tensors of the param's shape (or broadcasting to it): a rank's
+  piece is a contiguous range of the flattened param, so the op on the piece with the same range
+  of each operand (expanded to the param's shape) writes exactly what torch's writes there; then
+  the param's statistics are agreed again (one small all-gather). Gradient noise
+  (``p.grad.add_(noise)``), ``torch.nan_to_num(p.grad, ..., out=p.grad)``, ``copy_``, ``zero_``,
+  signSGD's ``sign_`` and Gradient Centralization's ``p.grad.add_(-p.grad.mean(dim=1,
+  keepdim=True))`` are such writes. Out of place (``p.grad.abs()``) an op makes a new tensor of
+  the whole grad: refused by name, naming the reduction that answers (``p.grad.norm(1)``).
+* reductions the statistics do not hold (``sum``, ``mean``, ``amax``, ``amin``, ``max``,
+  ``min``, norms of other orders, each whole or along dimensions: a row of a matrix may straddle
+  two ranks' pieces): each rank reduces the grad in fp64 with the reduction's neutral element
+  outside its piece, and one small all-gather combines the ranks' results in rank order (sums
+  of disjoint elements, maxima of them: exact up to fp64 rounding, the same bits on every rank).
+  These reads communicate, so they run on every rank (``ddp/grad_reductions.py``).
 * ``p.grad is None``: present means "this param has a grad since the last zero". With
   ``find_unused_parameters`` the statistics carry each rank's used flags, and a param that some
   other rank used gets its ``p.grad`` too, as torch's DDP gives it; one that no rank used keeps
   None.
+* assignments, seen at the step (``take_grad_writes``, from the markers, ddp/grad_markers.py):
+  a param whose ``p.grad`` the loop set to None (DINO's ``cancel_gradients_last_layer``) is left
+  out of the step as torch.optim leaves it (no update, weight decay or step count): the rule
+  for a param no rank used (``unused_params``), its piece zeroed so that no norm of the step
+  counts it. ``p.grad = t`` (the param's shape) is the grad: each rank copies its own range of
+  ``t`` into its piece. The loop runs on every rank, so every rank sees the same.
 
-What needs the whole tensor (``p.grad.clone()``, indexing, ``p.grad.abs().max()``, other norm
-types) raises one error that names the param, what works, and the optimizer's options for the
-rest (``clip_grad=``, ``clip_grad_value=``, ``log_grad_norms=``); so do tensor-parallel DTensor
-params (torch's ``p.grad`` would be a DTensor whose norm is a collective over the mesh), experts
-(each rank holds other experts under the same names, so a norm over ``model.parameters()``
-would differ by rank) and params tied across pipeline stages (the step sums their grads over
-the stages), each by name. A param owned whole by one rank (Muon's and Adafactor's layout)
-answers as any other: its owner's piece is all of it, the others' nothing. Every rank runs the
-same code, so a refusal raises on every rank at the same call, before any collective.
+A write, like a clamp, must run on every rank, as in torch's DDP, where one rank's write alone
+would leave its replica apart. What needs the whole tensor (``p.grad.clone()``, indexing,
+``cumsum``, a write into another tensor from ``p.grad``) raises one error that names the param,
+what works, and the optimizer's options for the rest (``clip_grad=``, ``clip_grad_value=``,
+``log_grad_norms=``); so do tensor-parallel DTensor params (torch's ``p.grad`` would be a
+DTensor whose norm is a collective over the mesh), experts (each rank holds other experts under
+the same names, so a norm over ``model.parameters()`` would differ by rank) and params tied
+across pipeline stages (the step sums their grads over the stages), each by name. A param
+owned whole by one rank (Muon's and Adafactor's layout) answers as any other: its owner's piece
+is all of it, the others' nothing. Every rank runs the same code, so a refusal raises on every
+rank at the same call, before any collective.
 
 When: the statistics are taken at the end of every backward outside ``no_sync()`` (the
 reductions are waited for there, as torch's DDP waits at the end of its backward) and their
@@ -57,10 +81,10 @@ another one (reentrant activation checkpointing: the outer backward goes on, and
 callback of distopt's). Reads are refused, by name, during a backward, after one inside
 ``no_sync()`` (torch's DDP leaves this rank's own grads there; distopt's buffers hold them, or
 their reduction, neither torch's), after ``opt.step()`` (whose unscaling and clipping change the
-buffers in place) and after the grads were zeroed. Reads answer the grads as scaled by the
-loss, as torch's do, until ``torch.amp.GradScaler.unscale_(opt)``: then they answer the
-unscaled grads, and scaling and clamping act on them ([Note: torch's GradScaler] in
-optim/amp.py).
+buffers in place); after the grads were zeroed ``p.grad`` is None, or reads zeros. Reads
+answer the grads as scaled by the loss, as torch's do, until
+``torch.amp.GradScaler.unscale_(opt)``: then they answer the unscaled grads, and writes act on
+them ([Note: torch's GradScaler] in optim/amp.py).
 
 Cost: per backward outside ``no_sync()``, two norms (type 2, and the largest magnitude from
 one ``aminmax`` pass on a CPU, where torch's norm of type inf is tens of times slower) of the
@@ -73,35 +97,34 @@ it; only a backward outside ``no_sync()`` followed by another (accumulation with
 ``no_sync()``) loses the overlap of its last reductions with the next forward, as under torch's
 DDP. None of this runs under ``no_sync()``.
 
-The marker keeps torch's meaning of zeroing: ``opt.zero_grad()`` and ``ddp.zero_grad()`` remove
-the markers with the step's grads. A ``zero_grad()`` of the wrapped module itself clears the
-markers alone (``p.grad = None``, or ``zero_()`` with ``set_to_none=False``, which the marker
-records): the next backward finds them cleared and starts a new step's grads, as
-``opt.zero_grad()`` would have. Markers cleared for some params and not for others are an
-error, since distopt zeroes a step's grads as a whole. A tensor hook that runs before autograd's
-accumulation removes the marker, so autograd writes the next grad as into an empty ``.grad``.
+The marker keeps torch's meaning of zeroing: ``opt.zero_grad()`` and ``ddp.zero_grad()``
+remove the markers with the step's grads; with ``set_to_none=False`` each marker stays, zeroed,
+and answers every read as the zeros torch's zeroed grad holds (no communication; a write into
+it must leave it zero). A ``zero_grad()`` of the wrapped module itself clears the markers alone
+(``p.grad = None``, or ``zero_()`` with ``set_to_none=False``, which the marker records, and
+which between backward and step also zeroes the pieces): the next backward finds them cleared
+and starts a new step's grads, as ``opt.zero_grad()`` would have. Markers cleared for some
+params and not for others are an error at the next backward, since distopt zeroes a step's
+grads as a whole. A tensor hook that runs before autograd's accumulation removes the marker,
+so autograd writes the next grad as into an empty ``.grad``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
-from .grad_reads import NORMS, GradReads
+from .grad_messages import OUT_OF_PLACE, refusal
+from .grad_reads import GradReads
+from .grad_reductions import REDUCTIONS, ShardedReduction, sharded_reduction, vector_norm
 
 aten = torch.ops.aten
 
-WHAT_WORKS = (
-    "What torch scripts ask of p.grad works: torch.nn.utils.clip_grad_norm_, clip_grad_value_ "
-    f"and get_total_norm, p.grad.norm() and torch.linalg.vector_norm(p.grad) ({NORMS}), "
-    "p.grad is None, and scaling or clamping it in place. For the rest pass the optimizer "
-    "(distopt.DistributedOptimizer or BasicOptimizer) what you read p.grad for: clip_grad= "
-    "(the global norm is opt.step().grad_norm), clip_grad_value=, log_grad_norms=True (each "
-    "param's norm in opt.step().grad_norms). See docs/from-torch-ddp.md"
-)
 
 
 class _Slot:
@@ -147,9 +170,20 @@ class GradInBuffer(torch.Tensor):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
-        if handler is None:
-            raise RuntimeError(_refusal(_markers(args, kwargs)[0], func))
-        return handler(func, *args, **kwargs)
+        if func in _FLAGS:  # zero_, detach and aliases: whatever the grads are now
+            return handler(func, *args, **kwargs)
+        if any(m.slot.zeroed and not m.slot.reads.live for m in _markers(args, kwargs)):
+            return _on_zeros(func, args, kwargs)
+        if handler is not None:
+            return handler(func, *args, **kwargs)
+        if func in REDUCTIONS:
+            return _reduce(func, *args, **kwargs)
+        if _pointwise(func) and _written(func, args, kwargs):
+            return _pointwise_write(func, args, kwargs)
+        marker = _markers(args, kwargs)[0]
+        if _pointwise(func):  # out of place: a new tensor of the whole grad
+            raise RuntimeError(_refusal(marker, func, OUT_OF_PLACE))
+        raise RuntimeError(_refusal(marker, func))
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (f"GradInBuffer(param='{self.slot.name}', shape={tuple(self.shape)}, "
@@ -168,22 +202,8 @@ def _markers(args: Any, kwargs: Any) -> list[GradInBuffer]:
     return found
 
 
-def _refusal(marker: GradInBuffer, func: Any) -> str:
-    return (
-        f"p.grad of parameter '{marker.slot.name}' cannot be used by {func} under distopt: "
-        "it needs the whole reduced gradient, and each rank holds its own shard of it only "
-        f"(distopt moves each gradient into its data-parallel buffers). {WHAT_WORKS}"
-    )
-
-
-def _readable(markers: list[GradInBuffer]) -> None:
-    for marker in markers:
-        if marker.slot.zeroed:
-            raise RuntimeError(
-                f"p.grad of parameter '{marker.slot.name}' was read after it was zeroed "
-                "(model.zero_grad(set_to_none=False)): the grads start again at the next "
-                "backward; read p.grad after it"
-            )
+def _refusal(marker: GradInBuffer, func: Any, why: str = "") -> str:
+    return refusal(marker.slot.name, func, why)
 
 
 def _by_reads(markers: list[GradInBuffer]) -> dict[GradReads, list[int]]:
@@ -216,8 +236,117 @@ def _scalar(func: Any, marker: GradInBuffer, value: Any) -> Any:
 
 
 def _zero(func: Any, marker: GradInBuffer) -> GradInBuffer:
-    marker.slot.zeroed = True  # the grads were zeroed: the next backward starts a new step
+    # Between backward and step the pieces are zeroed as any element-wise write; either way
+    # the marker answers zeros, and the next backward starts a new step if every marker is.
+    if marker.slot.reads.live and not marker.slot.zeroed:
+        _pointwise_write(aten.zero_.default, (marker,), {})
+    marker.slot.zeroed = True
     return marker
+
+
+def _on_zeros(func: Any, args: Any, kwargs: Any) -> Any:
+    """``func`` with each marker zeroed outside a step's grads (``zero_grad(set_to_none=
+    False)``) as the zeros it holds: torch's values, with no communication. A write into such
+    a marker must leave it zero: the grads start again at the next backward."""
+    zeros: dict[_Slot, torch.Tensor] = {}
+
+    def as_zeros(value: Any) -> Any:
+        if isinstance(value, GradInBuffer) and value.slot.zeroed and not value.slot.reads.live:
+            if value.slot not in zeros:
+                zeros[value.slot] = torch.zeros(value.shape, dtype=value.dtype,
+                                                device=value.device)
+            return zeros[value.slot]
+        return value
+
+    result = func(*tree_map(as_zeros, args), **tree_map(as_zeros, kwargs))
+    back = {}
+    for written in _written(func, args, kwargs):
+        if isinstance(written, GradInBuffer) and written.slot in zeros:
+            if bool((zeros[written.slot] != 0).any()):
+                raise RuntimeError(
+                    f"p.grad of parameter '{written.slot.name}' was written by {func} after "
+                    "it was zeroed (zero_grad(set_to_none=False)), before any backward: "
+                    "distopt starts the grads again at the next backward; write p.grad "
+                    "after it"
+                )
+            back[id(zeros[written.slot])] = written
+    return tree_map(lambda r: back.get(id(r), r), result)
+
+
+# Element-wise though not tagged so: what they write into each element depends on it alone.
+_ELEMENTWISE = frozenset({aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor,
+                          aten.copy_.default})
+
+
+def _pointwise(func: Any) -> bool:
+    return torch.Tag.pointwise in func.tags or func in _ELEMENTWISE
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[Any]:
+    """The operands ``func`` writes into: ``self`` of an op in place, ``out=``."""
+    written = []
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[k] if k < len(args) else kwargs.get(arg.name)
+            written.extend(value if isinstance(value, (list, tuple)) else [value])
+    return written
+
+
+def _pointwise_write(func: Any, args: Any, kwargs: Any) -> GradInBuffer:
+    """An element-wise op in place into ``p.grad`` (or with ``out=p.grad``): on this rank's
+    piece, a contiguous range of the flattened param, with the same range of each operand of
+    the param's shape (or one that broadcasts to it), then the param's statistics agreed
+    again. Every rank checks the operands alike before the agreement's collective."""
+    written = _written(func, args, kwargs)
+    target = written[0] if len(written) == 1 else None
+    if not isinstance(target, GradInBuffer):  # x.add_(p.grad) reads the whole grad
+        raise RuntimeError(_refusal(_markers(args, kwargs)[0], func))
+    slot, shape = target.slot, target.shape
+    for value in tree_leaves((args, kwargs)):
+        if isinstance(value, GradInBuffer) and value.slot is not slot:
+            raise RuntimeError(_refusal(value, func))  # another param's grad
+        if isinstance(value, torch.Tensor) and not isinstance(value, GradInBuffer) and (
+                value.numel() != 1 and _broadcast(value.shape, shape) != shape):
+            raise RuntimeError(_refusal(target, func, (
+                f": its operand of shape {tuple(value.shape)} does not broadcast to the "
+                f"parameter's shape {tuple(shape)}")))
+
+    def apply(values: torch.Tensor, start: int) -> None:
+        def piece_of(value: Any) -> Any:
+            if isinstance(value, GradInBuffer):
+                return values
+            if isinstance(value, torch.Tensor):
+                if value.numel() == 1:
+                    return value.reshape(())
+                return value.expand(shape).reshape(-1)[start:start + values.numel()]
+            return value
+
+        func(*tree_map(piece_of, args), **tree_map(piece_of, kwargs))
+
+    slot.reads.write_(slot.param, apply)
+    slot.zeroed = False  # it holds what was written
+    return target
+
+
+def _broadcast(a: torch.Size, b: torch.Size) -> torch.Size | None:
+    try:
+        return torch.broadcast_shapes(a, b)
+    except RuntimeError:
+        return None
+
+
+def _whole(spec: ShardedReduction) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: spec.partial(x.reshape(-1))
+
+
+def _reduce(func: Any, marker: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A sum, mean, max, min or norm of ``p.grad`` (whole or along some dimensions) that the
+    agreed statistics do not answer: one small collective, so on every rank."""
+    _only_self(func, marker, *args, *kwargs.values())
+    spec = sharded_reduction(func, marker.shape, marker.dtype, args, kwargs)
+    reduced = marker.slot.reads.reduce([marker.slot.param], spec.partial, spec.fill,
+                                       spec.combine)[0]
+    return spec.finish(reduced)
 
 
 def _same(func: Any, marker: GradInBuffer, *args: Any) -> GradInBuffer:
@@ -235,10 +364,10 @@ def _alias(func: Any, marker: GradInBuffer, *args: Any) -> GradInBuffer:
 def _vector_norm(func: Any, marker: GradInBuffer, ord: Any = 2, dim: Any = None,
                  keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     _only_self(func, marker)
-    if dim is not None and sorted(d % max(marker.dim(), 1) for d in dim) != list(
-            range(marker.dim())):
-        raise RuntimeError(_refusal(marker, func))  # a norm along some dimensions
-    _readable([marker])
+    whole = dim is None or sorted(d % max(marker.dim(), 1) for d in dim) == list(
+        range(marker.dim()))
+    if not whole or float(ord) not in (2.0, math.inf):  # one collective: see _reduce
+        return _reduce(func, marker, ord, dim, keepdim, dtype=dtype)
     norm = marker.slot.reads.norms([marker.slot.param], ord, [dtype or marker.dtype])[0]
     return norm.reshape([1] * marker.dim()) if keepdim else norm
 
@@ -246,7 +375,6 @@ def _vector_norm(func: Any, marker: GradInBuffer, ord: Any = 2, dim: Any = None,
 def _foreach_norm(func: Any, tensors: list[torch.Tensor], ord: Any = 2,
                   dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     markers = [t for t in tensors if isinstance(t, GradInBuffer)]
-    _readable(markers)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     plain = [k for k, t in enumerate(tensors) if not isinstance(t, GradInBuffer)]
     if plain:  # the grads of params outside distopt's buffers (torch's ignore list)
@@ -254,8 +382,14 @@ def _foreach_norm(func: Any, tensors: list[torch.Tensor], ord: Any = 2,
                            strict=True):
             out[k] = norm
     for reads, positions in _by_reads(markers).items():
-        norms = reads.norms([markers[k].slot.param for k in positions], ord,
-                            [dtype or markers[k].dtype for k in positions])
+        params = [markers[k].slot.param for k in positions]
+        if float(ord) in (2.0, math.inf):  # the agreed statistics: no communication
+            norms = reads.norms(params, ord, [dtype or markers[k].dtype for k in positions])
+        else:  # one collective for all of them, on every rank
+            spec = vector_norm(float(ord), (0,), False, torch.float64)
+            norms = [spec.finish(t).reshape(()).to(dtype or markers[k].dtype) for k, t in zip(
+                positions, reads.reduce(params, _whole(spec), spec.fill, spec.combine),
+                strict=True)]
         at = [k for k, t in enumerate(tensors) if isinstance(t, GradInBuffer)]
         for k, norm in zip(positions, norms, strict=True):
             out[at[k]] = norm
@@ -264,8 +398,9 @@ def _foreach_norm(func: Any, tensors: list[torch.Tensor], ord: Any = 2,
 
 def _scale(divide: bool) -> Callable[..., Any]:
     def scale(func: Any, marker: Any, other: Any) -> GradInBuffer:
+        if isinstance(other, torch.Tensor) and other.numel() != 1:  # by a tensor, element-wise
+            return _pointwise_write(func, (marker, other), {})
         _only_self(func, marker, other)
-        _readable([marker])
         marker.slot.reads.scale_([marker.slot.param], _scalar(func, marker, other),
                                  divide=divide)
         return marker
@@ -276,7 +411,6 @@ def _scale(divide: bool) -> Callable[..., Any]:
 def _foreach_scale(divide: bool) -> Callable[..., Any]:
     def scale(func: Any, tensors: list[torch.Tensor], other: Any) -> None:
         markers = [t for t in tensors if isinstance(t, GradInBuffer)]
-        _readable(markers)
         per_tensor = isinstance(other, (list, tuple))
         if isinstance(other, torch.Tensor) or not per_tensor:
             for marker in markers:
@@ -300,7 +434,6 @@ def _clamp(func: Any, marker: Any, min: Any = None, max: Any = None) -> GradInBu
     _only_self(func, marker, min, max)
     if func is aten.clamp_max_.default:  # clamp_max_(self, max): the one bound is the max
         min, max = None, min
-    _readable([marker])
     marker.slot.reads.clamp_([marker.slot.param], _bound(func, marker, min),
                              _bound(func, marker, max))
     return marker
@@ -314,7 +447,6 @@ def _bound(func: Any, marker: GradInBuffer, value: Any) -> float | None:
 def _foreach_clamp(low: bool) -> Callable[..., Any]:
     def clamp(func: Any, tensors: list[torch.Tensor], bound: Any) -> None:
         markers = [t for t in tensors if isinstance(t, GradInBuffer)]
-        _readable(markers)
         plain = [t for t in tensors if not isinstance(t, GradInBuffer)]
         if plain:
             func(plain, bound)
@@ -325,6 +457,9 @@ def _foreach_clamp(low: bool) -> Callable[..., Any]:
 
     return clamp
 
+
+_FLAGS = frozenset({aten.zero_.default, aten.detach_.default, aten.detach.default,
+                    aten.alias.default, aten.view.default})
 
 _HANDLERS: dict[Any, Callable[..., Any]] = {
     aten.zero_.default: _zero,
@@ -350,48 +485,3 @@ _HANDLERS: dict[Any, Callable[..., Any]] = {
     aten._foreach_clamp_min_.Scalar: _foreach_clamp(low=True),
     aten._foreach_clamp_max_.Scalar: _foreach_clamp(low=False),
 }
-
-
-class GradMarkers:
-    """Each param's marker, and which params hold theirs now (those with a grad in the buffers
-    since the last zero)."""
-
-    def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str],
-                 reads: GradReads) -> None:
-        self._markers = {p: GradInBuffer(p, names[p], reads) for p in params}
-        self._names = names
-        self._marked: set[nn.Parameter] = set()
-
-    def mark(self, param: nn.Parameter) -> None:
-        """``param``'s grad is in the buffers now."""
-        marker = self._markers[param]
-        marker.slot.zeroed = False
-        param.grad = marker
-        self._marked.add(param)
-
-    def drop(self, param: nn.Parameter) -> None:
-        param.grad = None
-        self._marked.discard(param)
-
-    def clear(self) -> None:
-        """A new step, or the wrapper lets go: no param keeps a marker."""
-        for param in self._marked:
-            param.grad = None
-        self._marked.clear()
-
-    def all_cleared(self) -> bool:
-        """Whether something outside distopt cleared every marker (``model.zero_grad()``); an
-        error if it cleared some and not others."""
-        cleared = [p for p in self._marked
-                   if p.grad is not self._markers[p] or self._markers[p].zeroed]
-        if not cleared:
-            return False
-        if len(cleared) == len(self._marked):
-            return True
-        raise RuntimeError(
-            f"the gradient of parameter '{self._names[cleared[0]]}' was cleared (p.grad "
-            f"set to None or zeroed) but those of {len(self._marked) - len(cleared)} other "
-            "parameters were not: distopt zeroes a step's gradients as a whole; call "
-            "optimizer.zero_grad() (or zero_grad() of the whole model) before the step's first "
-            "backward"
-        )

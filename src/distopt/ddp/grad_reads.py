@@ -47,13 +47,17 @@ class GradReads:
         self._index = {p: i for i, p in enumerate(params)}
         # A param lies in one bucket, so this rank holds at most one piece of it.
         self._piece: dict[int, torch.Tensor] = {}
+        self._start: dict[int, int] = {}  # where each piece starts in its flattened param
+        self._dtype: dict[int, torch.dtype] = {}  # of each param's reduced grad
         for bucket in buckets:
             owned, grad = bucket.owned_range, bucket.owned_grad
             for param, slot in zip(bucket.params, bucket.param_ranges, strict=True):
+                self._dtype[self._index[param]] = grad.dtype
                 part = slot.intersect(owned)
                 if part is not None and param not in self.refused:
                     self._piece[self._index[param]] = grad[part.start - owned.start:
                                                            part.end - owned.start]
+                    self._start[self._index[param]] = part.start - slot.start
         self._squares: torch.Tensor | None = None  # [params] fp64, summed over the ranks
         self._largest: torch.Tensor | None = None  # [params] fp64, the max over the ranks
         # An agreement started and not waited for: (indices, rows, output, handle).
@@ -177,6 +181,11 @@ class GradReads:
 
     # ------------------------------------------------------------------ reads and writes
 
+    @property
+    def live(self) -> bool:
+        """Whether the pieces hold this step's reduced grads (or will at the first read)."""
+        return self._squares is not None or self.complete is not None
+
     def _readable(self, param: nn.Parameter) -> int:
         if param in self.refused or self.refused_all:
             why = self.refused.get(param, self.refused_all)
@@ -259,6 +268,71 @@ class GradReads:
                 piece.clamp_(min=low, max=high)
         self._agree(acting)
 
+    # ------------------------------------------------------------------ element-wise writes
+
+    def _values(self, i: int) -> torch.Tensor:
+        """This rank's piece of param ``i``, empty where it holds none (so that an op that
+        fails, fails on every rank alike, before the agreement's collective)."""
+        piece = self._piece.get(i)
+        if piece is None:
+            piece = torch.empty(0, dtype=self._dtype.get(i, torch.float32), device=self.device)
+        return piece
+
+    def write_(self, param: nn.Parameter,
+               apply: Callable[[torch.Tensor, int], Any]) -> None:
+        """An element-wise write into ``param``'s grad, on every rank: ``apply(values, start)``
+        changes in place this rank's piece of the grad as read (the piece times the multiplier),
+        whose first element is element ``start`` of the flattened param; then the param's
+        statistics are agreed again (one small all-gather)."""
+        i = self._readable(param)
+        piece, multiplier = self._values(i), self.multiplier
+        # The pieces hold the grads over the multiplier (a GradScaler's power of two: exact).
+        values = piece if multiplier == 1.0 else piece * multiplier
+        apply(values, self._start.get(i, 0))
+        if multiplier != 1.0:
+            piece.copy_(values.div_(multiplier))
+        self._agree([i])
+
+    def assign(self, param: nn.Parameter, grad: torch.Tensor | None) -> None:
+        """At the step: ``p.grad = grad`` (None: zeros, the grad of a param left out of it,
+        so that no norm or inf check of the step counts it). No communication: each rank
+        copies its own range of ``grad``."""
+        i = self._index[param]
+        piece = self._piece.get(i)
+        if piece is None:
+            return
+        if grad is None:
+            piece.zero_()
+            return
+        start = self._start[i]
+        flat = grad.detach().reshape(-1)[start:start + piece.numel()]
+        piece.copy_(flat.to(piece.dtype) / self.multiplier)
+
+    # ------------------------------------------------------------------ reductions
+
+    def reduce(self, params: Sequence[nn.Parameter], partial: Callable[[torch.Tensor], Any],
+               fill: float, combine: str) -> list[torch.Tensor]:
+        """A reduction of each param's grad that the statistics do not answer, on every rank:
+        each rank applies ``partial`` to the grad as read (fp64) with ``fill`` (the reduction's
+        neutral element) outside its piece, and one small all-gather over the group combines
+        the results in rank order, by ``combine`` ("sum", "max" or "min"): exact where the
+        partial results are (sums of disjoint elements, maxima), the same bits on every
+        rank."""
+        indices = [self._readable(p) for p in params]
+        parts = []
+        for param, i in zip(params, indices, strict=True):
+            local = torch.full((param.numel(),), fill, dtype=torch.float64, device=self.device)
+            piece = self._piece.get(i)
+            if piece is not None:
+                start = self._start[i]
+                local[start:start + piece.numel()] = piece.double() * self.multiplier
+            parts.append(torch.as_tensor(partial(local.view(param.shape)), dtype=torch.float64))
+        flat = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0)
+        every = comm.all_gather_small(flat.to(self.device), self.group, self.stats)
+        combined = {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0),
+                    "min": lambda t: t.amin(0)}[combine](every)
+        return [c.view(p.shape) for c, p in zip(
+            combined.split([p.numel() for p in parts]), parts, strict=True)]
 
 def _largest_magnitudes(pieces: list[torch.Tensor]) -> torch.Tensor:
     """Each piece's largest magnitude (a nan where it holds one), exact in any dtype. On a CPU

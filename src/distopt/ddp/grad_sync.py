@@ -87,7 +87,8 @@ from ..parallel.experts import ExpertParams, used_anywhere
 from ..parallel.process_groups import ParallelGroups
 from . import agreements
 from .bucket import Bucket
-from .grad_marker import GradInBuffer, GradMarkers
+from .grad_marker import GradInBuffer
+from .grad_markers import GradMarkers
 from .grad_pool import GradPool
 from .grad_reads import GradReads
 from .nan_check import raise_on_nonfinite_grad
@@ -181,7 +182,7 @@ class GradSync:
         and the marker goes, so the grad is written as into an empty ``.grad``."""
         if self.state is not SyncState.BACKWARD:
             self._start_backward()
-        param.grad = None
+        self.markers.drop(param)  # not a p.grad set to None by the user: see take_grad_writes
 
     def _start_backward(self, *, on_engine: bool = True) -> None:
         # Grads cleared outside distopt (a zero_grad of the wrapped module) start a new step;
@@ -439,6 +440,24 @@ class GradSync:
             f"or freeze it (requires_grad=False) before wrapping; or use it in the forward"
         )
 
+    def take_grad_writes(self) -> None:
+        """At the step, after the sync: what the user's loop assigned to ``p.grad``. A param
+        whose ``p.grad`` was set to None is left out of the step, as torch.optim skips it (the
+        rule for a param no rank used: ``unused_params``), its piece zeroed so that no norm of
+        the step counts it; a tensor assigned is its grad, each rank copying its own range.
+        No communication: the user's loop runs on every rank alike."""
+        dropped, assigned = self.markers.replaced()
+        for param, _ in [*((p, None) for p in dropped), *assigned]:
+            if param in self.reads.refused:
+                raise RuntimeError(f"p.grad of parameter '{self.param_names[param]}' was "
+                                   f"assigned, but it {self.reads.refused[param]}")
+        for param in dropped:
+            self.reads.assign(param, None)
+        for param, grad in assigned:
+            self.reads.assign(param, grad)
+        if dropped:
+            self.unused_params = self.unused_params | frozenset(dropped)
+
     def divide(self, divisor: float) -> None:
         """Divide this step's grads by ``divisor``: the part each rank holds reduced, once it
         is (now, if the sync has finished). Dividing is linear, so dividing the average equals
@@ -469,13 +488,14 @@ class GradSync:
                               self.stats)
         return used.tolist()
 
-    def zero_grad_buffer(self) -> None:
-        """Start a new step's grads ([Note: grads written, not zeroed])."""
+    def zero_grad_buffer(self, *, set_to_none: bool = True) -> None:
+        """Start a new step's grads ([Note: grads written, not zeroed]); not ``set_to_none``,
+        each ``p.grad`` that was there reads zeros until the next backward."""
         # Reductions launched but never waited for (a backward that raised before the step)
         # still write into the buffer and own their receive buffers: finish them first.
         for bucket in self.buckets:
             bucket.forget_grads()
-        self.markers.clear()
+        self.markers.clear(set_to_none=set_to_none)
         self.reads.reset(AFTER_ZERO)
         self._next_launch = self._next_replica = 0
         self._used = bytearray(len(self.params))

@@ -451,14 +451,15 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         self._check_live()
         self._grad_sync.finish()
 
-    def zero_grad_buffer(self) -> None:
+    def zero_grad_buffer(self, *, set_to_none: bool = True) -> None:
         """Start a new step's grads; call before its first backward.
 
         The next grad of each parameter replaces what the buffer holds, and a parameter that
         gets none counts as zero (see [Note: grads written, not zeroed] in ddp/grad_sync.py).
+        Not ``set_to_none``: each ``p.grad`` there reads zeros until the next backward.
         """
         self._check_live()
-        self._grad_sync.zero_grad_buffer()
+        self._grad_sync.zero_grad_buffer(set_to_none=set_to_none)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new step's grads, as ``optimizer.zero_grad()`` does (torch's module method
@@ -470,7 +471,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
                 ([Note: p.grad under distopt] in ddp/grad_marker.py); for those of torch's
                 ignore list it is their local grad. The buffers stay allocated either way.
         """
-        self.zero_grad_buffer()
+        self.zero_grad_buffer(set_to_none=set_to_none)
         super().zero_grad(set_to_none)
 
     @property

@@ -351,9 +351,10 @@ class BufferOptimizer(torch.optim.Optimizer):
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the grad buffers (the buffers stay allocated whatever ``set_to_none`` says)."""
+        """Zero the grad buffers (the buffers stay allocated whatever ``set_to_none`` says);
+        not ``set_to_none``, each ``p.grad`` there reads zeros until the next backward."""
         for model in self.models:
-            model.zero_grad_buffer()
+            model.zero_grad_buffer(set_to_none=set_to_none)
         if self._fault_tolerance is not None:  # [Note: fault-tolerant replicas]
             self._fault_tolerance.begin_step()
 
@@ -390,6 +391,7 @@ class BufferOptimizer(torch.optim.Optimizer):
         loss_scaler = self._loss_scaler_for(grad_scaler)
         for model in self.models:
             model.finish_grad_sync()
+            model.take_grad_writes()
             model.finish_param_sync()
         self.adopt_param_writes()
         if self._tied is not None:  # see [Note: tied stage params] in optim/tied.py
