@@ -285,38 +285,50 @@ def _read_back(system: str, path: str) -> dict[str, torch.Tensor]:
 
 
 def async_save_is_save(system: str) -> dict:
-    """``dcp.async_save`` with torch's default stager and ``dcp.save`` of the same state dicts;
-    the live state changed after ``async_save`` returns and before its write ends. Both
-    checkpoints read back, and the staged copy's storage."""
+    """``dcp.async_save`` with torch's default stager and ``dcp.save`` of the same state dicts,
+    the live state changed after ``async_save`` returns and before its write ends; and with
+    torch's other stager (a ``FileSystemWriter`` caching its staged copy) before and after the
+    change. Every checkpoint read back, and the storage of the default stager's copy."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     path = shared_tmpdir("async-save-")
     model, opt, sched = _run(system)
     _train(model, opt, sched, range(SAVED_AT))
     msd, osd = get_state_dict(model, opt)
-    at_call = {k: v for k, v in _pieces(model, opt).items() if not k.startswith("param/")}
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/sync")
-    pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/async")
+    sd = {"model": msd, "optim": osd}
+
+    def pieces() -> dict[str, torch.Tensor]:
+        return {k: v for k, v in _pieces(model, opt).items() if not k.startswith("param/")}
+
+    at_call = pieces()
+    dcp.save(sd, checkpoint_id=f"{path}/sync")
+    cached = dcp.FileSystemWriter(f"{path}/blocking", cache_staged_state_dict=True)
+    dcp.async_save(sd, checkpoint_id=f"{path}/blocking", storage_writer=cached).result()
+    pending = dcp.async_save(sd, checkpoint_id=f"{path}/async")
     live = _live_boxes(msd, osd["state"])
     with torch.no_grad():
         for boxes in live:
             boxes.shard.local.add_(1000.0)  # the step after the save, on the live state
     pending.result()
+    moved = pieces()
+    # The cached copy again: filled anew from the changed state.
+    dcp.async_save(sd, checkpoint_id=f"{path}/blocking-again", storage_writer=cached).result()
     # What the default stager makes: boxes in storages of exactly their bytes, none shared
     # with the live state.
     stager = DefaultStager(StagingOptions(False, False, False, False))
-    staged = _live_boxes_staged(stager.stage({"model": msd, "optim": osd}))
+    staged = _live_boxes_staged(stager.stage(sd))
     stager.close()
     live_ptrs = {t.untyped_storage().data_ptr() for b in live for t in b._chunks.values()}
     own_bytes = all(t.untyped_storage().nbytes() == t.nbytes
                     and t.untyped_storage().data_ptr() not in live_ptrs
                     for b in staged for t in b._chunks.values())
     model.release()
-    synced, written = _read_back(system, f"{path}/sync"), _read_back(system, f"{path}/async")
+    names = ("sync", "async", "blocking", "blocking-again")
     keys = [sorted(dcp.FileSystemReader(f"{path}/{k}").read_metadata().state_dict_metadata)
-            for k in ("sync", "async")]
-    return {"at_call": at_call, "sync": synced, "async": written, "own_bytes": own_bytes,
-            "staged": len(staged), "same_keys": keys[0] == keys[1]}
+            for k in names]
+    return {"at_call": at_call, "moved": moved, "own_bytes": own_bytes, "staged": len(staged),
+            "same_keys": all(k == keys[0] for k in keys),
+            **{name: _read_back(system, f"{path}/{name}") for name in names}}
 
 
 def _live_boxes_staged(sd: Any) -> list[torch.Tensor]:
@@ -376,11 +388,14 @@ def test_async_save_with_torchs_stager_writes_what_save_writes(at_two, system):
     for v in case_result(at_two, f"async-{system}"):
         assert v["same_keys"]
         assert v["staged"] > 0 and v["own_bytes"], v
-        assert set(v["async"]) == set(v["sync"]) == set(v["at_call"])
+        for name in ("sync", "async", "blocking", "blocking-again"):
+            assert set(v[name]) == set(v["at_call"]), name
         for key, value in v["at_call"].items():
             # Bit for bit the state at the call, though the live state moved before the write.
-            assert torch.equal(v["async"][key], value), key
-            assert torch.equal(v["sync"][key], value), key
+            for name in ("sync", "async", "blocking"):
+                assert torch.equal(v[name][key], value), (name, key)
+            assert not torch.equal(v["moved"][key], value) or "step" in key, key
+            assert torch.equal(v["blocking-again"][key], v["moved"][key]), key
 
 
 # ---------------------------------------------------------------- resharding, d = 2 to 3

@@ -34,6 +34,11 @@ box into host memory of exactly its bytes: the staged copy owns them, so the ste
 ``async_save`` returns change nothing it writes, and it holds what this rank writes, never the
 whole flat buffers the boxes view (the stager's copy of a plain view copies its whole storage).
 The flat shard a load installs is not copied: a staged copy is written, never loaded into.
+torch's other stager, ``BlockingAsyncStager`` (``dcp.async_save`` with a ``FileSystemWriter``
+as its ``storage_writer``), makes its copy with ``torch.zeros_like(x, device="cpu")`` and fills
+it with ``copy_``, again and again into the same copy with ``cache_staged_state_dict=True``:
+``zeros_like`` gives boxes at the same offsets in zeroed memory of their own, and ``copy_``
+copies box by box.
 """
 
 from __future__ import annotations
@@ -117,8 +122,13 @@ class _DcpFlat(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.ops.aten.new_empty.default:
-            return _staged_shell(args[0], tuple(args[1]), **(kwargs or {}))
+            return _staged_shell(args[0], tuple(args[1]), **kwargs)
+        if func is torch.ops.aten.zeros_like.default:
+            return _zeroed_like(args[0], **kwargs)
+        if func is torch.ops.aten.copy_.default and all(isinstance(a, _DcpFlat) for a in args[:2]):
+            return _copy_boxes(args[0], args[1], *args[2:], **kwargs)
         raise NotImplementedError(f"{func} on a distopt checkpoint shard; use its FlatShard")
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -156,6 +166,30 @@ def _staged_shell(source: _DcpFlat, shape: tuple[int, ...], *, dtype: Any = None
     torch's stager then fills with a deep copy of ``source``'s attributes."""
     like = torch.empty(0, dtype=dtype or source.dtype, device=device or source.device)
     return _DcpFlat([], shape, like)
+
+
+def _zeroed_like(source: _DcpFlat, *, dtype: Any = None, device: Any = None, **_: Any
+                 ) -> _DcpFlat:
+    """What ``torch.zeros_like(source, device=...)`` gives: boxes at ``source``'s offsets, of
+    their own zeroed memory, for ``copy_`` to fill (torch's ``BlockingAsyncStager``)."""
+    dtype, device = dtype or source.dtype, device or source.device
+    return _DcpFlat([(offset, torch.zeros(box.shape, dtype=dtype, device=device))
+                     for offset, box in source._chunks.items()], tuple(source.shape),
+                    torch.empty(0, dtype=dtype, device=device))
+
+
+def _copy_boxes(target: _DcpFlat, source: _DcpFlat, non_blocking: bool = False) -> _DcpFlat:
+    """``target.copy_(source)`` box by box: both must hold boxes at the same offsets (a staged
+    copy made of ``source``, or of the same rank's boxes at an earlier save)."""
+    if list(target._chunks) != list(source._chunks) or any(
+            t.shape != source._chunks[o].shape for o, t in target._chunks.items()):
+        raise ValueError(
+            f"cannot copy {source!r} into {target!r}: a distopt checkpoint shard copies into "
+            "boxes at the same offsets only; stage the state dict afresh (the layout of the "
+            "rank's pieces changed since the copy was made)")
+    for offset, box in target._chunks.items():
+        box.copy_(source._chunks[offset], non_blocking=non_blocking)
+    return target
 
 
 def _own_bytes(box: torch.Tensor) -> torch.Tensor:
