@@ -247,7 +247,7 @@ def flat_layout_against_fsdp() -> dict:
         "reloaded": max((reloaded[k].double() - full[k].double()).abs().max().item()
                         if isinstance(full[k], torch.Tensor) else float(reloaded[k] != full[k])
                         for k in full),
-        "nested": sorted(get_state_dict(ddp, opt, options=FLAT)[1]) == sorted(flat),
+        "via_get_state_dict": sorted(get_state_dict(ddp, opt, options=FLAT)[1]) == sorted(flat),
         "torn": torn_error,
     }
 
@@ -378,7 +378,7 @@ def test_the_flat_layout_is_fsdp2s(at_two):
         assert v["state_diff"] <= FP32_TOL, v["state_diff"]
         # A flat dict with another model part's keys loads this part's entries exactly.
         assert v["reloaded"] == 0.0, v["reloaded"]
-        assert v["nested"], "get_state_dict with the option gives the flat optimizer dict"
+        assert v["via_get_state_dict"], "get_state_dict takes the option too"
     assert values[0]["torn"] == values[1]["torn"]
     assert "different 'lr'" in values[0]["torn"] and "'0.bias'" in values[0]["torn"]
 
