@@ -444,8 +444,6 @@ def options_and_refusals() -> dict:
     torch_ends = _ends(t_model, t_opt)
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
     refusals = {
-        "flatten": _error(lambda: get_state_dict(ddp, opt, options=StateDictOptions(
-            flatten_optimizer_state_dict=True))),
         "torch optimizer": _error(lambda: get_state_dict(ddp, sgd)),
         "foreign model": _error(lambda: get_state_dict(t_model, opt)),
         "strict": _error(lambda: set_state_dict(
@@ -483,7 +481,6 @@ def test_what_is_not_covered_is_refused_alike_on_every_rank(edges):
     refusals = [v["refusals"] for v in values]
     assert refusals[0] == refusals[1]
     r = refusals[0]
-    assert "flatten_optimizer_state_dict" in r["flatten"], r
     assert "one distopt optimizer at a time" in r["torch optimizer"], r
     assert "not a distopt DistributedDataParallel" in r["foreign model"], r
     assert "missing keys ['0.bias']" in r["strict"] and "strict=False" in r["strict"], r

@@ -23,6 +23,22 @@ closed, and for views (a piece of the param buffer) and device tensors those are
 the rank's whole share of the model and state at once. ``_Writer`` writes the same files, in
 the same format (each item torch.save'd at a recorded offset, so DCP's reader reads them), but
 holds one item at a time.
+
+[Note: staging by torch's stagers]
+``dcp.async_save`` first copies the state dict with its stager, then writes the copy in the
+background. torch's default stager (``StateDictStager``) copies a tensor as
+``x.new_empty(...)`` and, for a tensor without storage of its own as a ``_DcpFlat`` is, a deep
+copy of its attributes set on that. So ``new_empty`` gives an empty ``_DcpFlat`` of the
+requested device and dtype, and the chunks' deep copy (``_Chunks.__deepcopy__``) copies each
+box into host memory of exactly its bytes: the staged copy owns them, so the steps after
+``async_save`` returns change nothing it writes, and it holds what this rank writes, never the
+whole flat buffers the boxes view (the stager's copy of a plain view copies its whole storage).
+The flat shard a load installs is not copied: a staged copy is written, never loaded into.
+torch's other stager, ``BlockingAsyncStager`` (``dcp.async_save`` with a ``FileSystemWriter``
+as its ``storage_writer``), makes its copy with ``torch.zeros_like(x, device="cpu")`` and fills
+it with ``copy_``, again and again into the same copy with ``cache_staged_state_dict=True``:
+``zeros_like`` gives boxes at the same offsets in zeroed memory of their own, and ``copy_``
+copies box by box.
 """
 
 from __future__ import annotations
@@ -59,11 +75,27 @@ from ..parallel.tensor_parallel import TensorParallelMesh
 from .format import OwnedPiece, piece_runs
 
 
+class _Chunks(dict):
+    """A ``_DcpFlat``'s boxes (global offset -> values) and, for boxes of torch's layout, the
+    flat shard they view (``shard``, what a load installs). A deep copy is a staged copy; see
+    [Note: staging by torch's stagers]."""
+
+    shard: Any
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Chunks:
+        return _Chunks({offset: _host_copy(box) for offset, box in self.items()})
+
+
+def _host_copy(box: torch.Tensor) -> torch.Tensor:
+    """``box``'s values in host memory of exactly its bytes, shared with nothing."""
+    return torch.empty(box.shape, dtype=box.dtype).copy_(box)
+
+
 class _DcpFlat(torch.Tensor):
     """Chunks of a tensor as DCP sees them: a tensor of ``shape`` (1-D: the flattened param) of
     which this rank holds ``chunks``, each a box at a global offset (an int for 1-D)."""
 
-    _chunks: dict[tuple[int, ...], torch.Tensor]
+    _chunks: _Chunks
 
     @staticmethod
     def __new__(cls, chunks: list[tuple[Any, torch.Tensor]], shape: int | tuple[int, ...],
@@ -72,12 +104,31 @@ class _DcpFlat(torch.Tensor):
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=like.dtype, device=like.device
         )
-        out._chunks = {(offset,) if isinstance(offset, int) else tuple(offset): local
-                       for offset, local in chunks if local.numel()}
+        out._chunks = _Chunks({(offset,) if isinstance(offset, int) else tuple(offset): local
+                               for offset, local in chunks if local.numel()})
         return out
+
+    @property
+    def shard(self) -> Any:
+        """The flat shard these boxes view (torch_layout's boxes); no attribute otherwise."""
+        try:
+            return self._chunks.shard
+        except AttributeError:
+            raise AttributeError("shard") from None
+
+    @shard.setter
+    def shard(self, value: Any) -> None:
+        self._chunks.shard = value
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.new_empty.default:
+            return _staged_shell(args[0], tuple(args[1]), **kwargs)
+        if func is torch.ops.aten.zeros_like.default:
+            return _zeroed_like(args[0], **kwargs)
+        if func is torch.ops.aten.copy_.default and all(isinstance(a, _DcpFlat) for a in args[:2]):
+            return _copy_boxes(args[0], args[1], *args[2:], **kwargs)
         raise NotImplementedError(f"{func} on a distopt checkpoint shard; use its FlatShard")
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -107,6 +158,38 @@ class _DcpFlat(torch.Tensor):
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         assert index.offset is not None
         return _own_bytes(self._chunks[tuple(index.offset)])
+
+
+def _staged_shell(source: _DcpFlat, shape: tuple[int, ...], *, dtype: Any = None,
+                  device: Any = None, **_: Any) -> _DcpFlat:
+    """What ``source.new_empty(shape, device=...)`` gives: a ``_DcpFlat`` of no chunks, which
+    torch's stager then fills with a deep copy of ``source``'s attributes."""
+    like = torch.empty(0, dtype=dtype or source.dtype, device=device or source.device)
+    return _DcpFlat([], shape, like)
+
+
+def _zeroed_like(source: _DcpFlat, *, dtype: Any = None, device: Any = None, **_: Any
+                 ) -> _DcpFlat:
+    """What ``torch.zeros_like(source, device=...)`` gives: boxes at ``source``'s offsets, of
+    their own zeroed memory, for ``copy_`` to fill (torch's ``BlockingAsyncStager``)."""
+    dtype, device = dtype or source.dtype, device or source.device
+    return _DcpFlat([(offset, torch.zeros(box.shape, dtype=dtype, device=device))
+                     for offset, box in source._chunks.items()], tuple(source.shape),
+                    torch.empty(0, dtype=dtype, device=device))
+
+
+def _copy_boxes(target: _DcpFlat, source: _DcpFlat, non_blocking: bool = False) -> _DcpFlat:
+    """``target.copy_(source)`` box by box: both must hold boxes at the same offsets (a staged
+    copy made of ``source``, or of the same rank's boxes at an earlier save)."""
+    if list(target._chunks) != list(source._chunks) or any(
+            t.shape != source._chunks[o].shape for o, t in target._chunks.items()):
+        raise ValueError(
+            f"cannot copy {source!r} into {target!r}: a distopt checkpoint shard copies into "
+            "boxes at the same offsets only; stage the state dict afresh (the layout of the "
+            "rank's pieces changed since the copy was made)")
+    for offset, box in target._chunks.items():
+        box.copy_(source._chunks[offset], non_blocking=non_blocking)
+    return target
 
 
 def _own_bytes(box: torch.Tensor) -> torch.Tensor:

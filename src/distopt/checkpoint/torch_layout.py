@@ -37,11 +37,13 @@ a torch optimizer, stepped on this rank's own pieces alone, with no collective.
 
 Loads write the main params and the state of this rank's pieces out of any value that covers
 them: the boxes DCP read into, or whole tensors (a full state dict, ``broadcast_from_rank0``),
-then cast the params from the main params and gather them, as any distopt load does. Not
-covered, and refused by name on every rank before any collective: full state dicts of
-tensor-parallel DTensor params (their sharded form is covered: a piece of a local shard is runs
-of the global tensor, each cut into boxes), experts, pipeline stages and model chunks
-(``distopt.save_checkpoint`` covers them), and ``flatten_optimizer_state_dict``.
+then cast the params from the main params and gather them, as any distopt load does. The optimizer's
+state dict in torch's flat layout (``flatten_optimizer_state_dict``, torchtitan's) is this one
+flattened ([Note: torch's flat optimizer layout] in torch_flat.py). Not covered, and refused by
+name on every rank before any collective: full state dicts of tensor-parallel DTensor params
+(their sharded form is covered: a piece of a local shard is runs of the global tensor, each
+cut into boxes), experts, pipeline stages and model chunks (``distopt.save_checkpoint`` covers
+them).
 """
 
 from __future__ import annotations
@@ -56,11 +58,13 @@ from torch import nn
 from ..ddp import torch_dcp
 from ..ddp.whole_module import module_entries
 from ..optim.state_precision import EXPONENTS, scaled_values
+from . import torch_flat
 from .checks import agree, check_groups
 from .files import CheckpointError
 from .format import (
     FlatShard,
     check_loaded_state,
+    hyper_params,
     loaded_entry,
     owned_pieces,
     piece_of,
@@ -88,9 +92,6 @@ def check(call: torch_dcp.DistoptCall) -> None:
     ddp, opt, options = call.ddp, call.optimizer, call.options
     fix = ("save with distopt.save_checkpoint(path, ddp, opt) and resume with "
            "distopt.load_checkpoint, which cover it")
-    if options.flatten_optimizer_state_dict:
-        raise ValueError("StateDictOptions(flatten_optimizer_state_dict=True) is not supported "
-                         "over a distopt optimizer: leave it False (torch's nested layout)")
     if options.broadcast_from_rank0 and not options.full_state_dict:
         raise ValueError("StateDictOptions(broadcast_from_rank0=True) needs "
                          "full_state_dict=True, as torch requires")
@@ -306,7 +307,8 @@ def get_optim(call: torch_dcp.DistoptCall) -> dict[str, Any]:
         state[torch_fqn(name)] = converted
     groups = [{**group, "params": [torch_fqn(n) for n in group["params"]]}
               for group in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    osd = {"state": state, "param_groups": groups}
+    return torch_flat.flatten(osd) if options.flatten_optimizer_state_dict else osd
 
 
 def ensure_state(opt: Any) -> None:
@@ -348,6 +350,11 @@ def load_optim(call: torch_dcp.DistoptCall, osd: dict[str, Any]) -> None:
         return  # nothing given: torch's set_state_dict(..., optim_state_dict={})
     error, values, groups = None, [], []
     try:
+        if torch_flat.is_flat(osd):  # torch's rule, whatever the options say
+            live = hyper_params(opt)
+            osd = torch_flat.unflatten(
+                osd, [[torch_fqn(n) for n in g["params"]] for g in live],
+                [[k for k in g if k != "params"] for g in live])
         if not isinstance(osd, dict) or "param_groups" not in osd or "state" not in osd:
             raise CheckpointError("expected torch's optimizer state dict, a dict with 'state' "
                                   "and 'param_groups'")
