@@ -302,7 +302,7 @@ def all_gather_small_async(
     if stats is not None:
         stats.record(op, out, group)
     with failures_named("all_gather", f"a control value ({tensor.numel()} elements)"):
-        handle = timed(stats, op, True, lambda: dist.all_gather_into_tensor(
+        handle = timed(stats, op, True, lambda: getattr(dist, ALL_GATHER)(
             out, tensor, group=group, async_op=True))
     return out, handle
 

@@ -100,8 +100,8 @@ class ForwardCheck:
         # ordered with the group's other collectives, apart from a param gather in flight.
         with comm.failures_named("all_gather", "the forward check (5 int64 a rank)"):
             handle = timed(self.stats, agreements.FORWARD_CHECK, True,
-                           lambda: dist.all_gather_into_tensor(rows, mine, group=self.group,
-                                                               async_op=True))
+                           lambda: getattr(dist, comm.ALL_GATHER)(rows, mine, group=self.group,
+                                                                  async_op=True))
         # Waited for by distopt's next collective, whatever it is: see "When" in the Note.
         gate.hold(lambda: self._verify(handle, rows))
 
