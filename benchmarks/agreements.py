@@ -108,7 +108,7 @@ def _report(args: argparse.Namespace, slowest: dict[tuple[str, str], list[list[f
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--model", default="mlp", choices=["mlp", "gpt", "gpt-tiny"])
+    parser.add_argument("--model", default="mlp", choices=["mlp", "mlp8", "gpt", "gpt-tiny"])
     parser.add_argument("--systems", nargs="+",
                         default=["distopt", "distopt-shard-params", "distopt-shard-params-keep"])
     parser.add_argument("--cycles", type=int, default=8, help="rounds of blocks (default 8)")

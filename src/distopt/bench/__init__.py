@@ -144,8 +144,8 @@ def _check_pipeline(args: argparse.Namespace) -> None:
                          f"--systems from {', '.join(STAGE_SYSTEMS)} (default: "
                          f"{' '.join(STAGE_DEFAULT_SYSTEMS)})")
     for model in args.model or ["gpt"]:
-        if model == "mlp":
-            raise ValueError("--pp: the mlp model has no pipeline stages; pass --model gpt "
+        if model.startswith("mlp"):
+            raise ValueError(f"--pp: the {model} model has no pipeline stages; pass --model gpt "
                              "(or gpt-tiny)")
         with torch.device("meta"):  # shapes only
             layers = build_model(model, args.seq_len).module.config.n_layer

@@ -1,5 +1,7 @@
 """The models the benchmark trains: the demo GPT (preset ``small``, 3.3M params; ``gpt-tiny``:
-preset ``tiny``, 0.13M) and an MLP.
+preset ``tiny``, 0.13M) and two MLPs: ``mlp``, 256-1024-1024-1024-256 (2.6M), and ``mlp8``, eight
+layers of width 1024 (7.9M), whose larger matrices give the collectives more compute to hide
+behind.
 
 ``build_model(name, seq_len)`` returns a ``BenchModel``: the module, a function computing the
 loss from the module's output, and a function making one rank's batch of a step.
@@ -16,7 +18,7 @@ from torch import nn
 
 from ..train.model import GPT, gpt_config
 
-MODELS = ("gpt", "mlp", "gpt-tiny")
+MODELS = ("gpt", "mlp", "gpt-tiny", "mlp8")
 VOCAB = 256
 MLP_WIDTH, MLP_DEPTH, MLP_IO = 1024, 3, 256
 
@@ -45,6 +47,8 @@ def build_model(name: str, seq_len: int) -> BenchModel:
         return _gpt(seq_len, preset="tiny")
     if name == "mlp":
         return _mlp(seq_len)
+    if name == "mlp8":
+        return _mlp(seq_len, depth=8)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 
@@ -65,8 +69,8 @@ def _gpt(seq_len: int, preset: str = "small") -> BenchModel:
     )
 
 
-def _mlp(rows_per_sample: int) -> BenchModel:
-    sizes = [MLP_IO] + [MLP_WIDTH] * MLP_DEPTH + [MLP_IO]
+def _mlp(rows_per_sample: int, depth: int = MLP_DEPTH) -> BenchModel:
+    sizes = [MLP_IO] + [MLP_WIDTH] * depth + [MLP_IO]
     layers: list[nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [nn.Linear(a, b), nn.GELU()]
