@@ -18,7 +18,7 @@ cluster instead: memory per rank and the bytes each rank sends per step inside a
 across nodes, sharded within groups of ``--shard-size`` ranks beside the flat layout
 (``distopt.plan.cluster``; see [Note: cluster traffic model] there). With ``--optimizer muon``
 (or ``adafactor``) it shows what owning each matrix whole costs a model: the optimizer's work
-on each rank, the padding, and the bytes each rank holds (``distopt.plan.ownership``). With
+on each rank, the padding, and the bytes each rank holds (cli/memory_whole_tensor.py). With
 ``--pp N`` it prints each pipeline stage's params and bytes per rank (cli/memory_pipeline.py).
 """
 
@@ -31,15 +31,16 @@ import sys
 import torch
 
 from ..dtypes import DTYPES, STATE_DTYPES, dtype_name
-from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO, default_bucket_size
+from ..layout.elementwise import default_bucket_size
 from ..memory import (
     COMPONENTS,
     BytesPerParam,
     bytes_per_param_breakdown,
     checkpoint_bytes_per_param,
 )
-from ..options import fp32_accumulation_problem, remainders_problem
+from ..options import fp32_accumulation_problem
 from ..plan.cluster import ClusterPlan, cluster_plan
+from .memory_args import positive_count
 from .memory_experts import add_expert_options, expert_problem, print_expert_table
 from .memory_pipeline import (
     add_pipeline_options,
@@ -47,6 +48,7 @@ from .memory_pipeline import (
     print_stage_table,
     stage_counts,
 )
+from .memory_whole_tensor import add_whole_tensor_options, whole_tensor_table
 
 GIB = 2**30
 LABELS = {
@@ -59,30 +61,20 @@ LABELS = {
 """The table's name for each component of ``distopt.memory.BytesPerParam``."""
 
 
-def _positive_count(text: str) -> int:
-    try:
-        value = int(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number (e.g. 7e9)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distopt memory", description="Bytes per parameter and GiB per rank of training state."
     )
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=_positive_count, help="parameter count, e.g. 7e9")
+    size.add_argument("--params", type=positive_count, help="parameter count, e.g. 7e9")
     size.add_argument("--model", help="a demo GPT preset (tiny, small, medium)")
-    parser.add_argument("--layers", type=_positive_count, default=None,
+    parser.add_argument("--layers", type=positive_count, default=None,
                         help="with --model: its blocks instead of the preset's")
-    parser.add_argument("--width", type=_positive_count, default=None,
+    parser.add_argument("--width", type=positive_count, default=None,
                         help="with --model: its width (n_embd) instead of the preset's")
-    parser.add_argument("--heads", type=_positive_count, default=None,
+    parser.add_argument("--heads", type=positive_count, default=None,
                         help="with --model: its attention heads instead of the preset's")
-    parser.add_argument("--dp", type=_positive_count, default=None,
+    parser.add_argument("--dp", type=positive_count, default=None,
                         help="data-parallel size (default 8; with --nodes: every rank)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="param dtype")
     parser.add_argument("--grad-dtype", choices=DTYPES, default=None,
@@ -111,15 +103,15 @@ def _parser() -> argparse.ArgumentParser:
     cluster = parser.add_argument_group(
         "cluster plan", "memory and bytes sent per rank, sharded within groups of ranks beside "
         "flat over every rank")
-    cluster.add_argument("--nodes", type=_positive_count, default=None,
+    cluster.add_argument("--nodes", type=positive_count, default=None,
                          help="nodes of the cluster (prints the cluster plan)")
-    cluster.add_argument("--gpus-per-node", type=_positive_count, default=None,
+    cluster.add_argument("--gpus-per-node", type=positive_count, default=None,
                          help="ranks per node (default 8)")
-    cluster.add_argument("--shard-size", type=_positive_count, default=None,
+    cluster.add_argument("--shard-size", type=positive_count, default=None,
                          help="ranks each bucket is sharded over (default: the GPUs of a node)")
     cluster.add_argument("--reduce-scatter-fp32-accumulation", action="store_true",
                          help="bf16/fp16 grads summed in fp32 (the replicate stage gathers)")
-    _add_whole_tensor_options(parser)
+    add_whole_tensor_options(parser)
     add_expert_options(parser)
     add_pipeline_options(parser)
     return parser
@@ -200,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distopt memory: {problem}", file=sys.stderr)
         return 2
     if args.optimizer is not None:
-        return _whole_tensor(args)
+        return whole_tensor_table(args)
     if args.backend is not None and not (args.shard_params and args.model):
         print("distopt memory: --backend picks the buckets of a --model under an --optimizer "
               "(e.g. --optimizer muon) or with --shard-params; the table has no buckets",
@@ -399,103 +391,4 @@ def _cluster(args: argparse.Namespace, num_params: int, label: str, grad_dtype: 
           f"{_size(sharded.traffic.across_nodes_busiest * num_params)} across nodes per step "
           f"instead of {_size(flat.traffic.across_nodes_busiest * num_params)}")
     _print_staging(args, num_params, plan.world_size)
-    return 0
-
-
-# ---------------------------------------------------------------- whole-tensor optimizers
-
-BUCKET_TARGETS = {"nccl": TARGET_BUCKETS, "gloo": TARGET_BUCKETS_GLOO}
-"""The buckets ``DistributedDataParallel`` cuts a model into by default, by backend."""
-
-WHOLE_TENSOR_RECIPES = {
-    "muon": "Muon for the hidden matrices, AdamW for embeddings, norms and biases",
-    "adafactor": "Adafactor for every param",
-}
-
-
-def _add_whole_tensor_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "whole-tensor optimizers", "what owning each param whole costs a --model: the "
-        "optimizer's work on each rank, the padding, the bytes each rank holds")
-    group.add_argument("--optimizer", choices=WHOLE_TENSOR_RECIPES, default=None,
-                       help="the recipe of distopt train --optimizer (needs --model)")
-    group.add_argument("--bucket-size", type=_positive_count, default=None,
-                       help="elements per bucket (default: distopt's default on --backend)")
-    group.add_argument("--backend", choices=BUCKET_TARGETS, default=None,
-                       help="whose default bucket size (default nccl; on gloo the DDP cuts a "
-                            "model into fewer, larger buckets)")
-
-
-def _whole_tensor(args: argparse.Namespace) -> int:
-    """The balance and the bytes per rank of a demo GPT under a whole-tensor optimizer, by the
-    layout arithmetic the DDP runs (distopt.plan.ownership.predict_plan)."""
-    if args.model is None:
-        print("distopt memory: --optimizer needs --model (a demo GPT preset): the balance "
-              "depends on the shapes of its matrices", file=sys.stderr)
-        return 2
-    if args.nodes is not None:
-        print("distopt memory: --optimizer shows one data-parallel group; drop --nodes (or "
-              "--optimizer), or give the shard group's size as --dp", file=sys.stderr)
-        return 2
-    from ..optim.recipes import hidden_matrices, muon_param_groups
-    from ..plan.ownership import predict_plan
-    from ..train.model import GPT, gpt_config
-
-    try:
-        config = gpt_config(args.model, seq_len=256)
-    except ValueError as error:
-        print(f"distopt memory: {error}", file=sys.stderr)
-        return 2
-    dp = args.dp or 8
-    param_dtype = DTYPES[args.dtype]
-    grad_dtype = DTYPES[args.grad_dtype] if args.grad_dtype else (
-        torch.float32 if param_dtype != torch.float32 else param_dtype)
-    problem = remainders_problem({param_dtype}) if args.store_param_remainders else None
-    if problem:
-        print(f"distopt memory: --store-param-remainders {problem}; add --dtype bf16",
-              file=sys.stderr)
-        return 2
-    with torch.device("meta"):  # shapes only
-        model = GPT(config).to(param_dtype)
-    if args.optimizer == "muon":
-        optimizer_cls, groups = torch.optim.Muon, muon_param_groups(model, lr=1.0)
-        matrices = hidden_matrices(model)[0]
-        what = (f"Muon for {len(matrices)} hidden matrices "
-                f"({sum(p.numel() for p in matrices):,} params), AdamW for the rest")
-        unit = "Newton-Schulz multiply-adds per iteration, max(m,n) min(m,n)^2 per m x n matrix"
-    else:
-        optimizer_cls, groups = torch.optim.Adafactor, None
-        what, unit = WHOLE_TENSOR_RECIPES["adafactor"], "elements"
-    backend = args.backend or "nccl"
-    try:
-        plan = predict_plan(model, optimizer_cls, groups, dp_size=dp, grad_dtype=grad_dtype,
-                            bucket_size=args.bucket_size, target_buckets=BUCKET_TARGETS[backend],
-                            store_param_remainders=args.store_param_remainders,
-                            state_dtype=STATE_DTYPES[args.state_dtype],
-                            shard_grads=args.shard_grads or args.shard_params,
-                            shard_params=args.shard_params)
-    except ValueError as error:
-        print(f"distopt memory: --state-dtype {args.state_dtype}: {error}", file=sys.stderr)
-        return 2
-    layout = plan.buffers[0].layout
-    whole = sum(bucket.whole_tensor for bucket in layout.buckets)
-    size = args.bucket_size or f"distopt's default on {backend}"
-    print(f"--model {args.model} ({plan.num_params:,} params): {what}; {args.dtype} params, "
-          f"{dtype_name(grad_dtype)} grads, data-parallel size {dp}; {len(layout.buckets)} "
-          f"buckets ({whole} of params owned whole), bucket size {size}\n")
-    print(f"optimizer cost per rank ({unit}) and padding per rank (elements):")
-    for report in plan.balance():
-        print(report.format())
-        print(f"busiest rank: {report.max_cost:.4g}, {report.imbalance:.4f}x the mean "
-              f"(no assignment does better than {report.best_imbalance:.4f}x)")
-    print("\nbytes per param each rank holds = the table, with the recipe's mean optimizer state "
-          f"({plan.table.optimizer_state:.3f} B/param),\n+ the padding + the state of what the "
-          "rank owns beyond an even share\n(tests/test_balance.py checks these against "
-          "distopt.measure_state_bytes to the byte):")
-    print(plan.format())
-    busiest = max(plan.ranks, key=lambda r: r.total)
-    replicated = plan.table.total(dp, distributed=False)
-    print(f"\nbusiest rank {busiest.bytes_per_param:.3f} B/param = {busiest.total / 2**20:,.1f} "
-          f"MiB; the padding adds {plan.padding_bytes_per_param / plan.table_bytes_per_param:.2%}"
-          f" to the table; replicated (DDP + the same optimizers) {replicated:.3f} B/param")
     return 0
