@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import distopt
+
 import test_torch_ddp_conformance as conformance
 from dist_harness import case_result, run_cases
 
@@ -64,8 +66,35 @@ def one_optimizer_like_torch(mode: str) -> dict:
             "refusal": refusal}
 
 
+def value_clipped_like_torch(mode: str) -> float:
+    """torch's ``clip_grad_value_(ddp.parameters(), v)`` before each step against distopt's
+    ``clip_grad_value=v``, which clamps each rank's ignored grads too: the largest difference
+    of the state dicts after three steps (a bound that clamps some grads)."""
+    bound = 0.05
+    states = {}
+    for kind in ("torch", "distopt"):
+        model = _model()
+        if kind == "torch":
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        else:
+            ddp = distopt.DistributedDataParallel(model, **conformance.MODES[mode])
+            opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2,
+                                               clip_grad_value=bound)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = conformance._batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if kind == "torch":
+                nn.utils.clip_grad_value_(ddp.parameters(), bound)
+            opt.step()
+        states[kind] = conformance._state(ddp)
+    return conformance._largest_difference(states["torch"], states["distopt"])
+
+
 def _cases() -> list:
-    return [(f"ignore-{mode}", one_optimizer_like_torch, (mode,)) for mode in MODES]
+    return [*[(f"ignore-{mode}", one_optimizer_like_torch, (mode,)) for mode in MODES],
+            *[(f"clip-value-{mode}", value_clipped_like_torch, (mode,)) for mode in MODES]]
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +121,9 @@ def test_one_optimizer_steps_the_ignore_list_as_torch_ddp(both, mode):
         assert v["saved"] == ["exp_avg", "exp_avg_sq", "step"], v
         assert v["back"], v
         assert "'3.weight'" in v["refusal"] and "opt.state_dict()" in v["refusal"], v
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_clip_grad_value_clamps_the_ignored_grads_as_torch(both, mode):
+    for diff in case_result(both, f"clip-value-{mode}"):
+        assert diff <= 1e-6, diff
