@@ -98,11 +98,8 @@ def ignore_list_like_torch() -> dict:
             opts = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
         else:
             ddp = distopt.DistributedDataParallel(model)
-            refused = ""
-            try:
-                distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=1e-2)
-            except ValueError as error:
-                refused = str(error)
+            # A second optimizer for the ignored params, as a torch script may hold them
+            # (one optimizer for all: tests/test_torch_ignore_list.py).
             opts = [distopt.DistributedOptimizer(ddp, torch.optim.AdamW, params=ddp.params,
                                                  lr=1e-2),
                     torch.optim.AdamW(ignored, lr=1e-2)]
@@ -119,7 +116,7 @@ def ignore_list_like_torch() -> dict:
     diff = max((runs["torch"][n] - runs["distopt"][n]).abs().max().item() for n in runs["torch"])
     gathered = [None] * world
     dist.all_gather_object(gathered, runs["distopt"]["2.weight"])
-    return {"diff": diff, "refused": refused, "local": not torch.equal(*gathered[:2])}
+    return {"diff": diff, "local": not torch.equal(*gathered[:2])}
 
 
 def init_sync_off_keeps_each_ranks_weights() -> dict:
@@ -492,7 +489,6 @@ def test_ignore_list_trains_as_torch_ddp(both):
     for v in case_result(both, "ignore"):
         assert v["diff"] <= 1e-6, v
         assert v["local"]  # the ignored layer differs across ranks, as under torch
-        assert "ignore list" in v["refused"] and "params=" in v["refused"]
 
 
 def test_init_sync_false_keeps_each_ranks_weights(two):

@@ -113,6 +113,7 @@ class Optimizer(Protocol):
     state: dict[Any, Any]
     state_precision: Any  # StatePrecision: the dtypes the state is held in
     tied_copies: frozenset[nn.Parameter]  # tied stage params another stage writes
+    local_params: Any  # LocalParams of torch DDP's ignore list, or None
 
     @property
     def sharded(self) -> bool: ...
@@ -264,8 +265,20 @@ def whole_names(opt: Optimizer) -> set[str]:
             if whole_tensor_cost(cls) is not None for p in mps}
 
 
-def owned_pieces(opt: Optimizer) -> list[OwnedPiece]:
-    """This rank's pieces in param-group order (at most one per parameter; see the layout rule)."""
+def owned_pieces(opt: Optimizer, *, per_rank: bool = False) -> list[OwnedPiece]:
+    """This rank's pieces in param-group order (at most one per parameter; see the layout
+    rule); refused with params of torch DDP's ignore list unless the form is this rank's own
+    (``per_rank``): [Note: ignored params stepped locally] in optim/local_params.py."""
+    local = getattr(opt, "local_params", None)
+    if local is not None and not per_rank:
+        raise CheckpointError(
+            f"the optimizer steps params of torch DDP's ignore list ("
+            f"{', '.join(repr(local.names[p]) for p in local.params)}), each rank its own copy "
+            "and state, which this form (a replicated optimizer's whole state_dict(), "
+            "consolidate_state_dict, sharded_state_dict, save_checkpoint, torch's DCP or plain "
+            "checkpoints, the heal state) cannot hold, as it loads on other ranks: save each "
+            "rank's own opt.state_dict() of a sharded optimizer (under 'local_state'), or step "
+            "them with a torch optimizer of their own and distopt's over params=ddp.params")
     names = param_names(opt)
     whole = whole_names(opt)
     return [OwnedPiece(name=names[param], param=param, main=main, piece=piece,

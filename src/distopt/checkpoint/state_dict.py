@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim import optimizers
+from ..optim.local_params import LOCAL_STATE_KEY
 from .checks import agree, check_groups, check_optimizer_class, check_scaler
 from .files import CheckpointError
 from .format import (
@@ -54,14 +55,17 @@ from .format import (
 from .install import install_values
 
 
-def state_dict(opt: Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state, keyed by parameter name."""
+def state_dict(opt: Optimizer, per_rank: bool = False) -> dict[str, Any]:
+    """This rank's optimizer state, keyed by parameter name; ``per_rank``: the form that loads
+    on this rank alone, which holds the state of the params of torch DDP's ignore list too
+    ([Note: ignored params stepped locally] in optim/local_params.py)."""
     opt.adopt_param_writes()  # [Note: writes into the params] in optim/main_params.py
     main_params: dict[str, FlatShard] = {}
     state: dict[str, dict[str, Any]] = {}
+    pieces = owned_pieces(opt, per_rank=per_rank)
     # With store_param_remainders the masters are rebuilt for the block; the shards keep them.
     with opt.main_params_materialized():
-        for owned in owned_pieces(opt):
+        for owned in pieces:
             main = owned.main.detach().reshape(-1)  # a view, also of a param owned whole
             main_params[owned.name] = FlatShard(main, owned.start, owned.param.numel())
             # Scaled state with an exponent per element; see [Note: state precision].
@@ -69,7 +73,7 @@ def state_dict(opt: Optimizer) -> dict[str, Any]:
             entries = {k: state_entry(v, owned, k) for k, v in held.items()}
             if entries:
                 state[owned.name] = entries
-    return {
+    out = {
         "format": STATE_DICT_FORMAT,
         "optimizer": class_path(type(opt.optimizer)),
         "param_groups": hyper_params(opt),
@@ -77,11 +81,14 @@ def state_dict(opt: Optimizer) -> dict[str, Any]:
         "state": state,
         "loss_scaler": scaler_state(opt),
     }
+    if opt.local_params is not None:
+        out[LOCAL_STATE_KEY] = opt.local_params.state_dict()
+    return out
 
 
 def rank_part(opt: Optimizer) -> dict[str, Any]:
     """``state_dict`` of this rank's part, marked with the process it belongs to."""
-    return {**state_dict(opt), RANK_PART_KEY: {"rank": dist.get_rank(),
+    return {**state_dict(opt, per_rank=True), RANK_PART_KEY: {"rank": dist.get_rank(),
                                                "world_size": dist.get_world_size()}}
 
 
@@ -96,6 +103,8 @@ def load_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
     agree(error, opt.parallel.dp_group if opt.sharded else None)
     assert values is not None
     install_values(opt, values, state_dict["param_groups"], state_dict["loss_scaler"])
+    if opt.local_params is not None:
+        opt.local_params.load_state_dict(state_dict[LOCAL_STATE_KEY])
     opt.sync_model_params()
 
 
@@ -116,8 +125,10 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
     scaler = sd["loss_scaler"]
     check_scaler(opt, None if scaler is None else scaler["type"], "the state dict")
     check_loaded_state(opt, sd["state"])
+    if opt.local_params is not None:
+        opt.local_params.check_loadable(sd.get(LOCAL_STATE_KEY))
     values = []
-    for owned in owned_pieces(opt):
+    for owned in owned_pieces(opt, per_rank=sd.get(RANK_PART_KEY) is not None):
         if owned.name not in sd["main_params"]:
             raise CheckpointError(f"no main params for '{owned.name}' in the state dict")
         main = piece_of(sd["main_params"][owned.name], owned, "main params")

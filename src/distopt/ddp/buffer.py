@@ -123,7 +123,7 @@ class ParamAndGradBuffer:
             else:
                 kept_params = self.param_shards[kept_offset : kept_offset + shard.size]
                 params_store = ShardedParams(kept_params, param_pool, rng.size, bucket_params,
-                                             ranges, self._placeholder)
+                                             ranges, self._placeholder, shard.start)
                 if not self._meta:  # a meta-device model's params get them once materialized
                     params_store.show_placeholders()
             args = (bucket_layout, bucket_params, ranges, params_store)

@@ -39,6 +39,8 @@ its params in forward (``weight.t()`` views) read the gathered values again in b
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +53,7 @@ from ..comm import gate
 from ..layout.elementwise import Range
 from ..parallel.dtensor import alias_local, is_dtensor, local_tensor
 from .gathered_views import backward_keeps_graph, viewed_elsewhere
-from .param_placeholder import name_of, show_between_uses, show_in_use
+from .param_placeholder import locate_pieces, name_of, show_between_uses, show_in_use
 from .rebound_params import take_up
 from .state import PARAM_TRANSITIONS, ParamState, advance
 
@@ -133,7 +135,8 @@ class ShardedParams:
 
     def __init__(self, param_shard: torch.Tensor, pool: ParamPool, bucket_numel: int,
                  params: list[nn.Parameter], param_ranges: list[Range],
-                 placeholder: torch.Tensor) -> None:
+                 placeholder: torch.Tensor, shard_start: int = 0) -> None:
+        """``shard_start``: where this rank's shard begins in the bucket."""
         self.param_shard = param_shard  # [bucket numel / d], kept between uses
         self.pool = pool
         # [bucket numel]: its storage holds memory only while gathered (see ParamPool).
@@ -145,6 +148,20 @@ class ShardedParams:
         self._handle: Any = None
         self._gathered_version = -1  # the buffer's version once gathered
         self.state = ParamState.SHARDED
+        store = weakref.ref(self)  # the registry must not keep a dropped model's shards
+        for param, slot in zip(params, param_ranges, strict=True):
+            if not is_dtensor(param):
+                locate_pieces(param, functools.partial(_piece_in, store, slot, shard_start))
+
+    def _piece_of(self, slot: Range, shard_start: int) -> tuple[torch.Tensor, int]:
+        """This rank's piece of the param at ``slot`` (bucket coordinates): a 1-D view of
+        the shard, and its offset in the flattened param ([Note: writes between uses] in
+        ddp/param_placeholder.py)."""
+        size = self.param_shard.numel()
+        start = min(max(slot.start, shard_start), shard_start + size)
+        end = max(min(slot.end, shard_start + size), start)
+        return (self.param_shard[start - shard_start : end - shard_start],
+                start - slot.start if end > start else 0)
 
     @staticmethod
     def _empty_full(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -240,6 +257,10 @@ class ShardedParams:
             self._full.untyped_storage().resize_(0)
         self.pool.freed(self._nbytes)
         self._advance(ParamState.SHARDED, who)
+
+
+def _piece_in(store: weakref.ref, slot: Range, shard_start: int) -> tuple[torch.Tensor, int]:
+    return store()._piece_of(slot, shard_start)
 
 
 def placeholders_for(dtypes: set[torch.dtype], device: torch.device

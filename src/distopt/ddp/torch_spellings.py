@@ -18,9 +18,9 @@ before any collective, naming what works:
 * the ignore list (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``,
   torch's or distopt's, which set the same module attribute): those params and buffers are
   left out of the buffers, the reductions and the broadcasts, each rank keeping its own, as
-  torch DDP leaves them; their grads are plain local ``p.grad``. distopt's optimizer steps the
-  DDP's params only, so it refuses a module with trainable ignored params, naming the torch
-  optimizer that steps them;
+  torch DDP leaves them; their grads are plain local ``p.grad``. distopt's one optimizer steps
+  them too, each rank its own copy with its own grad, as torch's optimizer does under torch DDP
+  ([Note: ignored params stepped locally] in optim/local_params.py);
 * torch's experimental ``mixed_precision``, ``delay_all_reduce_named_params``,
   ``param_to_hook_all_reduce`` and ``skip_all_reduce_unused_params``: refused by name, with
   distopt's way to the same end;

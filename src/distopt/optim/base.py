@@ -34,12 +34,14 @@ from . import grad_stats
 from .amp import AFTER_STEP, TorchGradScaler, hand_unscale_to, refuse_attribute_protocol
 from .fault_tolerance import FaultTolerantSteps
 from .kinds import check_optimizer_cls
+from .local_params import LocalParams
 from .loss_scalers import ConstantLossScaler, DynamicLossScaler, LossScaler
 from .main_params import ShardMainParams
 from .offload import OffloadError, OffloadTier, region_bytes
 from .param_groups import (
     build_inner_optimizers,
     group_class,
+    ignored_params,
     normalize_param_groups,
     whole_tensor_costs,
 )
@@ -127,6 +129,12 @@ class BufferOptimizer(torch.optim.Optimizer):
         self._build_main_params(frozenset(whole_costs))
         inner_groups = self._build_inner_optimizers(param_groups, group_classes, optimizer_cls,
                                                     optimizer_kwargs)
+        # torch DDP's ignore list: [Note: ignored params stepped locally] in
+        # optim/local_params.py.
+        self.local_params = (
+            LocalParams(self._local_per_group, inner_groups, group_classes, optimizer_cls,
+                        optimizer_kwargs, self._device, ignored_params(self.models))
+            if any(self._local_per_group) else None)
         self._build_pipeline(inner_groups, state_dtypes, block_size)
         # Before any collective of the optimizer's; see [Note: one optimizer on every rank].
         check_same_optimizer(
@@ -180,7 +188,7 @@ class BufferOptimizer(torch.optim.Optimizer):
                         optimizer_cls: type[torch.optim.Optimizer]
                         ) -> tuple[list[dict[str, Any]], list[type[torch.optim.Optimizer]]]:
         """The torch-style param groups over the model's params, and each group's class."""
-        param_groups = normalize_param_groups(params, self.models)
+        param_groups, self._local_per_group = normalize_param_groups(params, self.models)
         # The model params of each group as given: checkpoints name the groups by them, since
         # the inner groups hold only this rank's pieces.
         self.model_param_groups: list[list[nn.Parameter]] = [g["params"] for g in param_groups]
@@ -309,6 +317,7 @@ class BufferOptimizer(torch.optim.Optimizer):
             grad_norm_log=self._grad_norm_log(counted) if options.log_grad_norms else None,
             state_precision=self.state_precision if state_dtypes else None,
             offload=self._offload,
+            local=self.local_params,
         )
 
     def _grad_norm_log(self, counted: list[nn.Parameter]) -> GradNormLog:
@@ -355,6 +364,8 @@ class BufferOptimizer(torch.optim.Optimizer):
         not ``set_to_none``, each ``p.grad`` there reads zeros until the next backward."""
         for model in self.models:
             model.zero_grad_buffer(set_to_none=set_to_none)
+        if self.local_params is not None:  # torch DDP's ignore list: their own p.grad
+            self.local_params.zero_grad(set_to_none=set_to_none)
         if self._fault_tolerance is not None:  # [Note: fault-tolerant replicas]
             self._fault_tolerance.begin_step()
 

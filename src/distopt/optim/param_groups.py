@@ -69,25 +69,35 @@ def whole_tensor_costs(
     return costs
 
 
+def ignored_params(models: list[DistributedDataParallel]) -> dict[nn.Parameter, str]:
+    """The trainable params of the models' torch DDP ignore lists, by their module names;
+    see [Note: ignored params stepped locally] in optim/local_params.py."""
+    return {p: n for m in models for n, p in m.module.named_parameters()
+            if n in m.ignored_names and p.requires_grad and p.numel() > 0}
+
+
 def normalize_param_groups(
     params: Iterable[Any] | None, models: list[DistributedDataParallel]
-) -> list[dict[str, Any]]:
-    """Torch-style param groups, checked to name each trainable model param at most once.
+) -> tuple[list[dict[str, Any]], list[list[nn.Parameter]]]:
+    """Torch-style param groups over the DDPs' params, checked to name each trainable model
+    param at most once, and the params of torch DDP's ignore list each group holds (taken out
+    of it: [Note: ignored params stepped locally] in optim/local_params.py).
 
     As torch.optim, a group's params may be ``(name, param)`` pairs (``named_parameters()``):
     the group then lists the params under ``"params"`` and their names, as given, under
     ``"param_names"``, and every group must be named or none."""
     known = {p: m for m in models for p in m.params}
+    ignored = ignored_params(models)
     if params is None:
-        _refuse_ignored_trainable(models)
-        return [{"params": [p for m in models for p in m.params]}]
+        return [{"params": [p for m in models for p in m.params]}], [list(ignored)]
     groups = list(params)
     if not groups:
         raise ValueError("params is an empty list; pass None to optimize every trainable param")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
     seen: set[nn.Parameter] = set()
-    result = []
+    result: list[dict[str, Any]] = []
+    local: list[list[nn.Parameter]] = []
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError("each param group must be a dict with a 'params' entry")
@@ -105,6 +115,12 @@ def normalize_param_groups(
             group = {**group, NAMES_KEY: [n for n, p in zip(group[NAMES_KEY], plist, strict=True)
                                           if p.numel() > 0]}
         plist = [p for p in plist if p.numel() > 0]
+        local.append([p for p in plist if p in ignored])
+        if local[-1]:  # stepped beside the main params, each rank its own copy
+            if NAMES_KEY in group:
+                group = {**group, NAMES_KEY: [n for n, p in zip(group[NAMES_KEY], plist,
+                                                                strict=True) if p not in ignored]}
+            plist = [p for p in plist if p not in ignored]
         for p in plist:
             if p not in known:
                 raise ValueError(
@@ -125,7 +141,8 @@ def normalize_param_groups(
             "named_parameters()) and some do not: torch.optim takes all named or none; name "
             "every group's params, or none"
         )
-    return result
+    _check_once([p for group in local for p in group], ignored)
+    return result, local
 
 
 def _split_names(plist: list[Any], index: int) -> tuple[list[Any], list[str] | None]:
@@ -215,18 +232,10 @@ def default_kernel_kwargs(
     return {}
 
 
-def _refuse_ignored_trainable(models: list[DistributedDataParallel]) -> None:
-    """Every param torch's optimizer over ``model.parameters()`` would step, or an error: the
-    trainable params of torch DDP's ignore list are not the DDP's ([Note: torch DDP's
-    spellings] in ddp/torch_spellings.py), so "every param" would leave them untrained."""
-    for model in models:
-        ignored = [n for n, p in model.module.named_parameters()
-                   if n in model.ignored_names and p.requires_grad]
-        if ignored:
-            raise ValueError(
-                f"params {', '.join(repr(n) for n in ignored)} are in the module's DDP ignore "
-                "list: torch DDP leaves them local, and distopt's optimizer steps the DDP's "
-                "params only. Pass params= (the DDP's params) to distopt.DistributedOptimizer "
-                "and step the ignored ones with a torch optimizer of their own, "
-                "torch.optim.AdamW([p for n, p in model.named_parameters() if n in ignored])"
-            )
+def _check_once(local: list[nn.Parameter], ignored: dict[nn.Parameter, str]) -> None:
+    """An ignored param named in two groups is refused as any other."""
+    seen: set[nn.Parameter] = set()
+    for p in local:
+        if p in seen:
+            raise ValueError(f"parameter '{ignored[p]}' appears in more than one param group")
+        seen.add(p)

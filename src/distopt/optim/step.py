@@ -232,6 +232,10 @@ class StepPipeline:
     offload: OffloadTier | None = None
     """With ``offload_dir``: where each chunk's masters and state rest between steps, one
     region per chunk ([Note: the offload tier] in optim/offload.py)."""
+    local: Any = None
+    """The params of torch DDP's ignore list (``LocalParams``), stepped after the main params
+    with their own local grads ([Note: ignored params stepped locally] in
+    optim/local_params.py); None without."""
 
     def run(self, loss_scaler: Unscaler | None, unused: set[nn.Parameter]) -> StepResult:
         """One step over grads already synced; ``unused``: main params no rank computed a
@@ -261,6 +265,10 @@ class StepPipeline:
                     if wants_norms:
                         mine = [m for m in mains if m in counted]
                         norms.update(zip(mine, grad_stats.grad_norms(_grads(mine)), strict=True))
+            local_grads = self.local.grads() if self.local is not None else []
+            if inv_scale is not None and local_grads:  # an inf there skips every rank's step
+                grad_stats.unscale_(local_grads, found_inf, inv_scale)
+            self._clamp(local_grads)
             if loss_scaler is not None:
                 found = grad_stats.any_rank_found_inf(found_inf, groups, stats)
                 loss_scaler.update(found)
@@ -302,6 +310,11 @@ class StepPipeline:
                 tier.after_step(index, mains, self.optimizers[0].state)
         if tier is not None:
             tier.finish_step()
+        if self.local is not None:  # each rank's own copies, with one coefficient everywhere
+            local_grads = self.local.grads()
+            if coef is not None and local_grads:
+                torch._foreach_mul_(local_grads, coef)
+            self.local.step(self.param_groups)
         self.source.end()
         num_zeros = None if zeros is None else grad_stats.total_zeros(zeros, groups, stats)
         return StepResult(updated=True, grad_norm=grad_norm, num_zeros=num_zeros,
