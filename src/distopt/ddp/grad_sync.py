@@ -57,18 +57,6 @@ params, until the backward outside ``no_sync`` (the step's last), which launches
 as its grads are complete and frees each bucket's params as before. A step then costs one
 all-gather (the first forward's) and one reduce-scatter per bucket, as with full buffers, and a
 rank holds the stage's grads and params whole during the step, not between steps.
-
-[Note: params without a grad]
-A param that got no grad in any backward of a step is torch DDP's error unless
-``find_unused_parameters`` is set: torch refuses it at the next forward (so is a param frozen
-after wrapping for the whole step: [Note: params frozen after wrapping] in ddp/trainable.py).
-Stepping it on a zero grad instead would move it where ``torch.optim`` leaves it (weight decay,
-momentum), so ``finish`` refuses it too, naming it. The refusal comes after the step's
-reductions, which every rank runs alike whatever it used: where the params without a grad differ
-by rank (an expert no token of this rank's batch chose), the ranks that used everything are not
-left waiting in a collective, and the step stops before any param moves. With
-``find_unused_parameters`` the ranks agree which params no rank used (one small all-reduce) and
-leave those out of the step; a param used on some ranks only is stepped on the average.
 """
 
 from __future__ import annotations
@@ -77,13 +65,12 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as comm
 from ..options import GradSyncOptions
 from ..parallel.dtensor import local_grad
-from ..parallel.experts import ExpertParams, used_anywhere
+from ..parallel.experts import ExpertParams
 from ..parallel.process_groups import ParallelGroups
 from . import agreements
 from .bucket import Bucket
@@ -93,6 +80,7 @@ from .grad_pool import GradPool
 from .grad_reads import GradReads
 from .nan_check import raise_on_nonfinite_grad
 from .state import SYNC_TRANSITIONS, SyncState, advance
+from .unused_params import unused_refusal, used_on_some_rank
 
 # Why p.grad cannot be read now; see [Note: p.grad under distopt] in ddp/grad_marker.py.
 DURING_BACKWARD = (
@@ -426,19 +414,9 @@ class GradSync:
                                     self._nan_check_groups, self.stats)
 
     def _raise_unused(self, unused: list[nn.Parameter]) -> None:
-        # See [Note: params without a grad]: after the reductions, so that a rank that used
-        # every param is not left waiting in one.
-        names = [self.param_names[p] for p in unused]
-        shown = ", ".join(f"'{n}'" for n in names[:5]) + (
-            f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise RuntimeError(
-            f"{len(names)} parameter(s) of {self.model_name} got no gradient in this step on "
-            f"this rank ({shown}), and find_unused_parameters is False: torch DDP refuses "
-            f"this too. Pass find_unused_parameters=True, which reduces the others and leaves "
-            f"a parameter no rank used (or one frozen for the whole step) out of the step, as "
-            f"torch.optim skips a grad of None; "
-            f"or freeze it (requires_grad=False) before wrapping; or use it in the forward"
-        )
+        # See [Note: params without a grad] in ddp/unused_params.py: after the reductions,
+        # so that a rank that used every param is not left waiting in one.
+        raise unused_refusal([self.param_names[p] for p in unused], self.model_name)
 
     def take_grad_writes(self) -> None:
         """At the step, after the sync: what the user's loop assigned to ``p.grad``. A param
@@ -477,16 +455,8 @@ class GradSync:
 
     def _used_anywhere(self) -> list[int]:
         """Per param, whether any rank that holds it computed a grad for it this step."""
-        device = self.params[0].device
-        if self.experts is not None:  # see [Note: expert parallelism]
-            return used_anywhere(self._used, [p in self.experts.params for p in self.params],
-                                 self.experts.parallel, self.parallel.dp_group, device,
+        return used_on_some_rank(self._used, self.params, self.experts, self.parallel,
                                  self.stats)
-        used = torch.tensor(list(self._used), dtype=torch.int32, device=device)
-        # Over every data-parallel rank: replicas train on other data than their peers.
-        comm.all_reduce_small(used, dist.ReduceOp.MAX, self.parallel.data_parallel_groups,
-                              self.stats)
-        return used.tolist()
 
     def zero_grad_buffer(self, *, set_to_none: bool = True) -> None:
         """Start a new step's grads ([Note: grads written, not zeroed]); not ``set_to_none``,

@@ -17,7 +17,7 @@ params are all frozen, which no grad will free, is freed when that backward ends
 (``ParamUnsharder``).
 
 A param frozen for a whole step that is stepped gets torch DDP's rule for a param without a
-grad ([Note: params without a grad] in ddp/grad_sync.py): refused at the step without
+grad ([Note: params without a grad] in ddp/unused_params.py): refused at the step without
 ``find_unused_parameters`` (torch refuses it at the next forward), left out of the step with
 it (torch leaves its grad None). The one change refused is the other way: a param frozen when
 the module was wrapped has no place in the buffers, so made trainable afterwards it would
