@@ -247,6 +247,29 @@ def close_pools() -> None:
 atexit.register(close_pools)
 
 
+def pools_at_two_and_three(cases: Callable[[], list[Case]]) -> tuple[Any, Any, Any]:
+    """The module-scoped fixtures ``two``, ``three`` and ``both`` of a test module whose
+    ``cases()`` run in the pools of d = 2 and d = 3: ``both`` is either, the d = 3 one marked
+    slow (the inner loop, ``pytest -m "not slow"``, runs d = 2). Assign them to the module's
+    names: ``two, three, both = pools_at_two_and_three(_cases)``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def two() -> dict:
+        return run_cases(2, cases())
+
+    @pytest.fixture(scope="module")
+    def three() -> dict:
+        return run_cases(3, cases())
+
+    @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
+                    ids=["d2", "d3"])
+    def both(request: Any) -> dict:
+        return request.getfixturevalue({2: "two", 3: "three"}[request.param])
+
+    return two, three, both
+
+
 def run_cases(world_size: int, cases: list[Case], timeout: float = CASE_TIMEOUT, *,
               grace: float = FAILURE_GRACE, end_pool: bool = False) -> list[dict[str, Any]]:
     """Run ``cases`` on ``world_size`` ranks; return each rank's {name: (status, value)}. A

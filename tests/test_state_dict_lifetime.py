@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_harness import case_result, run_cases
+from dist_harness import case_result, pools_at_two_and_three
 from test_torch_ddp_conformance import STEPS, TRAJECTORY_TOL, _train, _wrapped
 
 # name -> (the conformance file's mode, distopt's extra options)
@@ -182,20 +182,7 @@ def _cases() -> list:
     )]
 
 
-@pytest.fixture(scope="module")
-def two():
-    return run_cases(2, _cases())
-
-
-@pytest.fixture(scope="module")
-def three():
-    return run_cases(3, _cases())
-
-
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
-                ids=["d2", "d3"])
-def both(request):
-    return request.getfixturevalue({2: "two", 3: "three"}[request.param])
+two, three, both = pools_at_two_and_three(_cases)
 
 
 def _close(value: float | str) -> bool:

@@ -30,7 +30,7 @@ from torch import nn
 
 import distopt
 
-from dist_harness import case_result, run_cases
+from dist_harness import case_result, pools_at_two_and_three
 
 MODES = {"optim": {}, "grads": {"shard_grads": True}, "params": {"shard_params": True}}
 STEPS = 2
@@ -660,20 +660,7 @@ def _cases() -> list:
     return cases
 
 
-@pytest.fixture(scope="module")
-def two():
-    return run_cases(2, _cases())
-
-
-@pytest.fixture(scope="module")
-def three():
-    return run_cases(3, _cases())
-
-
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
-                ids=["d2", "d3"])
-def both(request):
-    return request.getfixturevalue({2: "two", 3: "three"}[request.param])
+two, three, both = pools_at_two_and_three(_cases)
 
 
 # torch's DDP and distopt's run the same forward and backward kernels in the same process on

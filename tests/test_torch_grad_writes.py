@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import test_torch_ddp_conformance as conformance
-from dist_harness import case_result, run_cases
+from dist_harness import case_result, pools_at_two_and_three
 
 MODES = list(conformance.MODES)
 STEPS = 2
@@ -159,20 +159,7 @@ def _cases() -> list:
     return cases
 
 
-@pytest.fixture(scope="module")
-def two():
-    return run_cases(2, _cases())
-
-
-@pytest.fixture(scope="module")
-def three():
-    return run_cases(3, _cases())
-
-
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
-                ids=["d2", "d3"])
-def both(request):
-    return request.getfixturevalue({2: "two", 3: "three"}[request.param])
+two, three, both = pools_at_two_and_three(_cases)
 
 
 # The reads after a write: the norms of types 2 and inf come from the agreed statistics

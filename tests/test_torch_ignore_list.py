@@ -19,7 +19,7 @@ from torch import nn
 import distopt
 
 import test_torch_ddp_conformance as conformance
-from dist_harness import case_result, run_cases
+from dist_harness import case_result, pools_at_two_and_three
 
 MODES = list(conformance.MODES)
 STEPS = 3
@@ -97,20 +97,7 @@ def _cases() -> list:
             *[(f"clip-value-{mode}", value_clipped_like_torch, (mode,)) for mode in MODES]]
 
 
-@pytest.fixture(scope="module")
-def two():
-    return run_cases(2, _cases())
-
-
-@pytest.fixture(scope="module")
-def three():
-    return run_cases(3, _cases())
-
-
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)],
-                ids=["d2", "d3"])
-def both(request):
-    return request.getfixturevalue({2: "two", 3: "three"}[request.param])
+two, three, both = pools_at_two_and_three(_cases)
 
 
 @pytest.mark.parametrize("mode", MODES)
