@@ -7,6 +7,7 @@ unsharder around them, and gives them to the optimizer and checkpoints.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from ..layout.model_layout import ParamSpec, plan_model_layout
 from ..parallel.dtensor import local_tensor
+from ..parallel.experts import ExpertParams
 from . import agreements
 from .bucket import Bucket
 from .buffer import ParamAndGradBuffer
@@ -28,16 +30,25 @@ from .rebound_params import rebound_params_of
 from .state import SyncState
 
 
+def param_specs(params: list[nn.Parameter], whole_costs: dict[nn.Parameter, float], *,
+                tied: Mapping[nn.Parameter, str], experts: ExpertParams | None,
+                units: dict[nn.Parameter, int] | None) -> list[ParamSpec]:
+    """What the layout is planned from, per param in order: its local shape and dtype, the
+    cost of its owner with ``whole_costs``, whether it is tied or an expert's, and its gather
+    unit (None without sharded params, -1 for a param in none)."""
+    expert_params = frozenset() if experts is None else experts.params
+    return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p),
+                      alone=p in tied, expert=p in expert_params,
+                      unit=None if units is None else units.get(p, -1))
+            for p in params]
+
+
 class BufferLayout:
     """Lays out the buffers of ``DistributedDataParallel`` and holds what it built."""
 
     def _param_specs(self, whole_costs: dict[nn.Parameter, float]) -> list[ParamSpec]:
-        experts = frozenset() if self.experts is None else self.experts.params
-        units = self._unit_of
-        return [ParamSpec(tuple(local_tensor(p).shape), p.dtype, whole_costs.get(p),
-                          alone=p in self.tied_params, expert=p in experts,
-                          unit=None if units is None else units.get(p, -1))
-                for p in self.params]
+        return param_specs(self.params, whole_costs, tied=self.tied_params,
+                           experts=self.experts, units=self._unit_of)
 
     def _lay_out(self, whole_costs: dict[nn.Parameter, float]) -> None:
         """Lay the buffers out, each param in ``whole_costs`` owned whole by one rank (owners

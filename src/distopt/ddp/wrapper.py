@@ -1,17 +1,16 @@
 """DistributedDataParallel: the public wrapper of the data-parallel runtime.
 
-It builds what a step needs, in one direction, when it is constructed: the process groups, the
-cross-rank check of the model, the buffers laid out (element-wise, or for the owners of whole
-tensors it is told), the grad sync over their buckets (ddp/grad_sync.py), and the hooks that
-feed it. The optimizer then checks that layout and uses it ([Note: layout planned once] in
+It builds what a step needs, in one direction, when it is constructed, in the stages of
+ddp/construction.py: the inputs checked, the process groups, the layout planned and the model
+checked across ranks, the buffers laid out (element-wise, or for the owners of whole tensors it
+is told), the grad sync over their buckets (ddp/grad_sync.py), and the hooks that feed it.
+The optimizer then checks that layout and uses it ([Note: layout planned once] in
 layout/model_layout.py). The wrapper itself runs the forward (module buffers, waits for param
 gathers), ``no_sync``, the param gathers after a step, and ``release()``.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,44 +18,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import collectives as comm
-from ..cross_rank.model import check_same_model
-from ..cross_rank.stages import stages_agree
-from ..host_memory import keep_heap_from_stranding
-from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
-from ..layout.model_layout import resolve_bucket_size
-from ..options import GradSyncOptions
-from ..parallel.dtensor import is_dtensor
-from ..parallel.experts import ExpertParallel, ExpertParams
-from ..parallel.managed_replicas import managed_replicas_for
-from ..parallel.process_groups import THIS_PROCESS, ParallelGroups, resolve_dp_groups, resolve_group
-from ..parallel.tensor_parallel import TensorParallelMesh, check_params
+from ..parallel.experts import ExpertParallel
+from ..parallel.process_groups import THIS_PROCESS
+from ..parallel.tensor_parallel import TensorParallelMesh
 from ..sharding import Sharding
-from . import param_owners, torch_dcp, torch_spellings
 from .buffer_layout import BufferLayout
-from .gather_units import (
-    GatherUnit,
-    GatherUnitPolicy,
-    plan_gather_units,
-    unit_bucket_size,
-    unit_index_of,
+from .construction import (
+    adopt,
+    build_buffers,
+    check_inputs,
+    materialize_meta,
+    plan_and_agree,
+    resolve_groups,
+    take_over,
+    wire_hooks,
 )
-from .materialize import check_materializable, has_meta_tensors, materialize_shards, target_device
-from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
-from .module_hooks import ModuleHook
-from .module_params import broadcast_initial_weights, trainable_named_params
-from .param_placeholder import name_params
-from .param_unshard import ParamUnsharder
-from .stage_methods import PipelineStageMethods, guard_torch_pipeline_stages
-from .tied import resolve_tied_params
+from .gather_units import GatherUnitPolicy
+from .stage_methods import PipelineStageMethods
 from .torch_ddp_methods import TorchDDPMethods
-from .trainable import FrozenAtWrapping
 from .whole_module import WholeModule
-from .whole_tensor_params import costs_of_classes
 from .wrapper_copy import NotCopied
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from ..comm.collectives import CommStats
+    from ..options import GradSyncOptions
+    from ..parallel.experts import ExpertParams
+    from ..parallel.process_groups import ParallelGroups
+    from .gather_units import GatherUnit
 
 
 class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, PipelineStageMethods,
@@ -183,6 +173,20 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
     ddp/torch_spellings.py.
     """
 
+    # What the stages of ddp/construction.py leave on the wrapper for distopt to read (adopt;
+    # build_buffers and _lay_out in ddp/buffer_layout.py add the buffers and the grad sync).
+    module: nn.Module
+    options: GradSyncOptions
+    parallel: ParallelGroups
+    experts: ExpertParams | None
+    comm_stats: CommStats
+    params: list[nn.Parameter]  # registration order
+    param_names: dict[nn.Parameter, str]
+    tied_params: dict[nn.Parameter, str]
+    bucket_size: int
+    gather_units: list[GatherUnit]
+    ignored_names: frozenset[str]
+
     def __init__(
         self,
         module: nn.Module,
@@ -217,157 +221,32 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         **torch_only: Any,
     ) -> None:
         super().__init__()
-        # torch DDP's own arguments, each with torch's meaning or refused naming what works;
-        # see [Note: torch DDP's spellings] in ddp/torch_spellings.py.
-        torch_spellings.positional_device_ids(process_group)
-        torch_spellings.check_refused(torch_only)
-        self.static_graph = static_graph  # nothing depends on it; kept for torch's readers
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        ignored = torch_spellings.ignored_names(module)
-        named = trainable_named_params(
-            module, (DistributedDataParallel, nn.parallel.DistributedDataParallel), ignored)
-        self.ignored_names = ignored
-        bucket_size = torch_spellings.bucket_size_of(bucket_size, bucket_cap_mb, grad_dtype,
-                                                     {p.dtype for _, p in named})
-        self.options = GradSyncOptions(
-            grad_dtype=grad_dtype,
-            bucket_size=bucket_size,
-            overlap_grad_reduce=overlap_grad_reduce,
-            use_distributed_optimizer=use_distributed_optimizer,
-            find_unused_parameters=find_unused_parameters,
-            check_for_nan_in_grad=check_for_nan_in_grad,
-            reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
-            shard_grads=shard_grads,
-            shard_params=shard_params,
-            reshard_after_forward=reshard_after_forward,
-            sharding=sharding,
-            broadcast_buffers=broadcast_buffers,
-        )
-        self.options.check_param_dtypes({p.dtype for _, p in named})
-        if gather_units is not None and self.options.grad_policy.full_params:
-            raise ValueError(
-                "gather_units= chooses which params are gathered together, which only sharded "
-                "params do: pass shard_params=True with it, or leave gather_units out")
-        # Checked on every rank before any collective; see [Note: meta-device models].
-        meta = has_meta_tensors(module)
-        if meta:
-            check_materializable(module, self.options.shard_params)
-
-        self.module = module
-        dp_group, replicate_group = resolve_dp_groups(process_group, device_mesh)
-        dp_group = resolve_group(dp_group)
-        # Checked on every rank before any collective: what the replicas of a Manager cover.
-        managed = None if ft_manager is None else managed_replicas_for(
-            ft_manager, replicate_group=replicate_group, mesh=device_mesh, experts=experts,
-            options=self.options)
-        # The TP mesh is None without DTensor params; check_params raises (on every rank, before
-        # any collective) on a DTensor layout distopt cannot compose with. See
-        # [Note: DTensor params].
-        self.parallel = ParallelGroups.of(
-            dp_group, check_params(named, dp_group), replicate_group, mesh=device_mesh,
-            managed_replicas=managed,
-        )
-        # Raises, on every rank alike and before any collective, where experts cannot compose.
-        self.experts: ExpertParams | None = None if experts is None else experts.resolve(
-            module, named, dp_group, replicated=comm.group_size(replicate_group) > 1,
-            tensor_parallel=self.parallel.tp is not None,
-            reduce_scatter=self.options.grad_policy.reduce_scatter)
-        self.comm_stats = comm.CommStats()
-        self._target_device = (target_device(self.process_group) if meta
-                               else named[0][1].device)
-        torch_spellings.check_devices(device_ids, output_device, dim, self._target_device)
-        if self._target_device.type == "cpu" and not self.options.grad_policy.full_grads:
-            # Sharded grads or params on the host: [Note: the heap at the edge of memory].
-            keep_heap_from_stranding()
-        # Raises, on every rank alike, where no one group spans the DP ranks.
-        adopt_sync_batchnorm_group(module, self.parallel)
-        if self.parallel.pp_group is not None or "torch.distributed.pipelining" in sys.modules:
-            guard_torch_pipeline_stages(DistributedDataParallel)
-
-        self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
-        name_params(self.param_names)  # what a read between uses names them by
-        self.params: list[nn.Parameter] = [p for _, p in named]  # registration order
-        self._param_index = {p: i for i, p in enumerate(self.params)}
-        self._unit_of: dict[nn.Parameter, int] | None = None  # sharded params' gather units
-        # Made trainable, they are refused: [Note: params frozen after wrapping].
-        self._frozen_at_wrapping = FrozenAtWrapping(
-            [(n, p) for n, p in module.named_parameters()
-             if p.numel() > 0 and n not in ignored and p not in self._param_index])
-        # One stage's refusal is every stage's: [Note: refusals across stages].
-        with stages_agree(self.parallel.pp_group):
-            # Known by the tie's name from here on; see [Note: tied stage params].
-            self.tied_params = resolve_tied_params(tied_params, self.param_names, self.parallel)
-            self.param_names.update(self.tied_params)
-            whole_costs = costs_of_classes(whole_tensor_params or {}, self.param_names)
-            target = TARGET_BUCKETS_GLOO if comm.is_gloo(self.process_group) else TARGET_BUCKETS
-            self.bucket_size = resolve_bucket_size(
-                self.options.bucket_size, self._param_specs({}), self.dp_size, target
-            )
-            # See [Note: gather units] in ddp/gather_units.py.
-            self.gather_units: list[GatherUnit] = (
-                [] if self.options.grad_policy.full_params
-                else plan_gather_units(module, self.params, gather_units))
-            self._unit_of = unit_index_of(self.gather_units) if self.gather_units else None
-            if self.options.bucket_size is None:
-                self.bucket_size = unit_bucket_size(self.bucket_size, self.gather_units,
-                                                    self.dp_size)
-            # Every rank must hold the same model and plan the same buckets before the first
-            # collective; see [Note: one model on every rank] in cross_rank/model.py.
-            check_same_model(module, named, self.options, bucket_size=self.bucket_size,
-                             parallel=self.parallel, stats=self.comm_stats,
-                             experts=self.experts, units=self._unit_of)
-        # A module wrapped before is taken over, its old wrapper released first (its gathers
-        # may still write into the params); see [Note: one wrapper per param] in
-        # ddp/param_owners.py.
-        self._released: str | None = None  # why this wrapper let go of its module
-        for older, param in param_owners.other_owners(self.params, self):
-            older._release(
-                f"a newer distopt.DistributedDataParallel wrapped its parameter "
-                f"'{older.param_names[param]}'"
-            )
-        if init_sync:  # torch DDP's init_sync: every replica starts from the first rank's
-            broadcast_initial_weights(module, self.parallel, self.experts, broadcast_buffers,
-                                      ignored)
-        self._buffer_broadcast = BufferBroadcast(module, self.parallel, self.comm_stats,
-                                                 enabled=broadcast_buffers, ignored=ignored)
-
-        # Only these params need their DTensor grads turned into local ones in the hook.
-        self._dtensor_params = frozenset(p for p in self.params if is_dtensor(p))
-        self._gathers_in_flight = False
-        self._param_wait_hooks: list[Any] = []
-        self._unsharder: ParamUnsharder | None = None
-        self._hold_step = False  # see [Note: a step held whole] in ddp/grad_sync.py
-        self._backward_seen = False  # a layout may change only before the first backward
-        self._owners_set_by: str | None = "the DDP" if whole_costs else None
-        self._lay_out(whole_costs)
-        if meta:  # one module at a time into this rank's shards
-            materialize_shards(module, self._flat_buffers, self.parallel, self._target_device)
-            self._grad_sync.rebuild_markers()  # on device
-        # After materializing: the registry's weak references would forbid swapping tensors.
-        param_owners.claim(self.params, self)
-        torch_dcp.install(DistributedDataParallel)  # [Note: torch's DCP state dicts]
-        # ``module.load_state_dict`` writes the shards of sharded params (whole_module.py).
-        loads_shards = self._unsharder is not None and self.parallel.tp is None
-        self._module_state_hooks = [
-            module.register_load_state_dict_pre_hook(ModuleHook(self._load_into_shards)),
-            module.register_load_state_dict_post_hook(ModuleHook(self._forget_loaded_keys)),
-        ] if loads_shards else []
-        if self._unsharder is not None:  # no state dict of placeholders (whole_module.py)
-            trainable = set(self.params)
-            self._module_state_hooks += [
-                owner.register_state_dict_pre_hook(ModuleHook(
-                    self._refuse_placeholders,
-                    on_copy=functools.partial(self._refuse_placeholders, owner, "", False,
-                                              reader="copy.deepcopy()")))
-                for owner in module.modules()
-                if any(p in trainable for p in owner.parameters(recurse=False))]
-        # The grad sync of the current layout runs them; see ddp/grad_sync.py.
-        self._grad_hooks = [
-            hook for p in self.params for hook in (
-                p.register_hook(functools.partial(self._before_accumulate, p)),
-                p.register_post_accumulate_grad_hook(self._accumulate_grad),
-            )
-        ]
+        # The stages of ddp/construction.py, in order; every refusal is raised on every rank
+        # before the first collective, the model check at the end of plan_and_agree.
+        wrapper = DistributedDataParallel
+        inputs = check_inputs(
+            module, process_group, torch_only, wrapper=wrapper, bucket_size=bucket_size,
+            bucket_cap_mb=bucket_cap_mb, gather_units=gather_units, static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view, options=dict(
+                grad_dtype=grad_dtype, overlap_grad_reduce=overlap_grad_reduce,
+                use_distributed_optimizer=use_distributed_optimizer,
+                find_unused_parameters=find_unused_parameters,
+                check_for_nan_in_grad=check_for_nan_in_grad,
+                reduce_scatter_with_fp32_accumulation=reduce_scatter_with_fp32_accumulation,
+                shard_grads=shard_grads, shard_params=shard_params,
+                reshard_after_forward=reshard_after_forward, sharding=sharding,
+                broadcast_buffers=broadcast_buffers))
+        groups = resolve_groups(
+            module, inputs, wrapper=wrapper, process_group=process_group,
+            device_mesh=device_mesh, experts=experts, ft_manager=ft_manager,
+            device_ids=device_ids, output_device=output_device, dim=dim)
+        plan = plan_and_agree(module, inputs, groups, tied_params=tied_params,
+                              whole_tensor_params=whole_tensor_params, gather_units=gather_units)
+        adopt(self, module, inputs, groups, plan)
+        take_over(self, init_sync=init_sync)
+        build_buffers(self, plan.whole_costs)
+        materialize_meta(self, inputs.meta)
+        wire_hooks(self, wrapper)
 
     @classmethod
     def for_this_process(cls, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
