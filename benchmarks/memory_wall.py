@@ -3,8 +3,8 @@
 
 The model is ``distopt.train.model.GPT`` built on the meta device (no rank ever holds it whole):
 distopt materializes it module by module into each rank's param shards
-([Note: meta-device models] in src/distopt/ddp/materialize.py), its blocks its gather units
-([Note: gather units] in src/distopt/ddp/gather_units.py); FSDP2 shards it with
+([Note: meta-device models] in src/distopt/ddp/params/materialize.py), its blocks its gather units
+([Note: gather units] in src/distopt/ddp/params/gather_units.py); FSDP2 shards it with
 ``fully_shard`` on every block and the root, then ``to_empty`` and ``reset_parameters`` on the
 local shards, as its documentation shows. Both train fp32 params and grads with AdamW for a few
 steps on tiny batches, one gloo process per rank with one thread each; ``--lean`` trains

@@ -154,7 +154,7 @@ def build(dp: int, ep: int, top_k: int, *, idle: bool = False, find_unused: bool
           seed: int = SEED):
     """The model on a (dp, ep) mesh of the first dp * ep ranks, its DDP and optimizer. With
     sharded params every rank runs each of its experts in every forward, idle ones on no rows
-    ([Note: every rank runs the same modules] in distopt/ddp/param_unshard.py)."""
+    ([Note: every rank runs the same modules] in distopt/ddp/params/param_unshard.py)."""
     mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
     torch.manual_seed(seed)
     model = GPT(config(top_k), ep_group=mesh["ep"].get_group())

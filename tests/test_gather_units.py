@@ -8,7 +8,7 @@ torch AdamW, holds at most ``distopt.transient_bound``'s gathered bytes, nothing
 built on the meta device it starts from the values and leaves the RNG state of the same model
 built whole on one process; its checkpoint is written from the shards (nothing gathered) and
 loads into full buffers at the values it had. See [Note: gather units] in
-src/distopt/ddp/gather_units.py.
+src/distopt/ddp/params/gather_units.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 import distopt
 from distopt.checkpoint.dcp import flat_range_boxes
-from distopt.ddp.gather_units import plan_gather_units
+from distopt.ddp.params.gather_units import plan_gather_units
 from distopt.layout.elementwise import build_layout
 from distopt.memory import transient_bound_of_model
 

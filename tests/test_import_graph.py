@@ -50,6 +50,17 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 """distopt's layers, lowest first: top-level modules and subpackages of src/distopt."""
 
+DDP_ROOMS: list[tuple[str, ...]] = [
+    ("state", "agreements", "param_owners"),  # the step states, the agreements, the owners
+    ("buffers",),  # where params and grads live
+    ("grads", "params", "torch_compat"),  # the grad path, sharded params, torch's spellings
+    # the wrapper's assembly
+    ("construction", "buffer_layout", "module_buffers", "module_params", "stage_methods",
+     "tied", "whole_tensor_params", "wrapper", "__init__"),
+]
+"""The rooms of distopt/ddp/, lowest first, as its ``__init__`` lists them: modules and
+subpackages of the ddp package. Rooms of one row do not import each other either."""
+
 
 def module_names(src: Path) -> dict[str, Path]:
     """Every module of the distopt package: dotted name -> file."""
@@ -152,6 +163,49 @@ def test_imports_run_down_the_layers():
     assert not stale, "LAYERS names what distopt does not hold: " + ", ".join(stale)
     upward = upward_imports(graph, LAYERS)
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def ddp_room_of(module: str) -> str | None:
+    """The room of distopt/ddp/ that holds ``module`` (None outside ddp/)."""
+    parts = module.split(".")
+    if parts[:2] != ["distopt", "ddp"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def ddp_imports_against_the_rooms(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of ``graph`` between rooms of ddp/ that do not run down ``DDP_ROOMS``
+    (the assembly's row may import within itself)."""
+    row = {room: index for index, rooms in enumerate(DDP_ROOMS) for room in rooms}
+    top = len(DDP_ROOMS) - 1
+    against = []
+    for importer in sorted(graph):
+        for imported in sorted(graph[importer]):
+            a, b = ddp_room_of(importer), ddp_room_of(imported)
+            if a and b and a != b and row[b] >= row[a] and not row[a] == row[b] == top:
+                against.append(f"{importer} -> {imported}")
+    return against
+
+
+def test_the_rooms_of_ddp_import_downward():
+    graph = import_graph(SRC)
+    rooms = {ddp_room_of(m) for m in graph} - {None}
+    named = {room for rooms in DDP_ROOMS for room in rooms}
+    assert rooms == named, f"rooms of ddp/ not in DDP_ROOMS, or gone: {rooms ^ named}"
+    against = ddp_imports_against_the_rooms(graph)
+    assert not against, "imports inside ddp/ that do not run down its rooms: " + ", ".join(
+        against)
+
+
+def test_the_rooms_catch_an_import_up_or_across():
+    graph = {"distopt.ddp.buffers.bucket": {"distopt.ddp.grads.grad_sync", "distopt.ddp.state"},
+             "distopt.ddp.grads.grad_sync": {"distopt.ddp.params.param_unshard"},
+             "distopt.ddp.params.param_unshard": {"distopt.ddp.buffers.bucket"},
+             "distopt.ddp.wrapper": {"distopt.ddp.construction"},
+             "distopt.ddp.construction": set(), "distopt.ddp.state": set()}
+    assert ddp_imports_against_the_rooms(graph) == [
+        "distopt.ddp.buffers.bucket -> distopt.ddp.grads.grad_sync",
+        "distopt.ddp.grads.grad_sync -> distopt.ddp.params.param_unshard"]
 
 
 def test_the_layers_catch_an_upward_import(tmp_path):

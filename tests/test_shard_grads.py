@@ -14,7 +14,8 @@ grid (parity, micro-batches, bf16 with remainders, Muon, fp16 loss scaling, both
 ``reshard_after_forward``), bit for bit equal to sharded grads (the same arithmetic; only where
 the params live changes), with what a rank holds (its param shard) and the most it gathered at
 once measured. One spawned group per world size runs every case; see [Note: sharded grads] in
-src/distopt/ddp/grad_pool.py and [Note: sharded params] in src/distopt/ddp/param_storage.py.
+src/distopt/ddp/buffers/grad_pool.py and [Note: sharded params] in
+src/distopt/ddp/buffers/param_storage.py.
 """
 
 from __future__ import annotations
@@ -806,8 +807,8 @@ def test_a_step_touches_only_the_step_modules():
 
     train_step()
     touched = files_run_by(train_step)
-    assert {"ddp/grad_sync.py", "ddp/bucket.py", "ddp/grad_storage.py",
-            "ddp/grad_pool.py"} <= touched
+    assert {"ddp/grads/grad_sync.py", "ddp/buffers/bucket.py", "ddp/buffers/grad_storage.py",
+            "ddp/buffers/grad_pool.py"} <= touched
     assert touched <= STEP_FILES, f"a step ran code of {sorted(touched - STEP_FILES)}"
 
 

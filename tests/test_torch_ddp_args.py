@@ -1,5 +1,6 @@
 """torch DDP scripts under distopt's DDP: torch's meaning, or a refusal on every rank that
-names what works ([Note: torch DDP's spellings] in ddp/torch_spellings.py), each against torch's
+names what works ([Note: torch DDP's spellings] in ddp/torch_compat/torch_spellings.py), each
+against torch's
 own DDP on the same ranks.
 
 One process: the arguments' checks, bucket_cap_mb's size, zero-size params, requires_grad
@@ -527,7 +528,7 @@ def test_requires_grad_changed_after_wrapping_trains_as_torch_or_is_refused():
     DDP refuses it at the next forward), or left out of the step with
     find_unused_parameters=True; unfrozen, it trains again. A param frozen when wrapped and
     made trainable afterwards is refused at the next forward ([Note: params frozen after
-    wrapping] in ddp/trainable.py)."""
+    wrapping] in ddp/torch_compat/trainable.py)."""
     x, y = _batch(0)
     for find_unused in (False, True):
         model = _model()
@@ -561,7 +562,7 @@ def test_requires_grad_changed_after_wrapping_trains_as_torch_or_is_refused():
 def test_a_param_converted_after_wrapping_is_refused():
     """``model.to(torch.float64)`` after wrapping rebinds every param to float64 storage,
     which distopt's fp32 buffers cannot take up ([Note: params rebound] in
-    ddp/rebound_params.py): refused at the next forward, naming the way; one param rebound
+    ddp/buffers/rebound_params.py): refused at the next forward, naming the way; one param rebound
     alone, at the step, before any param moves."""
     refusal = (r"parameter '{}' was given other storage after the module was wrapped.*"
                r"torch.float64.*convert or move the model before")

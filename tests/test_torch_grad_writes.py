@@ -1,6 +1,6 @@
 """What torch scripts write into ``p.grad`` between backward and step, run under torch's own DDP
 and under distopt's in each sharding mode on the same ranks, and compared: the params after two
-steps, and what ``p.grad`` reads. See [Note: p.grad under distopt] in ddp/grad_marker.py.
+steps, and what ``p.grad`` reads. See [Note: p.grad under distopt] in ddp/grads/grad_marker.py.
 
 DINO's ``cancel_gradients_last_layer`` (``p.grad = None``: the param is not stepped), a grad
 assigned (``p.grad = t``), ``zero_grad(set_to_none=False)`` (``p.grad`` reads zeros), the

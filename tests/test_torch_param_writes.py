@@ -3,7 +3,8 @@ under torch's own DDP and under distopt's in each sharding mode on the same rank
 compared: open_clip's ``model.logit_scale.clamp_(0, math.log(100))`` after every step (here a
 bound below the value, so that the clamp acts), ``p.mul_(0.5)``, ``p.copy_(t)``, ``p += t``
 and an operand that broadcasts to the param. With ``shard_params=True`` each rank writes its
-shard ([Note: writes between uses] in ddp/param_placeholder.py), and with bf16 params the fp32
+shard ([Note: writes between uses] in ddp/buffers/param_placeholder.py), and with bf16 params the
+fp32
 masters (or the remainders) follow the write at the next step; what needs the whole value
 stays refused by name.
 """

@@ -10,7 +10,7 @@ rules ends; torch's recipe for clipping, ``scaler.unscale_(opt)`` then
 model's params (``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm``) read the reduced
 grads, agreeing with the optimizer's own ``clip_grad=`` norm, while a read of ``p.grad`` that
 needs the whole tensor raises one error naming what works ([Note: p.grad under distopt] in
-ddp/grad_marker.py), and a ``zero_grad()`` of the model itself zeroes a step's grads as
+ddp/grads/grad_marker.py), and a ``zero_grad()`` of the model itself zeroes a step's grads as
 ``opt.zero_grad()`` does.
 """
 

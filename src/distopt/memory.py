@@ -127,13 +127,13 @@ def bytes_per_param_breakdown(
             optim/state_precision.py.
         shard_grads: keep only each rank's reduced shard of the grads between steps
             (``DistributedDataParallel(shard_grads=True)``): the grads are sharded too. See
-            [Note: sharded grads] in ddp/grad_pool.py.
+            [Note: sharded grads] in ddp/buffers/grad_pool.py.
         state_block_size: elements per scale of fp16 and fp8 state, which adds one byte of
             scale per block; None: 32. Refused for other state dtypes.
         shard_params: keep only each rank's shard of the params too, between uses
             (``shard_params=True``, which implies sharded grads): every component is sharded;
             the gathered buckets a forward or backward holds are transient and not counted
-            here. See [Note: sharded params] in ddp/param_storage.py.
+            here. See [Note: sharded params] in ddp/buffers/param_storage.py.
     """
     grad_dtype = grad_dtype or param_dtype
     if state_dtype is not None:
@@ -387,9 +387,10 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
     Between steps a rank with sharded params holds its state alone. During a step it also
     holds, at most: the params of two gather units, the one running and the one prefetched (in
     backward the prefetch waits until the unit whose backward ran before is freed; see
-    [Note: where a param is used] in ddp/param_unshard.py), with every loose bucket (params
+    [Note: where a param is used] in ddp/params/param_unshard.py), with every loose bucket (params
     outside all units: embeddings, a final norm); the grads of two of the largest buckets, one
-    filling and one being reduced ([Note: sharded grads] in ddp/grad_pool.py), and on gloo the
+    filling and one being reduced ([Note: sharded grads] in ddp/buffers/grad_pool.py), and on gloo
+    the
     (d - 1)/d of a bucket each reduction in flight receives into; and in the
     optimizer step, which runs one bucket's shard at a time, that shard's temporaries. A head
     tied to an embedding keeps the embedding's bucket from its first use to its grad, which the
@@ -436,7 +437,7 @@ def transient_bound_of_model(module: torch.nn.Module, dp_size: int, *,
     """``transient_bound`` of ``module`` wrapped with ``shard_params=True`` at ``dp_size``
     ranks (on gloo: ``gloo``), from the planner the DDP lays its buffers out with; ``module``
     may be on the meta device. See [Note: transient bound]."""
-    from .ddp.gather_units import plan_gather_units, unit_bucket_size, unit_index_of
+    from .ddp.params.gather_units import plan_gather_units, unit_bucket_size, unit_index_of
     from .layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
     from .layout.model_layout import ParamSpec, plan_model_layout, resolve_bucket_size
 

@@ -112,10 +112,10 @@ class GradSyncOptions:
     average once; see [Note: fp32-accumulated reduce-scatter] in comm/collectives.py."""
     shard_grads: bool = False
     """Keep only this rank's reduced shard of the grads between steps, each bucket's full grads
-    only while it is reduced; see [Note: sharded grads] in ddp/grad_pool.py."""
+    only while it is reduced; see [Note: sharded grads] in ddp/buffers/grad_pool.py."""
     shard_params: bool = False
     """Keep only this rank's shard of the params between uses (implies ``shard_grads``); see
-    [Note: sharded params] in ddp/param_storage.py."""
+    [Note: sharded params] in ddp/buffers/param_storage.py."""
     reshard_after_forward: bool = True
     """With sharded params: free a bucket's gathered params after the forward of the modules
     that use it (gathered again for their backward), or keep them until backward used them."""

@@ -6,8 +6,9 @@ data-parallel wrappers: torch's DDP, whose ``no_sync()`` it enters for every mic
 last, and FSDP2, which it drives through its own methods. Any other module gets a plain backward
 per micro-batch, and ``scale_grads`` divides each ``p.grad``. Under distopt that would reduce the
 grads on every micro-batch (and refuse the second one, [Note: grads after the reduction] in
-ddp/grad_sync.py), and ``p.grad`` is a marker that holds no grads ([Note: p.grad under distopt]
-in ddp/grad_marker.py). ``distopt.pipelining.PipelineStage`` is torch's class with the three
+ddp/grads/grad_sync.py), and ``p.grad`` is a marker that holds no grads ([Note: p.grad under
+distopt]
+in ddp/grads/grad_marker.py). ``distopt.pipelining.PipelineStage`` is torch's class with the three
 methods that do these things taught distopt's DDP, and nothing else:
 
 * every forward and backward of a micro-batch but the step's last runs inside ``ddp.no_sync()``:
@@ -23,7 +24,7 @@ methods that do these things taught distopt's DDP, and nothing else:
   micro-batch; the division is one pass over 1/d of the grads, in the grads' dtype, exact when
   ``n`` is a power of two;
 * with sharded grads or params the stage holds its step whole ([Note: a step held whole] in
-  ddp/grad_sync.py): under ``no_sync`` a backward reduces nothing and frees nothing, so the
+  ddp/grads/grad_sync.py): under ``no_sync`` a backward reduces nothing and frees nothing, so the
   grads of all micro-batches add up in their pool buffers and the params stay gathered from the
   first forward to the last backward, which reduces each bucket once, as FSDP2's stages do;
 * the weight half of a split backward (zero-bubble schedules: ``I`` then ``W``) computes the

@@ -10,13 +10,14 @@
   is reduce-scattered out of the full grad buffer, which lives all step long;
 * ``"optim_grads"``: grads sharded too (ZeRO-2; also spelled ``shard_grads=True``): between
   steps a rank keeps only its reduced shard of each bucket, and every backward reduces
-  ([Note: sharded grads] in ddp/grad_pool.py);
+  ([Note: sharded grads] in ddp/buffers/grad_pool.py);
 * ``"optim_grads_params"``: params sharded too (ZeRO-3; also spelled ``shard_params=True``):
   between uses a rank holds only its shard of each bucket's params, gathered into a pool buffer
   around the forward and the backward of the modules that use them ([Note: sharded params] in
-  ddp/param_storage.py).
+  ddp/buffers/param_storage.py).
 
-The runtime reads it in one place per behaviour: each bucket's grad storage (ddp/grad_storage.py:
+The runtime reads it in one place per behaviour: each bucket's grad storage
+(ddp/buffers/grad_storage.py:
 where its grads live, around its reduction) and the ``GradPolicy`` below (when the grad sync
 launches, and which grads may still come after a reduction).
 """

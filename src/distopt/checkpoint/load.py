@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as comm
-from ..ddp.whole_module import module_entries
+from ..ddp.params.whole_module import module_entries
 from . import background, files
 from .checks import (
     Models,

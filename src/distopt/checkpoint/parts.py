@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as comm
-from ..ddp.whole_module import module_entries
+from ..ddp.params.whole_module import module_entries
 from .format import (
     FlatShard,
     Optimizer,

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..comm import collectives as comm
-from ..ddp.whole_module import module_entries
+from ..ddp.params.whole_module import module_entries
 from .files import CheckpointError
 from .format import Optimizer, describe, hyper_params, param_names, whole_names
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..ddp.whole_module import module_entries
+from ..ddp.params.whole_module import module_entries
 from ..optim.remainders import bf16_of_fp32
 from .checks import Models, check_pair, check_same_model
 from .files import CheckpointError

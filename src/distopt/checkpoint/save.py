@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..comm import collectives as comm
-from ..ddp.whole_module import module_entries
+from ..ddp.params.whole_module import module_entries
 from . import background, files, parts
 from .background import AsyncCheckpoint
 from .checks import Models, check_pair
@@ -138,7 +138,8 @@ def save_checkpoint(
 def _params_gathered(opt: Optimizer) -> contextlib.ExitStack:
     """Sharded params gathered while their entries are read (and, saving synchronously,
     written), as a user's ``state_dict()`` sees them whole: a transient of the whole model per
-    rank ([Note: sharded params] in ddp/param_storage.py). An async save has copied them into
+    rank ([Note: sharded params] in ddp/buffers/param_storage.py). An async save has copied them
+    into
     its staging when the block ends."""
     gathered = contextlib.ExitStack()
     for model in opt.models:

@@ -1,6 +1,6 @@
 """torch's state-dict layout from distopt's shards, and back: what ``get_state_dict`` and
 ``set_state_dict`` (torch.distributed.checkpoint.state_dict) give and take over a distopt model
-([Note: torch's DCP state dicts] in ddp/torch_dcp.py).
+([Note: torch's DCP state dicts] in ddp/torch_compat/torch_dcp.py).
 
 [Note: torch's layout from flat shards]
 torch's layout keys the model by FQN and each param's optimizer state by the param's FQN and
@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ddp import torch_dcp
-from ..ddp.whole_module import module_entries
+from ..ddp.params.whole_module import module_entries
+from ..ddp.torch_compat import torch_dcp
 from ..optim.state_precision import EXPONENTS, scaled_values
 from . import torch_flat
 from .checks import agree, check_groups

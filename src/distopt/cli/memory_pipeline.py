@@ -74,7 +74,7 @@ def print_stage_table(counts: list[int], ours: BytesPerParam, dp: int,
             f"{_mib(per_rank[name] * n):>{width}}" for n in counts))
     totals = [ours.total(dp) * n for n in counts]
     print(f"{'total':<18}" + "".join(f"{_mib(t):>{width}}" for t in totals))
-    # A sharded stage holds its step whole: see [Note: a step held whole] in ddp/grad_sync.py.
+    # A sharded stage holds its step whole: see [Note: a step held whole] in ddp/grads/grad_sync.py.
     whole = ((ours.grads if ours.shard_grads or ours.shard_params else 0)
              + (ours.params if ours.shard_params else 0)) * (1 - 1 / dp)
     if whole:

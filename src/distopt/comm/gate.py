@@ -1,7 +1,7 @@
 """Checks in flight that distopt's next collective waits for.
 
 A check whose collective is started and not waited for (the forward check of sharded params,
-[Note: every rank runs every forward] in ddp/forward_check.py) leaves here what settles it:
+[Note: every rank runs every forward] in ddp/params/forward_check.py) leaves here what settles it:
 waiting for its collective and raising, on every rank alike, where the ranks disagree. Every
 collective distopt starts settles the checks held first, so a check's round trip overlaps
 whatever runs before the next collective (a gather already in flight, a backward's compute

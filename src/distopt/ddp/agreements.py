@@ -3,9 +3,10 @@ switch, private to distopt's benchmarks, that builds DDPs without them.
 
 Two promises cost a collective each time they are kept: a read of ``p.grad`` on one rank
 communicates nothing, so each backward's grad statistics are agreed over the ranks in advance
-([Note: p.grad under distopt] in ddp/grad_marker.py); and a forward on one rank alone under
+([Note: p.grad under distopt] in ddp/grads/grad_marker.py); and a forward on one rank alone under
 sharded params is refused on every rank instead of hanging, so each forward and backward starts
-with a check ([Note: every rank runs every forward] in ddp/forward_check.py). ``OPS`` names them
+with a check ([Note: every rank runs every forward] in ddp/params/forward_check.py). ``OPS`` names
+them
 in ``CommStats``, so that ``distopt bench`` reports the time a step spends in them apart from its
 reductions and gathers, and ``benchmarks/agreements.py`` times the same steps with and without
 them (``without()``) side by side. A DDP built inside ``without()`` refuses every ``p.grad``

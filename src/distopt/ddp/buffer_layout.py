@@ -17,16 +17,16 @@ from ..layout.model_layout import ParamSpec, plan_model_layout
 from ..parallel.dtensor import local_tensor
 from ..parallel.experts import ExpertParams
 from . import agreements
-from .bucket import Bucket
-from .buffer import ParamAndGradBuffer
-from .forward_check import ForwardCheck
-from .grad_pool import GradPool, grad_pools_for
-from .grad_reads import GradReads
-from .grad_sync import GradSync
-from .param_gather import register_param_wait_hooks
-from .param_storage import ParamPool, param_pools_for
-from .param_unshard import ParamUnsharder
-from .rebound_params import rebound_params_of
+from .buffers.bucket import Bucket
+from .buffers.buffer import ParamAndGradBuffer
+from .buffers.grad_pool import GradPool, grad_pools_for
+from .buffers.param_storage import ParamPool, param_pools_for
+from .buffers.rebound_params import rebound_params_of
+from .grads.grad_reads import GradReads
+from .grads.grad_sync import GradSync
+from .params.forward_check import ForwardCheck
+from .params.param_gather import register_param_wait_hooks
+from .params.param_unshard import ParamUnsharder
 from .state import SyncState
 
 
@@ -104,7 +104,7 @@ class BufferLayout:
         if policy.full_params:
             self._param_wait_hooks = register_param_wait_hooks(
                 self.module, self._grad_sync.bucket_of, lambda: self._gathers_in_flight)
-        else:  # see [Note: sharded params] in ddp/param_storage.py
+        else:  # see [Note: sharded params] in ddp/buffers/param_storage.py
             self._unsharder = ParamUnsharder(
                 self.module, self.gather_units, self._grad_sync.bucket_of, buckets,
                 reshard_after_forward=self.options.reshard_after_forward,
@@ -116,7 +116,7 @@ class BufferLayout:
 
     def _refused_reads(self) -> dict[nn.Parameter, str]:
         """The params whose ``p.grad`` answers nothing, each with why; see [Note: p.grad
-        under distopt] in ddp/grad_marker.py."""
+        under distopt] in ddp/grads/grad_marker.py."""
         use = ("; pass the optimizer clip_grad= (one norm over every rank, "
                "opt.step().grad_norm) or clip_grad_value= instead")
         refused = {p: ("is a tensor-parallel DTensor: torch's p.grad would be a DTensor, whose "
@@ -181,7 +181,7 @@ class BufferLayout:
         """With sharded grads or params: whether backwards under ``no_sync()`` keep the step's
         grads whole and its params gathered, for one reduction and one gather per step (a
         pipeline stage's micro-batches; ``distopt.pipelining.PipelineStage`` sets it). See
-        [Note: a step held whole] in ddp/grad_sync.py."""
+        [Note: a step held whole] in ddp/grads/grad_sync.py."""
         return self._hold_step
 
     @hold_step.setter
@@ -213,7 +213,7 @@ class BufferLayout:
     def grad_reads(self) -> GradReads:
         """What ``p.grad`` of this model's params answers between backward and step: the
         reduced grads' norms, agreed over the ranks, and their scaling and clamping in place;
-        see [Note: p.grad under distopt] in ddp/grad_marker.py."""
+        see [Note: p.grad under distopt] in ddp/grads/grad_marker.py."""
         return self._grad_sync.reads
 
     @property
@@ -228,12 +228,12 @@ class BufferLayout:
 
     def take_grad_writes(self) -> None:
         """At the step: ``p.grad`` set to None leaves its param out, a tensor assigned is its
-        grad; see [Note: p.grad under distopt] in ddp/grad_marker.py."""
+        grad; see [Note: p.grad under distopt] in ddp/grads/grad_marker.py."""
         self._grad_sync.take_grad_writes()
 
     def adopt_rebound_params(self) -> None:
         """Take back into the buffers the values of params whose ``.data`` was rebound to
         other storage (``torch.nn.utils.vector_to_parameters``); the optimizer's step and
-        state dicts do it first. See [Note: params rebound] in ddp/rebound_params.py."""
+        state dicts do it first. See [Note: params rebound] in ddp/buffers/rebound_params.py."""
         if self._rebound is not None:
             self._rebound.take_up()

@@ -42,23 +42,29 @@ from ..parallel.experts import ExpertParallel, ExpertParams
 from ..parallel.managed_replicas import managed_replicas_for
 from ..parallel.process_groups import ParallelGroups, resolve_dp_groups, resolve_group
 from ..parallel.tensor_parallel import check_params
-from . import param_owners, torch_dcp, torch_spellings
+from . import param_owners
 from .buffer_layout import param_specs
-from .gather_units import (
+from .buffers.param_placeholder import name_params
+from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
+from .module_params import broadcast_initial_weights, trainable_named_params
+from .params.gather_units import (
     GatherUnit,
     GatherUnitPolicy,
     plan_gather_units,
     unit_bucket_size,
     unit_index_of,
 )
-from .materialize import check_materializable, has_meta_tensors, materialize_shards, target_device
-from .module_buffers import BufferBroadcast, adopt_sync_batchnorm_group
-from .module_hooks import ModuleHook
-from .module_params import broadcast_initial_weights, trainable_named_params
-from .param_placeholder import name_params
+from .params.materialize import (
+    check_materializable,
+    has_meta_tensors,
+    materialize_shards,
+    target_device,
+)
+from .params.module_hooks import ModuleHook
 from .stage_methods import guard_torch_pipeline_stages
 from .tied import resolve_tied_params
-from .trainable import FrozenAtWrapping
+from .torch_compat import torch_dcp, torch_spellings
+from .torch_compat.trainable import FrozenAtWrapping
 from .whole_tensor_params import costs_of_classes
 
 if TYPE_CHECKING:
@@ -121,7 +127,7 @@ def check_inputs(
     here from ``bucket_size`` or torch's ``bucket_cap_mb``; ``wrapper`` is the DDP class, whose
     instances are refused as modules."""
     # torch DDP's own arguments, each with torch's meaning or refused naming what works;
-    # see [Note: torch DDP's spellings] in ddp/torch_spellings.py.
+    # see [Note: torch DDP's spellings] in ddp/torch_compat/torch_spellings.py.
     torch_spellings.positional_device_ids(process_group)
     torch_spellings.check_refused(torch_only)
     ignored = torch_spellings.ignored_names(module)
@@ -227,7 +233,7 @@ def plan_and_agree(
             param_specs(params, {}, tied=tied, experts=experts, units=None),
             parallel.dp_size, target,
         )
-        # See [Note: gather units] in ddp/gather_units.py.
+        # See [Note: gather units] in ddp/params/gather_units.py.
         units: list[GatherUnit] = (
             [] if options.grad_policy.full_params
             else plan_gather_units(module, params, gather_units))
@@ -292,7 +298,7 @@ def build_buffers(ddp: Any, whole_costs: dict[nn.Parameter, float]) -> None:
     ddp._gathers_in_flight = False
     ddp._param_wait_hooks = []
     ddp._unsharder = None
-    ddp._hold_step = False  # see [Note: a step held whole] in ddp/grad_sync.py
+    ddp._hold_step = False  # see [Note: a step held whole] in ddp/grads/grad_sync.py
     ddp._backward_seen = False  # a layout may change only before the first backward
     ddp._owners_set_by = "the DDP" if whole_costs else None
     ddp._lay_out(whole_costs)
@@ -300,7 +306,7 @@ def build_buffers(ddp: Any, whole_costs: dict[nn.Parameter, float]) -> None:
 
 def materialize_meta(ddp: Any, meta: bool) -> None:
     """Initialize a meta-device model one module at a time into this rank's shards
-    ([Note: meta-device models] in ddp/materialize.py); nothing for a model on its device."""
+    ([Note: meta-device models] in ddp/params/materialize.py); nothing for a model on its device."""
     if meta:
         materialize_shards(ddp.module, ddp._flat_buffers, ddp.parallel, ddp._target_device)
         ddp._grad_sync.rebuild_markers()  # on device
@@ -328,7 +334,7 @@ def wire_hooks(ddp: Any, wrapper: type[nn.Module]) -> None:
                                           reader="copy.deepcopy()")))
             for owner in module.modules()
             if any(p in trainable for p in owner.parameters(recurse=False))]
-    # The grad sync of the current layout runs them; see ddp/grad_sync.py.
+    # The grad sync of the current layout runs them; see ddp/grads/grad_sync.py.
     ddp._grad_hooks = [
         hook for p in ddp.params for hook in (
             p.register_hook(functools.partial(ddp._before_accumulate, p)),

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .grad_sync import GradSync
+    from .grads.grad_sync import GradSync
 
 
 class PipelineStageMethods:

@@ -20,7 +20,7 @@ support is an error that names the object and both states instead of a silent mi
 
 A bucket's params have a life of their own, apart from its grads: with sharded params a
 ``ParamState`` (SHARDED -> GATHERING -> GATHERED -> SHARDED, around each use; [Note: sharded
-params] in ddp/param_storage.py); otherwise they are always whole, and the gather after the
+params] in ddp/buffers/param_storage.py); otherwise they are always whole, and the gather after the
 optimizer's update is one handle (in flight or not).
 Which sequences a sharding allows (a backward after the sync, a grad after the reduction) is
 the sharding's to say ([Note: sharding strategy] in sharding.py); the tables say which
@@ -55,7 +55,7 @@ class BucketState(enum.Enum):
 
 class ParamState(enum.Enum):
     """Where a bucket's params are, with sharded params ([Note: sharded params] in
-    ddp/param_storage.py); always GATHERED otherwise."""
+    ddp/buffers/param_storage.py); always GATHERED otherwise."""
 
     SHARDED = "sharded"  # this rank's shard only; the params are placeholders
     GATHERING = "gathering"  # an all-gather into a pool buffer is in flight

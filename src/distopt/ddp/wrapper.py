@@ -3,7 +3,7 @@
 It builds what a step needs, in one direction, when it is constructed, in the stages of
 ddp/construction.py: the inputs checked, the process groups, the layout planned and the model
 checked across ranks, the buffers laid out (element-wise, or for the owners of whole tensors it
-is told), the grad sync over their buckets (ddp/grad_sync.py), and the hooks that feed it.
+is told), the grad sync over their buckets (ddp/grads/grad_sync.py), and the hooks that feed it.
 The optimizer then checks that layout and uses it ([Note: layout planned once] in
 layout/model_layout.py). The wrapper itself runs the forward (module buffers, waits for param
 gathers), ``no_sync``, the param gathers after a step, and ``release()``.
@@ -33,11 +33,11 @@ from .construction import (
     take_over,
     wire_hooks,
 )
-from .gather_units import GatherUnitPolicy
+from .params.gather_units import GatherUnitPolicy
+from .params.whole_module import WholeModule
 from .stage_methods import PipelineStageMethods
-from .torch_ddp_methods import TorchDDPMethods
-from .whole_module import WholeModule
-from .wrapper_copy import NotCopied
+from .torch_compat.torch_ddp_methods import TorchDDPMethods
+from .torch_compat.wrapper_copy import NotCopied
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from ..options import GradSyncOptions
     from ..parallel.experts import ExpertParams
     from ..parallel.process_groups import ParallelGroups
-    from .gather_units import GatherUnit
+    from .params.gather_units import GatherUnit
 
 
 class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, PipelineStageMethods,
@@ -89,12 +89,13 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
             bucket's full grads only from its first grad until its reduction is waited for,
             in a small pool of bucket-sized buffers (``grad_pools``). Every backward then
             reduces, inside ``no_sync()`` too. Needs the distributed optimizer. See
-            [Note: sharded grads] in ddp/grad_pool.py.
+            [Note: sharded grads] in ddp/buffers/grad_pool.py.
         shard_params: keep only this rank's shard of the params too (ZeRO-3, FSDP's
             sharding): each gather unit's params are all-gathered before its forward and its
             backward and freed after them. Implies ``shard_grads``. A model built on the meta
             device is materialized into the shards here. See [Note: sharded params] in
-            ddp/param_storage.py and [Note: meta-device models] in ddp/materialize.py.
+            ddp/buffers/param_storage.py and [Note: meta-device models] in
+            ddp/params/materialize.py.
         reshard_after_forward: with ``shard_params``, free a unit's params after its forward
             and gather them again for its backward (True, the default: least memory), or keep
             them gathered until their grads are in (False: one all-gather per step instead of
@@ -104,7 +105,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
             at least a million elements), an ``nn.Module`` class or tuple of classes (every
             instance, as one ``fully_shard`` per block), or a callable ``(module) -> bool``.
             Other params are gathered around the modules that register them. See
-            [Note: gather units] in ddp/gather_units.py.
+            [Note: gather units] in ddp/params/gather_units.py.
         broadcast_buffers: as torch DDP's: before a forward, broadcast the module's buffers
             (BatchNorm's running statistics) from the first data-parallel rank to the others
             (over the replicas of a hierarchical mesh too, never across tensor-parallel
@@ -160,7 +161,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
             nothing, since distopt's hooks do not depend on the graph being the same each step.
         gradient_as_bucket_view: accepted for torch scripts and kept as an attribute; it
             changes nothing, since distopt's grads always live in the buckets (``p.grad`` is a
-            marker, [Note: p.grad under distopt] in ddp/grad_marker.py).
+            marker, [Note: p.grad under distopt] in ddp/grads/grad_marker.py).
         check_reduction: accepted for torch scripts (deprecated in torch); it changes
             nothing.
         **torch_only: torch DDP's other keyword arguments: its experimental ones
@@ -170,7 +171,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
 
     torch's ignore list (``_set_params_and_buffers_to_ignore_for_model``) leaves those params
     and buffers local to each rank, as torch DDP does. See [Note: torch DDP's spellings] in
-    ddp/torch_spellings.py.
+    ddp/torch_compat/torch_spellings.py.
     """
 
     # What the stages of ddp/construction.py leave on the wrapper for distopt to read (adopt;
@@ -295,7 +296,8 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         self._frozen_at_wrapping.check()  # see [Note: params frozen after wrapping]
         if self._unsharder is not None:  # see [Note: every rank runs every forward]
             self._unsharder.check_forward(self.training)
-        elif self._rebound is not None:  # see [Note: params rebound] in ddp/rebound_params.py
+        elif self._rebound is not None:
+            # See [Note: params rebound] in ddp/buffers/rebound_params.py.
             self._rebound.glance()
         # See [Note: buffer broadcasting] in ddp/module_buffers.py.
         self._buffer_broadcast.before_forward()
@@ -310,7 +312,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
 
     def _before_accumulate(self, param: nn.Parameter, _grad: torch.Tensor) -> None:
         # Tensor hook, before autograd accumulates into param.grad; see
-        # [Note: p.grad under distopt] in ddp/grad_marker.py.
+        # [Note: p.grad under distopt] in ddp/grads/grad_marker.py.
         self._backward_seen = True
         self._grad_sync.before_accumulate(param)
 
@@ -334,7 +336,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         """Start a new step's grads; call before its first backward.
 
         The next grad of each parameter replaces what the buffer holds, and a parameter that
-        gets none counts as zero (see [Note: grads written, not zeroed] in ddp/grad_sync.py).
+        gets none counts as zero (see [Note: grads written, not zeroed] in ddp/grads/grad_sync.py).
         Not ``set_to_none``: each ``p.grad`` there reads zeros until the next backward.
         """
         self._check_live()
@@ -347,7 +349,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
         Args:
             set_to_none: as torch's module method: each ``p.grad`` is set to None (True, the
                 default) or zeroed. For the params in the buffers either clears their markers
-                ([Note: p.grad under distopt] in ddp/grad_marker.py); for those of torch's
+                ([Note: p.grad under distopt] in ddp/grads/grad_marker.py); for those of torch's
                 ignore list it is their local grad. The buffers stay allocated either way.
         """
         self.zero_grad_buffer(set_to_none=set_to_none)
@@ -364,7 +366,7 @@ class DistributedDataParallel(BufferLayout, TorchDDPMethods, WholeModule, Pipeli
 
         With ``overlap`` the gathers run in the background, first layers first, and each module
         waits for its own buckets in a forward pre-hook; see [Note: param gather] in
-        ddp/param_gather.py.
+        ddp/params/param_gather.py.
         """
         self._check_live()
         if self._unsharder is not None:

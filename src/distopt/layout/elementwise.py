@@ -188,7 +188,7 @@ def build_layout(
 
     ``units``: per parameter, the gather unit it belongs to (sharded params); a bucket never
     holds two units' params, so that a unit is gathered without its neighbours (see
-    [Note: gather units] in ddp/gather_units.py). ``shard_align`` exists for tests that
+    [Note: gather units] in ddp/params/gather_units.py). ``shard_align`` exists for tests that
     reproduce hand-drawn pictures (``shard_align=1``).
     """
     check_layout_inputs(numels, bucket_size=bucket_size, dp_size=dp_size,

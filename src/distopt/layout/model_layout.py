@@ -49,7 +49,8 @@ class ParamSpec:
     (see [Note: expert parallelism] in parallel/experts.py)."""
     unit: int | None = None
     """Its gather unit under sharded params (-1: loose): no element-wise bucket holds params of
-    two units (see [Note: gather units] in ddp/gather_units.py); None for every param: buckets
+    two units (see [Note: gather units] in ddp/params/gather_units.py); None for every param:
+    buckets
     cut by size alone."""
 
     @property
@@ -78,7 +79,7 @@ class ModelLayout:
     buffers: tuple[PlannedBuffer, ...]
     launch_order: tuple[tuple[int, int], ...]
     """(buffer, bucket) pairs in launch order; see [Note: bucket launch order] in
-    ddp/grad_sync.py."""
+    ddp/grads/grad_sync.py."""
 
 
 def resolve_bucket_size(

@@ -20,7 +20,7 @@ while a step runs, optim/main_params.py), so distopt wraps ``GradScaler.unscale_
 a distopt optimizer is built; a wrapper that calls torch's and then, for a distopt optimizer
 only, tells it): the optimizer's models then answer ``p.grad`` reads with the grads times the
 same reciprocal scale, and a clamp bounds the scaled grads by the bound times the scale
-([Note: p.grad under distopt] in ddp/grad_marker.py). The reduced grads stay scaled in the
+([Note: p.grad under distopt] in ddp/grads/grad_marker.py). The reduced grads stay scaled in the
 buffers, and the step unscales them as above, after any ``clip_grad_norm_`` scaled them:
 multiplications commute, and with torch's default factors a GradScaler's scale is a power of
 two, so unscaling first or last gives the same bits (other factors: the same to one rounding),

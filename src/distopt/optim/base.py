@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cross_rank.stages import stages_agree
-from ..ddp import torch_dcp
+from ..ddp.torch_compat import torch_dcp
 from ..ddp.wrapper import DistributedDataParallel
 from ..host_memory import release_freed_host_memory
 from ..layout.elementwise import ShardPiece
@@ -62,7 +62,8 @@ class BufferOptimizer(OptimizerConstruction, torch.optim.Optimizer):
         with stages_agree(pp_group):
             self._construct(models, optimizer_cls, params, options, loss_scaler,
                             model_parallel_group, optimizer_kwargs)
-        torch_dcp.register_optimizer(self)  # [Note: torch's DCP state dicts] in ddp/torch_dcp.py
+        # [Note: torch's DCP state dicts] in ddp/torch_compat/torch_dcp.py.
+        torch_dcp.register_optimizer(self)
         hand_unscale_to(BufferOptimizer)  # [Note: torch's GradScaler]
         # After the agreement, so that every stage reaches its collectives; see
         # [Note: tied stage params] in optim/tied.py.
@@ -141,7 +142,8 @@ class BufferOptimizer(OptimizerConstruction, torch.optim.Optimizer):
             else:
                 result = self._pipeline.run(loss_scaler, unused)
         finally:
-            for model in self.models:  # see [Note: p.grad under distopt] in ddp/grad_marker.py
+            # See [Note: p.grad under distopt] in ddp/grads/grad_marker.py.
+            for model in self.models:
                 model.grad_reads.reset(AFTER_STEP)
         if result.updated and not self._first_step_done:
             # The state was just created between the step's temporaries; see
@@ -257,7 +259,7 @@ class BufferOptimizer(OptimizerConstruction, torch.optim.Optimizer):
         distopt last wrote them (a load into the module, ``p.copy_``); each step and each
         state dict does it first. See [Note: writes into the params] in optim/main_params.py;
         params whose ``.data`` was rebound (``vector_to_parameters``) are taken back into the
-        buffers first ([Note: params rebound] in ddp/rebound_params.py)."""
+        buffers first ([Note: params rebound] in ddp/buffers/rebound_params.py)."""
         for model in self.models:
             model.adopt_rebound_params()
         for owned in self._owned:

@@ -8,7 +8,8 @@ are views of the reduced grads (fp32), of ``grad_fp32`` [owned numel], or transi
 one bucket. They are the main params' ``.grad`` only while a step runs (between steps
 ``.grad`` is None, so that nothing reads grads that are not reduced yet, such as
 ``torch.amp.GradScaler.unscale_`` iterating the optimizer's params); see [Note: p.grad under
-distopt] in ddp/grad_marker.py. The step (optim/step.py) reads them through these methods alone.
+distopt] in ddp/grads/grad_marker.py. The step (optim/step.py) reads them through these methods
+alone.
 
 [Note: writes into the params]
 With bf16 or fp16 params the fp32 main params are a second copy, made when the optimizer is
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..ddp.buffer import ParamAndGradBuffer
+from ..ddp.buffers.buffer import ParamAndGradBuffer
 from ..layout.elementwise import ShardPiece
 from ..parallel.dtensor import local_tensor
 from .remainders import join_fp32, split_fp32

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as comm
-from ..ddp.bucket import Bucket
-from ..ddp.param_placeholder import is_between_uses
+from ..ddp.buffers.bucket import Bucket
+from ..ddp.buffers.param_placeholder import is_between_uses
 from ..ddp.wrapper import DistributedDataParallel
 from ..parallel.dtensor import local_tensor
 

@@ -42,7 +42,8 @@ coordinate), as one process with every expert local would see a grad or None.
 Sharded params (``shard_params=True``) gather an expert's bucket over its expert-DP group
 around the expert's forward and backward: every rank of that group must run the expert in every
 forward, an idle one on no rows (``MoE.run_idle_experts`` in the demo), by the rule of
-[Note: every rank runs the same modules] in ddp/param_unshard.py; an idle expert's grad is then
+[Note: every rank runs the same modules] in ddp/params/param_unshard.py; an idle expert's grad is
+then
 zero, never None.
 
 Names. An expert is known by its global index: this rank's experts of a list of n are the

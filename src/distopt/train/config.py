@@ -115,11 +115,11 @@ class TrainConfig:
     """How the state is narrowed to ``state_dtype``: nearest, or stochastic (unbiased)."""
     shard_grads: bool = False
     """Keep only each rank's reduced shard of the grads between steps (ZeRO-2); every
-    micro-batch reduce-scatters. See [Note: sharded grads] in distopt/ddp/grad_pool.py."""
+    micro-batch reduce-scatters. See [Note: sharded grads] in distopt/ddp/buffers/grad_pool.py."""
     shard_params: bool = False
     """Keep only each rank's shard of the params too, gathered around the forward and backward
     that use them (ZeRO-3; implies --shard-grads). See [Note: sharded params] in
-    distopt/ddp/param_storage.py."""
+    distopt/ddp/buffers/param_storage.py."""
     moe: int = 0
     """Experts in each block's mixture of experts (top-2 routed, each the size of the dense
     MLP); 0: the dense GPT."""
