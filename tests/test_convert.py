@@ -12,7 +12,6 @@ is cut across DeepSpeed's partitions) moves the weights by about lr = 1e-2.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from test_torch_dcp_state_dict import LR, ROWS, SAVED_AT, STEPS, _batch, _build, _model, _train
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -29,7 +29,6 @@ from distopt.cli import main as cli
 
 from dist_harness import case_result, run_cases
 from helpers import FP32_TOL
-from test_torch_dcp_state_dict import LR, ROWS, SAVED_AT, STEPS, _batch, _build, _model, _train
 
 SAVED_D = 2
 
@@ -133,3 +132,82 @@ def test_every_zero_stage_resumes_at_three_under_each_system(at_three, stage, lo
     saved, results = at_three
     for rank_ends in case_result(results, f"{loader}<-zero{stage}"):
         assert_ends_where_deepspeed_ends(rank_ends, saved[stage][1])
+
+
+# ---------------------------------------------------------------- bad sources
+
+
+@pytest.fixture
+def source(root, tmp_path):
+    """A copy of DeepSpeed's ZeRO-2 save (its tag directory), to damage."""
+    import shutil
+
+    deepspeed_saved(2, root)
+    tag = root / "zero2" / (root / "zero2" / "latest").read_text().strip()
+    return Path(shutil.copytree(tag, tmp_path / "zero2-copy"))
+
+
+def _left_behind(dst: Path) -> list[str]:
+    return sorted(p.name for p in dst.parent.iterdir() if dst.name in p.name)
+
+
+def test_a_partial_source_names_what_is_missing_and_writes_nothing(source, tmp_path, capsys):
+    (source / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    dst = tmp_path / "out"
+    assert cli(["convert", str(source), str(dst)]) == 2
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt are missing" in capsys.readouterr().err
+    assert _left_behind(dst) == []
+
+
+def test_a_missing_model_states_file_is_named(source, tmp_path):
+    (source / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt"):
+        convert(source, tmp_path / "out")
+
+
+def test_a_truncated_rank_file_is_refused(source, tmp_path):
+    path = source / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        convert(source, tmp_path / "out")
+
+
+def test_a_failure_while_writing_leaves_nothing(source, tmp_path, monkeypatch):
+    from distopt.checkpoint import from_deepspeed
+
+    gather, calls = from_deepspeed._gather, []
+
+    def failing(*args):  # the third tensor written fails, as a read error would
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk gone")
+        return gather(*args)
+
+    monkeypatch.setattr(from_deepspeed, "_gather", failing)
+    dst = tmp_path / "out"
+    with pytest.raises(OSError, match="disk gone"):
+        convert(source, dst)
+    assert _left_behind(dst) == []
+
+
+def test_an_existing_destination_or_an_unknown_source_is_refused(source, tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(CheckpointError, match="exists"):
+        convert(source, tmp_path / "taken")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="--from"):
+        convert(tmp_path / "empty", tmp_path / "out")
+
+
+def test_the_source_is_read_without_deepspeed(source, tmp_path):
+    """Not one of DeepSpeed's modules is imported by a conversion (its pickles name them)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from distopt.checkpoint.convert import convert; "
+            f"convert({str(source)!r}, {str(tmp_path / 'out')!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith('deepspeed')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip().splitlines()[-1] == "[]"

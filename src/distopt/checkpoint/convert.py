@@ -29,64 +29,18 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from . import from_deepspeed, from_megatron
+from .converted import Converted, Lazy
 from .files import CheckpointError, _fsync_dir
 
 FORMATS = ("deepspeed", "megatron")
 
 
-class Lazy:
-    """One tensor of the output, read from the source only when it is written."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype,
-                 read: Callable[[], torch.Tensor]) -> None:
-        self.shape, self.dtype, self._read = tuple(shape), dtype, read
-
-    def read(self) -> torch.Tensor:
-        value = self._read()
-        if tuple(value.shape) != self.shape:
-            value = value.reshape(self.shape)
-        return value.to(self.dtype)
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
-        from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_tensor
-
-        return [_create_write_item_for_tensor(
-            fqn, torch.empty(self.shape, dtype=self.dtype, device="meta"))]
-
-
-@dataclass
-class Converted:
-    """A source checkpoint described in torch's layout, its tensors not read yet."""
-
-    source: str  # what was read, for the command's report
-    model: dict[str, Lazy | torch.Tensor]
-    state: dict[str, dict[str, Lazy | torch.Tensor]]
-    param_groups: list[dict[str, Any]]
-    not_carried: list[str] = field(default_factory=list)  # what torch's layout has no place for
-
-    def numel(self) -> int:
-        return sum(_numel(v) for v in self.model.values())
-
-
-def _numel(value: Lazy | torch.Tensor) -> int:
-    shape = value.shape
-    out = 1
-    for n in shape:
-        out *= n
-    return out
-
-
 def detect(src: Path) -> str:
     """The format of the checkpoint at ``src``: one of ``FORMATS``."""
-    from . import from_deepspeed, from_megatron
-
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory: give the checkpoint directory that "
                               "DeepSpeed's save_checkpoint or Megatron-Core wrote")
@@ -102,8 +56,6 @@ def detect(src: Path) -> str:
 
 def read_source(src: Path, fmt: str | None = None) -> Converted:
     """``src`` described as a ``Converted`` (``fmt`` None: detected)."""
-    from . import from_deepspeed, from_megatron
-
     fmt = fmt or detect(src)
     if fmt == "deepspeed":
         return from_deepspeed.read(src)
@@ -130,13 +82,17 @@ def _planner() -> Any:
 def write_dcp(converted: Converted, directory: Path) -> None:
     """Write ``converted`` as a DCP checkpoint into the existing, empty ``directory``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from .dcp import _Writer
 
     state = {"model": converted.model,
              "optimizer": {"state": converted.state, "param_groups": converted.param_groups}}
-    dcp.save(state, storage_writer=_Writer(directory, sync_files=True), planner=_planner(),
-             no_dist=True)
+    try:
+        dcp.save(state, storage_writer=_Writer(directory, sync_files=True), planner=_planner(),
+                 no_dist=True)
+    except CheckpointException as exc:  # DCP's wrapper of the one process's error: that error
+        raise next(iter(exc.failures.values()))[0] from None
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str],

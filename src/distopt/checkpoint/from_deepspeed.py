@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .convert import Converted, Lazy
+from .converted import Converted, Lazy
 from .files import CheckpointError
 from .torch_layout import torch_fqn
 from .torch_zip import Foreign, StoredTensor, TorchFile

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .convert import Converted
+from .converted import Converted
 from .files import CheckpointError
 
 

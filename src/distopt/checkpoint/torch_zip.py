@@ -16,6 +16,7 @@ with one positioned read: memory holds only what a caller asked for.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -144,10 +145,8 @@ class TorchFile:
         self._zip.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # best effort, at interpreter exit too
             self.close()
-        except Exception:  # noqa: BLE001 -- best effort at interpreter exit
-            pass
 
     def _record(self, key: str) -> tuple[int, int]:
         """(offset of the record's first byte in the file, its size) for storage ``key``."""
