@@ -277,7 +277,11 @@ def read(path: Path) -> Converted:
             state[fqn] = {}
             for key, value in entries[0].items():
                 if isinstance(value, StoredTensor) and len(value.shape) > 0:
-                    state[fqn][key] = _lazy([e[key] for e in entries], runs[name], shape,
+                    pieces = [e.get(key) for e in entries]
+                    if not all(isinstance(p, StoredTensor) for p in pieces):
+                        raise CheckpointError(f"{tag}: a rank's optimizer state of flat group "
+                                              f"{k} lacks '{key}': files of two runs?")
+                    state[fqn][key] = _lazy(pieces, runs[name], shape,
                                             value.dtype, f"{what} {key}")
                 else:
                     state[fqn][key] = (value.load().clone() if isinstance(value, StoredTensor)
