@@ -1,4 +1,4 @@
-"""The ``distopt`` command: ``distopt train | bench | memory | export``.
+"""The ``distopt`` command: ``distopt train | bench | memory | export | convert``.
 
 Each subcommand lives in its own module and is imported only when used, so ``distopt memory``
 starts instantly and a broken optional dependency of one command cannot break the others.
@@ -32,6 +32,7 @@ register("bench", "distopt.bench", "main", "benchmark distopt against DDP, ZeRO 
          needs=BENCH_NEEDS)
 register("memory", "distopt.cli.memory_command", "main", "bytes per parameter and GiB per rank")
 register("export", "distopt.cli.export", "main", "checkpoint -> plain PyTorch file")
+register("convert", "distopt.cli.convert", "main", "DeepSpeed/Megatron-Core checkpoint -> DCP")
 
 
 def _usage() -> str:
