@@ -40,7 +40,6 @@ does not broadcast to the param's shape, or an op out of place, stays refused by
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +65,10 @@ _NO_OP_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", 
 _names: dict[int, str] = {}  # id(param) -> its name in the wrapped model, for the refusal
 # id(param) -> where this rank's piece of it lives: (a 1-D view of the rank's shard of the
 # params, the piece's offset in the flattened param); see [Note: writes between uses].
-_pieces: dict[int, tuple[weakref.ref, Callable[[], tuple[torch.Tensor, int]]]] = {}
+# Keyed by id alone, as ``_names``: a weak reference to the param would forbid the tensor swaps
+# that give a meta-device model its memory (ddp/params/materialize.py), and each wrapper
+# records its own params' entries, so a reused id is always written over before it is read.
+_pieces: dict[int, Callable[[], tuple[torch.Tensor, int]]] = {}
 # Python's in-place operators, by the op they are.
 _IN_PLACE_OPERATORS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_",
                        "__itruediv__": "div_", "__ifloordiv__": "floor_divide_",
@@ -89,12 +91,11 @@ def locate_pieces(param: nn.Parameter, locate: Callable[[], tuple[torch.Tensor, 
     """Where this rank's piece of ``param`` lives between uses: ``locate()`` gives a 1-D view
     of it in the rank's shard and its offset in the flattened param ([Note: writes between
     uses])."""
-    _pieces[id(param)] = (weakref.ref(param), locate)
+    _pieces[id(param)] = locate
 
 
 def _locate(param: nn.Parameter) -> Callable[[], tuple[torch.Tensor, int]] | None:
-    ref, locate = _pieces.get(id(param), (None, None))
-    return locate if ref is not None and ref() is param else None
+    return _pieces.get(id(param))
 
 
 def show_between_uses(param: nn.Parameter) -> None:
