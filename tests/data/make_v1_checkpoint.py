@@ -19,8 +19,9 @@ OUT = Path(__file__).parent / "v1-checkpoint"
 
 
 def _save(root: str) -> None:
-    import distopt
     import test_checkpoint_torch_layout as t
+
+    import distopt
 
     ddp, opt = t.build_distopt("params")
     t.train(ddp, opt, range(t.SAVED_AT))
