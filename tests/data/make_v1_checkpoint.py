@@ -19,7 +19,7 @@ OUT = Path(__file__).parent / "v1-checkpoint"
 
 
 def _save(root: str) -> None:
-    import test_checkpoint_torch_layout as t
+    import test_checkpoint_torch_layout as t  # its model, batches, lr
 
     import distopt
 

@@ -101,11 +101,13 @@ def dcp_state(opt: Optimizer, extra: Any, group: Any
     entries: dict[str, Any] = {}
     dealt: dict[str, int] = {}
     buffers = buffer_keys(model.module)
+    trainable = {id(p) for p in model.params}
     for key, value in module_entries(model.module).items():
         fqn = torch_fqn(key)
-        name = model.param_names.get(value) if isinstance(value, torch.nn.Parameter) else None
-        if name is not None and name in mains:
-            entries[fqn] = boxes(value, part(name, mains[name]), fp32)
+        if id(value) in trainable:  # boxes of this rank's part, if it holds a piece
+            name = model.param_names[value]
+            shard = mains.get(name)
+            entries[fqn] = boxes(value, None if shard is None else part(name, shard), fp32)
         elif key in buffers:
             if model.parallel.first_dp_rank:
                 entries[fqn] = value.detach()
@@ -122,13 +124,21 @@ def dcp_state(opt: Optimizer, extra: Any, group: Any
     state: dict[str, dict[str, Any]] = {}
     whole: dict[str, dict[str, list[Any]]] = {}
     order = [n for g in sd["param_groups"] for n in g["params"] if n in sd["state"]]
-    for name in order:  # torch's order
+    starts = {o.name: o.start for o in owned_pieces(opt)}
+    for position, name in enumerate(order):  # torch's order
+        # Values of the whole param (step, whole-parameter state) from one of the ranks that
+        # hold them: a holder of its first element, one replica ([Note: each byte written
+        # once] in parts.py).
+        first = tp is not None or (starts[name] == 0 and position % count == index)
         converted = {}
         for key, value in _torch_entries(sd["state"][name]).items():
             if isinstance(value, FlatShard):
                 value = boxes(params[name], part(name, value), value.local)
-            elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                whole.setdefault(name, {})[key] = describe(value)
+            elif isinstance(value, torch.Tensor):
+                if value.dim() > 0:  # every holder lists it for the manifest
+                    whole.setdefault(name, {})[key] = describe(value)
+                if not first:
+                    continue
             converted[key] = value
         state[torch_fqn(name)] = converted
     groups = [{**g, "params": [torch_fqn(n) for n in g["params"]]} for g in sd["param_groups"]]
