@@ -11,8 +11,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 
 def written_bytes(ckpt_dir: str | Path) -> dict[int, dict[str, int]]:
-    """Tensor bytes each rank's file holds, by the first part of the key (``main``, ``state``,
-    ``model``): ``{rank: {"main": bytes, ...}}``."""
+    """Tensor bytes each rank's file holds, by the first part of the key: ``model`` and
+    ``optimizer`` in torch's layout (DCP's dotted keys), ``main``, ``state`` and ``model`` in
+    distopt's earlier one: ``{rank: {"model": bytes, ...}}``."""
     metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
     per_rank: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for index, info in metadata.storage_data.items():
@@ -21,7 +22,7 @@ def written_bytes(ckpt_dir: str | Path) -> dict[int, dict[str, int]]:
             continue  # an object (param groups, extra)
         chunk = next(c for c in meta.chunks if c.offsets == index.offset)
         rank = int(info.relative_path.split("_")[2])  # "__{rank}_0.distcp"
-        per_rank[rank][index.fqn.split("/")[0]] += (math.prod(chunk.sizes)
+        per_rank[rank][index.fqn.split("/")[0].split(".")[0]] += (math.prod(chunk.sizes)
                                                    * meta.properties.dtype.itemsize)
     return {rank: dict(kinds) for rank, kinds in per_rank.items()}
 

@@ -167,17 +167,18 @@ def test_staging_is_what_the_rank_writes_allocated_once(results):
         # Exactly the tensor bytes this rank's file holds, each staged tensor padded to 64.
         assert v["staged"] == v["written"], v
         assert 0 <= v["capacity"] - v["staged"] < 64 * 40, v
-    # Together the ranks stage the checkpoint once: the model (fp32), the main params, AdamW's
-    # two moments and a step count per param, no more.
+    # Together the ranks stage the checkpoint once: the model (trainable params as their fp32
+    # main params, in torch's layout), AdamW's two moments and a step count per param, no more.
     v = results[0]
     steps = 4 * v["trainable_tensors"]
-    total = v["num_params"] * 4 + v["trainable"] * (4 + 8) + steps
+    frozen = v["num_params"] - v["trainable"]
+    total = v["num_params"] * 4 + v["trainable"] * 8 + steps
     assert sum(w["staged"] for w in results) == total
-    # Each rank: its shard of the main params and the state, and half of the model (dealt out
-    # a tensor at a time, so give or take the largest).
+    # Each rank: its shard of the main params and the state, and half of the frozen params
+    # (dealt out a tensor at a time, so give or take the largest).
     for w in results:
-        rest = w["staged"] - 12 * w["owned"] - 2 * v["num_params"]
+        rest = w["staged"] - 12 * w["owned"] - 2 * frozen
         assert -v["largest_entry"] <= rest <= v["largest_entry"] + steps, w
     # Without frozen params the stated bound, checkpoint_bytes_per_param / d per param, is
-    # the same count: (4 + 4 + 8) / 2 for fp32 params and AdamW.
-    assert checkpoint_bytes_per_param(torch.float32) == 16
+    # the same count: (4 + 8) / 2 for fp32 params and AdamW.
+    assert checkpoint_bytes_per_param(torch.float32) == 12

@@ -268,28 +268,28 @@ def test_checkpoint_saved_hierarchical_resumes_flat(results):
 
 
 def test_each_replica_writes_only_its_half_of_its_shard(results):
-    """At (2, 2) the two replicas of a shard hold the same pieces: each writes half of them,
-    so each of the four ranks writes a quarter of the main params, and no byte twice; an async
-    save writes each rank the same bytes."""
+    """At (2, 2) the two replicas of a shard hold the same pieces: each writes half of their
+    optimizer state, so no byte is written twice; the model's entries (in torch's layout the
+    fp32 masters of the trainable params, and the rest of the state dict) are dealt out over
+    the ranks; an async save writes each rank the same bytes."""
     values = case_result(results, "save-2x2")
     written = values[0]["written"]
     assert set(written) == {0, 1, 2, 3}  # every rank wrote a file
     assert values[0]["untiled"] == []  # every key's chunks cover it exactly once
     assert values[0]["written_async"] == written and values[0]["untiled_async"] == []
     trainable = sum(p.numel() for p in AwkwardLM().parameters() if p.requires_grad)
-    # Together the ranks write the state once: fp32 main params, AdamW's two fp32 moments and
-    # one fp32 step per trainable tensor.
-    assert sum(w["main"] for w in written.values()) == 4 * trainable
-    steps = 4 * values[0]["trainable_tensors"]
-    assert sum(w["state"] for w in written.values()) == 8 * trainable + steps
+    tensors = values[0]["trainable_tensors"]
+    # Together the ranks write the state once: AdamW's two fp32 moments per element and one
+    # fp32 step per trainable tensor.
+    assert sum(w["optimizer"] for w in written.values()) == 8 * trainable + 4 * tensors
+    pieces = len(AwkwardLM().state_dict())
     for v in values:
-        elements = written[v["rank"]]["main"] // 4
-        # Half of each piece the rank's shard owns, to an element per piece.
-        assert abs(elements - v["owned"] / 2) <= len(AwkwardLM().state_dict()), (elements, v)
+        # Half of the moments of the shard the rank's replicas own, to a piece's split (an
+        # element's 8 bytes per piece) and the steps.
+        half = 8 * v["owned"] / 2
+        assert abs(written[v["rank"]]["optimizer"] - half) <= 8 * pieces + 4 * tensors, v
         mates = [w for w in values if w["shard_rank"] == v["shard_rank"]]
-        assert sum(written[w["rank"]]["main"] // 4 for w in mates) == v["owned"]
-        # The optimizer state (AdamW: two per-element tensors, a step each) is split alike.
-        assert written[v["rank"]]["state"] >= 2 * written[v["rank"]]["main"]
+        assert sum(written[w["rank"]]["optimizer"] for w in mates) >= 8 * v["owned"]
     model_bytes = sum(t.numel() * t.element_size() for t in AwkwardLM().state_dict().values())
     assert sum(w.get("model", 0) for w in written.values()) == model_bytes
     assert sum(1 for w in written.values() if w.get("model")) >= 3  # dealt out, not on one rank

@@ -229,12 +229,13 @@ def test_shard_grads_in_the_cluster_plan_and_the_ownership_plan(capsys):
 
 @pytest.mark.parametrize(
     "argv,per_param",
-    [(["--dtype", "fp32", "--dp", "2"], (4 + 4 + 8) / 2),
-     (["--dtype", "bf16", "--dp", "4", "--state-dtype", "bf16"], (2 + 4 + 4) / 4),
-     # fp8 state is written with an int8 exponent per element: 2 bytes per moment
-     (["--dtype", "bf16", "--dp", "8", "--state-dtype", "fp8-e4m3"], (2 + 4 + 4) / 8),
-     (["--dtype", "bf16", "--dp", "3", "--optimizer-state-bytes", "4"], (2 + 4 + 4) / 3),
-     (["--dtype", "bf16", "--nodes", "2", "--gpus-per-node", "4"], (2 + 4 + 8) / 8)],
+    # torch's layout: the fp32 main params (not the params' own dtype) and the state
+    [(["--dtype", "fp32", "--dp", "2"], (4 + 8) / 2),
+     (["--dtype", "bf16", "--dp", "4", "--state-dtype", "bf16"], (4 + 4) / 4),
+     # fp8 state is written as its fp32 values: 4 bytes per moment
+     (["--dtype", "bf16", "--dp", "8", "--state-dtype", "fp8-e4m3"], (4 + 8) / 8),
+     (["--dtype", "bf16", "--dp", "3", "--optimizer-state-bytes", "4"], (4 + 4) / 3),
+     (["--dtype", "bf16", "--nodes", "2", "--gpus-per-node", "4"], (4 + 8) / 8)],
 )
 def test_async_staging_is_each_ranks_part_of_a_checkpoint(capsys, argv, per_param):
     assert main(["--params", "1e9", *argv]) == 0

@@ -23,6 +23,7 @@ import distopt
 from distopt.checkpoint.dcp import read_metadata
 from distopt.checkpoint.format import piece_runs
 
+from checkpoint_index import untiled_keys
 from dist_harness import case_result, run_cases
 from helpers import FP32_TOL, full
 from models import TP_BATCH, Block, batch, tp_plan
@@ -204,25 +205,23 @@ def test_piece_runs_map_local_pieces_to_global_offsets(four):
 
 
 def test_every_element_is_written_exactly_once(four):
-    """Chunks of each flat key tile [0, numel) with no gap or overlap, and replicated params
-    (LayerNorms, row-wise biases) come from the files of TP coordinate 0 (ranks 0 and 2)."""
+    """In torch's layout each param's entry (its fp32 master under ``model``, AdamW's moments
+    under ``optimizer``) has the param's global shape, and its chunks cover it exactly once;
+    replicated params (LayerNorms, row-wise biases) come from the files of TP coordinate 0
+    (ranks 0 and 2)."""
     path, _, _ = four
-    metadata = read_metadata(distopt.checkpoint.files.resolve(path))
+    checkpoint = distopt.checkpoint.files.resolve(path)
+    metadata = read_metadata(checkpoint)
     index = metadata.state_dict_metadata
+    shapes = {n: p.shape for n, p in Block().named_parameters()}
+    keys = {f"model.{n}": n for n in shapes} | {
+        f"optimizer.state.{n}.{moment}": n
+        for n in shapes for moment in ("exp_avg", "exp_avg_sq")}
+    assert set(keys) <= set(index)
+    for key, name in keys.items():
+        assert index[key].size == shapes[name], key
+    assert not set(untiled_keys(checkpoint)) & set(keys)
     replicated = {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "o.bias", "fc2.bias"}
     writers = {metadata.storage_data[i].relative_path[:4] for i in metadata.storage_data
-               if i.fqn.startswith(("main/", "state/")) and i.fqn.split("/")[1] in replicated
-               and len(index[i.fqn].size) == 1}  # not the 0-d step counts, which every rank has
+               if i.fqn in keys and keys[i.fqn] in replicated}
     assert writers == {"__0_", "__2_"}
-    numels = {n: p.numel() for n, p in Block().named_parameters()}
-    keys = [k for k in index if k.startswith(("main/", "state/")) and len(index[k].size) == 1]
-    assert len(keys) == 3 * len(numels)  # main, exp_avg, exp_avg_sq
-    row_segments = 0
-    for key in keys:
-        name = key.split("/")[1]
-        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in index[key].chunks)
-        assert index[key].size == torch.Size([numels[name]]), key
-        assert spans[0][0] == 0 and spans[-1][1] == numels[name], key
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), key
-        row_segments += len(spans) > 4  # more chunks than ranks: a row-wise weight
-    assert row_segments == 6  # o.weight and fc2.weight (Shard(1)), three keys each

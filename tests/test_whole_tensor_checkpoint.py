@@ -396,17 +396,17 @@ def test_manifest_and_index_list_whole_parameter_state(saved, root):
     index = dcp.read_metadata(root / "adafactor" / "ckpt-000001").state_dict_metadata
     for name in matrices:
         for key, (shape, _) in expected[name].items():
-            entry = index[f"state/{name}/{key}"]
+            entry = index[f"optimizer.state.{name}.{key}"]  # torch's layout
             # Written whole, by its owner alone: one chunk of the full shape.
             assert tuple(entry.size) == tuple(shape)
             assert [tuple(c.sizes) for c in entry.chunks] == [tuple(shape)]
-    # Adafactor's 1-D state and Muon's momentum are per-element: flat, one chunk per owner.
-    assert tuple(index["state/l1.bias/variance"].size) == (7,)
+    # Adafactor's 1-D state and Muon's momentum are per-element: in the param's shape.
+    assert tuple(index["optimizer.state.l1.bias.variance"].size) == (7,)
     muon = json.loads((root / "muon" / "ckpt-000001" / "distopt.json").read_text())
     assert muon["param_group_classes"] == ["torch.optim.Muon", "torch.optim.adamw.AdamW"]
     assert muon["whole_state"] == {}
     muon_index = dcp.read_metadata(root / "muon" / "ckpt-000001").state_dict_metadata
-    assert tuple(muon_index["state/l1.weight/momentum_buffer"].size) == (42,)
+    assert tuple(muon_index["optimizer.state.l1.weight.momentum_buffer"].size) == (7, 6)
 
 
 def test_export_holds_one_torch_state_per_class(exported):

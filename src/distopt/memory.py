@@ -230,10 +230,11 @@ def checkpoint_bytes_per_param(
     optimizer_state_bytes: float = 8,
     state_dtype: torch.dtype | None = None,
 ) -> float:
-    """Bytes per trainable parameter of a distopt checkpoint: the param in its dtype, its fp32
-    main param (kept with ``store_param_remainders`` too) and the optimizer state as written,
-    per element: in ``state_dtype`` (``optimizer_state_bytes`` counts fp32 state), fp16 and fp8
-    with an int8 exponent per element (see docs/checkpoints.md).
+    """Bytes per trainable parameter of a distopt checkpoint (torch's layout): its fp32 main
+    param (kept with ``store_param_remainders`` too; the param's own dtype is not written,
+    whatever ``param_dtype``) and the optimizer state as written, per element: in
+    ``state_dtype`` (``optimizer_state_bytes`` counts fp32 state), fp16 and fp8 scaled state
+    as its fp32 values (see docs/checkpoints.md).
 
     Each rank of N writes about 1/N of it, and an async save stages exactly what the rank
     writes, so ``checkpoint_bytes_per_param(...) / N`` is the staging an async save keeps per
@@ -242,9 +243,9 @@ def checkpoint_bytes_per_param(
     state = optimizer_state_bytes
     if state_dtype is not None:
         check_state_dtype(state_dtype)
-        per_element = state_dtype.itemsize + (1 if needs_scales(state_dtype) else 0)
+        per_element = 4 if needs_scales(state_dtype) else state_dtype.itemsize
         state = optimizer_state_bytes * per_element / 4
-    return _element_size(param_dtype) + 4 + state
+    return 4 + state
 
 
 @dataclass(frozen=True, slots=True)

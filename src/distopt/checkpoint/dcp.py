@@ -47,6 +47,7 @@ import io
 import math
 import os
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -270,12 +271,14 @@ class _ErrorKeepingFile:
     """A file whose write errors survive ``torch.save``, which reports them as an unrelated
     "unexpected pos" RuntimeError: a full disk must say that the disk is full."""
 
-    __slots__ = ("_file", "error")
+    __slots__ = ("_file", "error", "crc32")
 
     def __init__(self, file: io.BufferedIOBase) -> None:
         self._file, self.error = file, None
+        self.crc32 = 0  # of every byte written through it, for the manifest
 
     def write(self, data: Any) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
         try:
             return self._file.write(data)
         except OSError as exc:
@@ -287,23 +290,27 @@ class _ErrorKeepingFile:
 
 
 class _Writer(dcp.FileSystemWriter):
-    """One file per rank, one item in memory at a time; see [Note: bounded writes]."""
+    """One file per rank, one item in memory at a time; see [Note: bounded writes]. The
+    CRC32 of each file is taken from the bytes as they are written (``checksums``: the
+    manifest's entries), so a save never reads its files back."""
+
+    checksums: dict[str, dict[str, int]]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0.distcp"
         results = []
         with open(Path(self.path) / name, "wb") as stream:
+            kept = _ErrorKeepingFile(stream)
             for item in plan.items:
                 data = planner.resolve_data(item)
                 offset = stream.tell()
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)
-                    stream.write(data.getbuffer())
+                    kept.write(data.getbuffer())
                 else:
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()  # torch.save writes a view's whole storage
-                    kept = _ErrorKeepingFile(stream)
                     try:
                         torch.save(tensor, kept)
                     except RuntimeError:
@@ -317,6 +324,7 @@ class _Writer(dcp.FileSystemWriter):
                 del data
             stream.flush()
             os.fsync(stream.fileno())
+            self.checksums = {name: {"bytes": stream.tell(), "crc32": kept.crc32}}
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -351,13 +359,16 @@ class WriteFailed(Exception):
     """Some rank could not write its part of a checkpoint; raised on every rank alike."""
 
 
-def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
-    """Write ``state`` into ``directory``; every file is fsynced before this returns.
+def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None,
+         nested: bool = False) -> dict[str, dict[str, int]]:
+    """Write ``state`` into ``directory``; every file is fsynced before this returns; returns
+    the size and CRC32 of this rank's file. ``nested``: ``state`` is nested as torch's
+    ``dcp.save`` is given it, and DCP flattens it and records the nesting, as there.
 
     DCP gathers every rank's outcome of each phase, so a rank that fails to write (a full disk)
     makes ``WriteFailed`` rise on all ranks, naming the ranks that failed and why."""
     writer = _Writer(directory, sync_files=True)
-    planner = dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = dcp.DefaultSavePlanner(flatten_state_dict=nested, flatten_sharded_tensors=False)
     try:
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=_no_dist(group))
@@ -366,6 +377,7 @@ def save(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None
             f"rank {rank}: {type(error).__name__}: {error}"
             for rank, (error, _) in sorted(exc.failures.items())
         )) from None
+    return writer.checksums
 
 
 def load(

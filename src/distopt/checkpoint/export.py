@@ -19,6 +19,7 @@ loads with ``torch.load(path, weights_only=True)``.
 from __future__ import annotations
 
 import collections
+import io
 import os
 import pickle
 import sys
@@ -154,7 +155,10 @@ def export_checkpoint(
     objects: dict[str, Any] = {k: None for k, v in index.items()
                                if isinstance(v, BytesStorageMetadata)}
     dcp.load(objects, ckpt_dir, None, metadata)
-    tree = _export_tree(manifest, index, objects, master_weights)
+    if manifest.get("layout") == "torch":  # [Note: torch's layout on disk] in layout.py
+        tree = _export_torch_layout(manifest, metadata, objects, master_weights)
+    else:
+        tree = _export_tree(manifest, index, objects, master_weights)
     if transform is not None:
         tree = transform(tree)
 
@@ -191,11 +195,95 @@ def _export_tree(manifest: dict[str, Any], index: dict[str, Any], objects: dict[
                 sd[key] = tensor(f"model/{prefix}{key}", shape)
         model_dicts.append(sd)
 
+    def state_entries() -> Any:
+        whole_state = manifest.get("whole_state", {})
+        for fqn, entry in index.items():
+            if not fqn.startswith("state/"):
+                continue
+            name, _, key = fqn[len("state/"):].rpartition("/")
+            if key.endswith(EXPONENTS):
+                continue  # read with the values they scale
+            if isinstance(entry, BytesStorageMetadata):
+                value: Any = objects[fqn]
+            elif key in whole_state.get(name, {}) or not len(entry.size):
+                value = tensor(fqn, list(entry.size))  # whole-parameter state, or a scalar
+            else:
+                # Per-element state held below fp32 is exported in fp32, what torch.optim
+                # steps; see [Note: state precision] in distopt/optim/state_precision.py.
+                dtype = entry.properties.dtype
+                exponents = fqn + EXPONENTS if fqn + EXPONENTS in index else None
+                value = _Placeholder(fqn, shape_of[name],
+                                     torch.float32 if dtype.is_floating_point else dtype,
+                                     exponents)
+            yield name, key, value
+
+    tree = {"model": model_dicts[0] if len(model_dicts) == 1 else model_dicts}
+    return tree | _optimizer_tree(manifest, all_names, objects["meta/param_groups"],
+                                  state_entries()) | {"extra": objects.get("extra"),
+                                                      "loss_scaler": manifest["loss_scaler"]}
+
+
+def _export_torch_layout(manifest: dict[str, Any], metadata: Metadata, objects: dict[str, Any],
+                         master_weights: bool) -> dict[str, Any]:
+    """The export of a checkpoint in torch's layout ([Note: torch's layout on disk] in
+    layout.py): the same tree as ``_export_tree``'s."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from .layout import EXTRA, _paths, param_groups
+    from .torch_layout import torch_fqn
+
+    index = metadata.state_dict_metadata
+    paths = _paths(metadata)
+    (saved,) = manifest["models"]
+    trainable = {n for n, _, requires_grad in saved["parameters"] if requires_grad}
+    names = [n for n, _, _ in saved["parameters"]]
+    shape_of = {n: shape for n, shape, _ in saved["parameters"]}
+    sd: dict[str, Any] = {}
+    for key, shape, dtype in saved["state_dict"]:
+        at = paths[("model", torch_fqn(key))]
+        if shape is None:
+            sd[key] = objects[at]
+            continue
+        # Trainable params are stored as their fp32 masters: the model's dtype is their cast.
+        wanted = (torch.float32 if master_weights and key in trainable
+                  else getattr(torch, dtype))
+        sd[key] = _Placeholder(at, shape, wanted)
+    by_fqn = {torch_fqn(n): n for n in names}
+    whole_state = manifest.get("whole_state") or {}
+
+    def state_entries() -> Any:
+        for path, at in paths.items():
+            if len(path) != 4 or path[:2] != ("optimizer", "state"):
+                continue
+            name, key, entry = by_fqn[path[2]], path[3], index[at]
+            if isinstance(entry, BytesStorageMetadata):
+                value: Any = objects[at]
+            elif key in whole_state.get(name, {}) or list(entry.size) != shape_of[name] or (
+                    key == "step" and not entry.size):
+                value = _Placeholder(at, list(entry.size), entry.properties.dtype)
+            else:  # per-element state, in fp32 for torch.optim ([Note: state precision])
+                dtype = entry.properties.dtype
+                value = _Placeholder(at, shape_of[name],
+                                     torch.float32 if dtype.is_floating_point else dtype)
+            yield name, key, value
+
+    options = [{**g, "params": [by_fqn[f] for f in g.get("params", [])]}
+               for g in param_groups(objects, paths)]
+    extra = objects.get(paths.get(EXTRA, ""))
+    return ({"model": sd} | _optimizer_tree(manifest, names, options, state_entries())
+            | {"extra": None if extra is None else torch.load(io.BytesIO(extra),
+                                                                weights_only=False),
+               "loss_scaler": manifest["loss_scaler"]})
+
+
+def _optimizer_tree(manifest: dict[str, Any], all_names: list[str],
+                    options: list[dict[str, Any]], entries: Any) -> dict[str, Any]:
+    """``"optimizer"`` (or ``"optimizers"``, one per class) of the export, from the groups'
+    options and the state entries ``(name, key, value)``."""
     # One torch optimizer state per class, over that class's groups in the run's order (the
     # groups of one class are what its torch optimizer would be built over); torch numbers
     # params by their position in its param groups, in order.
     order = [all_names] if manifest["default_param_groups"] else manifest["param_groups"]
-    options = objects["meta/param_groups"]
     classes = manifest.get("param_group_classes") or [manifest["optimizer"]] * len(order)
     position: dict[str, tuple[str, int]] = {}  # name -> (class, its position there)
     per_class: dict[str, dict[str, Any]] = {}
@@ -207,35 +295,16 @@ def _export_tree(manifest: dict[str, Any], index: dict[str, Any], objects: dict[
         into["param_groups"].append(
             {**{k: v for k, v in group.items() if k not in ("params", CLASS_KEY)}, "params": ids}
         )
-    whole_state = manifest.get("whole_state", {})
-    for fqn, entry in index.items():
-        if not fqn.startswith("state/"):
-            continue
-        name, _, key = fqn[len("state/"):].rpartition("/")
-        if key.endswith(EXPONENTS):
-            continue  # read with the values they scale
-        if isinstance(entry, BytesStorageMetadata):
-            value: Any = objects[fqn]
-        elif key in whole_state.get(name, {}) or not len(entry.size):
-            value = tensor(fqn, list(entry.size))  # whole-parameter state, or a scalar
-        else:
-            # Per-element state held below fp32 is exported in fp32, what torch.optim steps;
-            # see [Note: state precision] in distopt/optim/state_precision.py.
-            dtype = entry.properties.dtype
-            exponents = fqn + EXPONENTS if fqn + EXPONENTS in index else None
-            value = _Placeholder(fqn, shape_of[name],
-                                 torch.float32 if dtype.is_floating_point else dtype, exponents)
+    for name, key, value in entries:
         cls, pid = position[name]
         per_class[cls]["state"].setdefault(pid, {})[key] = value
     for sd in per_class.values():
         sd["state"] = dict(sorted(sd["state"].items()))
-    tree: dict[str, Any] = {"model": model_dicts[0] if len(model_dicts) == 1 else model_dicts}
+    tree: dict[str, Any] = {}
     if len(per_class) == 1:
         tree["optimizer"] = next(iter(per_class.values()))
     else:
         tree["optimizers"] = per_class
-    tree["extra"] = objects.get("extra")
-    tree["loss_scaler"] = manifest["loss_scaler"]
     return tree
 
 

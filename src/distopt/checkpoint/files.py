@@ -42,7 +42,8 @@ from typing import Any
 MANIFEST = "distopt.json"
 LATEST = "latest"
 FORMAT = "distopt-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: torch's layout ([Note: torch's layout on disk] in layout.py) where it applies
+READABLE = (1, 2)  # every version a load reads
 TMP_SUFFIX = ".distopt-tmp"
 OLD_SUFFIX = ".distopt-old"
 _BLOCK = 1 << 20  # bytes read at a time when checksumming, into one reused buffer
@@ -91,10 +92,10 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read {ckpt_dir / MANIFEST}: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir / MANIFEST} is not a distopt checkpoint manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE:
         raise CheckpointError(
             f"{ckpt_dir} has checkpoint format version {manifest.get('version')}; this distopt "
-            f"reads version {VERSION}"
+            f"reads versions {', '.join(map(str, READABLE))}: load it with a newer distopt"
         )
     return manifest
 

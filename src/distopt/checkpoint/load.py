@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..comm import collectives as comm
 from ..ddp.params.whole_module import module_entries
-from . import background, files
+from . import background, files, layout
 from .checks import (
     Models,
     agree,
@@ -80,6 +80,8 @@ def load_checkpoint(
         error = f"cannot read the checkpoint at {path}: {type(exc).__name__}: {exc}"
     agree(error, group)  # see [Note: which ranks agree]
     assert checked is not None
+    if checked[1].get("layout") == layout.TORCH:  # [Note: torch's layout on disk]
+        return layout.read(opt, group, *checked)
     return _read(opt, group, *checked)
 
 
@@ -116,6 +118,8 @@ def _check_checkpoint(opt: Optimizer, manifest: dict[str, Any], metadata: Metada
     whole_state = manifest.get("whole_state", {})
     check_whole_state(opt, whole_state)
 
+    if manifest.get("layout") == layout.TORCH:
+        return layout.check_index(opt, manifest, metadata, ckpt_dir)
     index = metadata.state_dict_metadata
     state_keys: dict[str, list[str]] = {}
     for key in index:

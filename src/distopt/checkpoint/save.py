@@ -15,7 +15,7 @@ import torch
 
 from ..comm import collectives as comm
 from ..ddp.params.whole_module import module_entries
-from . import background, files, parts
+from . import background, files, layout, parts
 from .background import AsyncCheckpoint
 from .checks import Models, check_pair
 from .files import CheckpointError
@@ -116,23 +116,41 @@ def save_checkpoint(
         raise CheckpointError(setup)
     final, tmp, sequence = setup
 
-    publish = partial(_write_and_publish, manifest=_manifest(opt, sequence, final.name, whole),
-                      tmp=tmp, final=final, keep=keep, latest=latest)
+    # torch's layout where torch's state-dict functions describe the model: [Note: torch's
+    # layout on disk] in layout.py.
+    nested = layout.covers(opt)
+    publish = partial(_write_and_publish,
+                      manifest=_manifest(opt, sequence, final.name, whole, nested),
+                      tmp=tmp, final=final, keep=keep, latest=latest, nested=nested)
     with _params_gathered(opt):
-        state, whole_state = parts.dcp_state(
-            opt, extra, group, None if whole is None else whole.param_groups)
+        if nested:
+            state, whole_state = layout.dcp_state(opt, extra, group)
+        else:
+            state, whole_state = parts.dcp_state(
+                opt, extra, group, None if whole is None else whole.param_groups)
         if not async_save:
             try:
                 return publish(state, whole_state, group)
             finally:
                 opt.settle_offloaded()  # the offloaded state read, dropped from memory
         writers = background.writer_group(group)  # collective the first time
-        staged = staging_of(opt).stage(state)
+        staged = _staged(opt, state, nested)
         opt.settle_offloaded()
     handle = AsyncCheckpoint(final, waited)
     handle.stall_s = time.perf_counter() - called
     return background.start(handle, lambda: publish(staged, whole_state, writers),
                             partial(_lost_message, final, rank))
+
+
+def _staged(opt: Optimizer, state: dict[str, Any], nested: bool) -> dict[str, Any]:
+    """``state`` copied into ``opt``'s staging buffer ([Note: async staging]), nested as it
+    came."""
+    if not nested:
+        return staging_of(opt).stage(state)
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+    flat, mappings = flatten_state_dict(state)
+    return unflatten_state_dict(staging_of(opt).stage(flat), mappings)
 
 
 def _params_gathered(opt: Optimizer) -> contextlib.ExitStack:
@@ -152,7 +170,7 @@ def _params_gathered(opt: Optimizer) -> contextlib.ExitStack:
 
 def _write_and_publish(state: dict[str, Any], whole: dict[str, dict[str, list[Any]]],
                        group: Any, *, manifest: dict[str, Any], tmp: Path, final: Path,
-                       keep: int | None, latest: bool) -> Path:
+                       keep: int | None, latest: bool, nested: bool) -> Path:
     """Write ``state`` into ``tmp``, agree on every rank's outcome, and (rank 0) commit; raises
     the same CheckpointError on every rank if any rank failed. See [Note: failed saves]."""
     from . import dcp  # see [Note: one-way imports]
@@ -161,9 +179,9 @@ def _write_and_publish(state: dict[str, Any], whole: dict[str, dict[str, list[An
     # Each rank's outcome, agreed on before anything is published; see [Note: failed saves].
     outcome: Any
     try:
-        dcp.save(state, tmp, group)
-        # The manifest lists every rank's files and the whole-parameter state its owner wrote.
-        outcome = (files.checksum_files(tmp, f"__{rank}_"), whole)
+        # The manifest lists every rank's files (their CRC32s taken as they were written) and
+        # the whole-parameter state its owner wrote.
+        outcome = (dcp.save(state, tmp, group, nested), whole)
     except dcp.WriteFailed as exc:  # the same on every rank
         outcome = str(exc)
     except OSError as exc:  # this rank's alone
@@ -221,7 +239,7 @@ def _failure_message(final: Path, tmp: Path, problems: list[str]) -> str:
 
 
 def _manifest(opt: Optimizer, sequence: int, name: str,
-              whole: WholeModel | None) -> dict[str, Any]:
+              whole: WholeModel | None, nested: bool) -> dict[str, Any]:
     """The manifest as the save begins; the writing fills in the whole-parameter state its
     owners wrote and every file's checksum. ``whole``: a pipeline's whole model, described as
     one model."""
@@ -254,5 +272,6 @@ def _manifest(opt: Optimizer, sequence: int, name: str,
         "loss_scaler": scaler_state(opt),
         "models": models,
         "files": None,
-    } | ({} if whole is None else {"models": whole.manifest_models(),
-                                   "param_groups": whole.param_groups})
+    } | ({"layout": layout.TORCH} if nested else {}) | (
+        {} if whole is None else {"models": whole.manifest_models(),
+                                  "param_groups": whole.param_groups})
