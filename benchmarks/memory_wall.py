@@ -18,9 +18,10 @@ DIR`` a save and a load, and with ``--torch-checkpoint DIR`` the same through to
 printed beside distopt's own, and with ``--async-save`` each road's async save too
 (``save_checkpoint(..., async_save=True)``; ``dcp.async_save`` with torch's default
 stager). distopt's peak is broken down into what the torch import costs, its state, and
-its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes torch DDP and distopt's ZeRO-1 and ZeRO-2 would need are
-computed from their bytes per parameter and compared with this machine's memory, not run: they
-would be killed for memory, and so could be the machine's other work.
+its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes torch
+DDP and distopt's ZeRO-1 and ZeRO-2 would need are computed from their bytes per parameter
+and compared with this machine's memory, not run: they would be killed for memory, and so
+could be the machine's other work.
 
 ``--offload DIR`` runs distopt with its offload tier in DIR (``offload_dir=``: the masters and
 the optimizer state in a file, one bucket's shard in memory at a time); beside
