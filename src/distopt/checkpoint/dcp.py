@@ -287,6 +287,26 @@ def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int
     return out
 
 
+def param_boxes(param: torch.Tensor, shard: FlatShard | None, like: torch.Tensor) -> torch.Tensor:
+    """``shard`` (a range of ``param`` flattened) as DCP's boxes of ``param``'s shape, views of
+    the shard's values; no box without a shard. See [Note: torch's layout from flat shards] in
+    torch_layout.py."""
+    shape = tuple(param.shape)
+    chunks = []
+    if shard is not None:
+        # A DTensor param's piece is a range of its local shard: runs of the global tensor
+        # ([Note: TP checkpoints] in format.py), each cut into boxes of the global shape.
+        for at_run, global_start, length in piece_runs(param, shard.offset, shard.end):
+            for offset, size, start in flat_range_boxes(shape, global_start,
+                                                        global_start + length):
+                at = at_run + start - global_start
+                chunks.append((offset, shard.local[at : at + math.prod(size)].view(size)))
+        like = shard.local
+    out = _DcpFlat(chunks, shape, like)
+    out.shard = shard  # what a load of these boxes installs
+    return out
+
+
 def range_as_dcp(shape: tuple[int, ...], start: int, values: torch.Tensor) -> torch.Tensor:
     """``values``, the elements ``[start, start + values.numel())`` of a flattened tensor of
     ``shape``, as the boxes of that tensor DCP writes (a model param written from the shards

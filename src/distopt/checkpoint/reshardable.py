@@ -48,7 +48,7 @@ from .format import (
 def reshardable(opt: Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     """``sd`` (state_dict.py's, of flat shards) with each flat shard laid out like its param
     given as the boxes of that param; see [Note: a state dict DCP reshards]."""
-    from .torch_layout import boxes
+    from .dcp import param_boxes
 
     params = {owned.name: owned.param for owned in owned_pieces(opt)}
 
@@ -56,7 +56,7 @@ def reshardable(opt: Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         param = params.get(name)
         if not isinstance(value, FlatShard) or param is None or value.numel != param.numel():
             return value
-        out = boxes(param, value, value.local)
+        out = param_boxes(param, value, value.local)
         out._chunks.owner = name  # which piece the boxes are, whatever key they travel under
         return out
 
