@@ -15,11 +15,13 @@ phases; the largest is the process's peak): setup (materialization included),
 the first step (the optimizer state is allocated), the later steps, with ``--checkpoint
 DIR`` a save and a load, and with ``--torch-checkpoint DIR`` the same through torch's functions
 (``get_state_dict`` + ``dcp.save``; ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``),
-printed beside distopt's own. distopt's peak is broken down into what the torch import costs, its
-state, and its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes
-torch DDP and distopt's ZeRO-1 and ZeRO-2 would need are
-computed from their bytes per parameter and compared with this machine's memory, not run: they
-would be killed for memory, and so could be the machine's other work.
+printed beside distopt's own, and with ``--async-save`` each road's async save too
+(``save_checkpoint(..., async_save=True)``; ``dcp.async_save`` with torch's default
+stager). distopt's peak is broken down into what the torch import costs, its state, and
+its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes torch
+DDP and distopt's ZeRO-1 and ZeRO-2 would need are computed from their bytes per parameter
+and compared with this machine's memory, not run: they would be killed for memory, and so
+could be the machine's other work.
 
 ``--offload DIR`` runs distopt with its offload tier in DIR (``offload_dir=``: the masters and
 the optimizer state in a file, one bucket's shard in memory at a time); beside
@@ -225,6 +227,12 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         distopt.load_checkpoint(path, ddp, opt)
         checkpoint_s["load"] = time.perf_counter() - start
         phases["load"] = _phase_peak_bytes()
+        if args.async_save:  # the host buffer kept between saves is in this phase's peak
+            _start_phase()
+            start = time.perf_counter()
+            distopt.save_checkpoint(path, ddp, opt, async_save=True).wait()
+            checkpoint_s["async save"] = time.perf_counter() - start
+            phases["async save"] = _phase_peak_bytes()
     if args.torch_checkpoint and ddp is not None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -245,6 +253,15 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         del msd, osd
         checkpoint_s["torch load"] = time.perf_counter() - start
         phases["torch load"] = _phase_peak_bytes()
+        if args.async_save:  # torch's default stager: its staged copy of what the rank writes
+            _start_phase()
+            start = time.perf_counter()
+            msd, osd = get_state_dict(ddp, opt)
+            dcp.async_save({"model": msd, "optim": osd},
+                           checkpoint_id=checkpoint_id + "-async").result()
+            del msd, osd
+            checkpoint_s["torch async save"] = time.perf_counter() - start
+            phases["torch async save"] = _phase_peak_bytes()
     record = {
         "num_params": num_params, "baseline": baseline, "after_setup": after_setup,
         # The phases' high-water marks: resetting them resets ru_maxrss's too.
@@ -509,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="then save and load distopt's state with torch's road in DIR "
                              "(get_state_dict + dcp.save; get_state_dict + dcp.load + "
                              "set_state_dict), measuring both")
+    parser.add_argument("--async-save", action="store_true",
+                        help="with --checkpoint and --torch-checkpoint, also an async save of "
+                             "each road (save_checkpoint(..., async_save=True); dcp.async_save "
+                             "with torch's default stager), each waited for, measured apart")
     args = parser.parse_args(argv)
     if args.offload is not None and "--systems" not in (argv or sys.argv):
         args.systems = ["distopt-offload"]

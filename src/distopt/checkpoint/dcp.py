@@ -43,6 +43,7 @@ copies box by box.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -73,18 +74,31 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..parallel.tensor_parallel import TensorParallelMesh
-from .format import OwnedPiece, piece_runs
+from .format import FlatShard, OwnedPiece, piece_runs
 
 
 class _Chunks(dict):
     """A ``_DcpFlat``'s boxes (global offset -> values) and, for boxes of torch's layout, the
     flat shard they view (``shard``, what a load installs). A deep copy is a staged copy; see
-    [Note: staging by torch's stagers]."""
+    [Note: staging by torch's stagers]; it keeps where the shard lies (``span``), so that a
+    copy still loads."""
 
     shard: Any
+    span: tuple[int, int]
+    owner: str  # the piece's param, for boxes of opt.state_dict() (checkpoint/reshardable.py)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Chunks:
-        return _Chunks({offset: _host_copy(box) for offset, box in self.items()})
+        out = _Chunks({offset: _host_copy(box) for offset, box in self.items()})
+        out.__dict__.update(self.marks())
+        return out
+
+    def marks(self) -> dict[str, Any]:
+        """What a copy keeps of the shard (where it lies) and of its owner."""
+        shard = self.__dict__.get("shard")
+        marks = {k: v for k, v in self.__dict__.items() if k in ("span", "owner")}
+        if shard is not None:
+            marks["span"] = (shard.offset, shard.numel)
+        return marks
 
 
 def _host_copy(box: torch.Tensor) -> torch.Tensor:
@@ -111,15 +125,36 @@ class _DcpFlat(torch.Tensor):
 
     @property
     def shard(self) -> Any:
-        """The flat shard these boxes view (torch_layout's boxes); no attribute otherwise."""
-        try:
-            return self._chunks.shard
-        except AttributeError:
-            raise AttributeError("shard") from None
+        """The flat shard these boxes view (torch_layout's boxes), or for a copy of such boxes
+        their values joined into one; no attribute otherwise."""
+        chunks = self._chunks
+        if "shard" in chunks.__dict__:
+            return chunks.shard
+        if "span" in chunks.__dict__:  # a copy: its boxes, in flat order, are the piece
+            offset, numel = chunks.span
+            local = torch.cat([box.reshape(-1) for box in chunks.values()]) if chunks else (
+                torch.empty(0, dtype=self.dtype))
+            return FlatShard(local, offset, numel)
+        raise AttributeError("shard")
 
     @shard.setter
     def shard(self, value: Any) -> None:
         self._chunks.shard = value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _DcpFlat:
+        """A copy holding its own bytes, as torch's stager makes (``copy.deepcopy`` of a
+        state dict holding boxes, before a later ``load_state_dict``)."""
+        out = _DcpFlat([], tuple(self.shape), torch.empty(0, dtype=self.dtype))
+        out._chunks = copy.deepcopy(self._chunks, memo)
+        return out
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its boxes (and the flat shard they view, whose storage torch.save and
+        multiprocessing write once): ``torch.save`` of a state dict holding boxes, read back by
+        the default ``torch.load``, and ``dcp.async_save``'s checkpointing process."""
+        chunks = self._chunks
+        return (_rebuild_boxes, (list(chunks.items()), tuple(self.shape), self.dtype,
+                                 chunks.__dict__.get("shard"), chunks.marks()))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -159,6 +194,20 @@ class _DcpFlat(torch.Tensor):
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         assert index.offset is not None
         return _own_bytes(self._chunks[tuple(index.offset)])
+
+
+def _rebuild_boxes(chunks: list[tuple[tuple[int, ...], torch.Tensor]], shape: tuple[int, ...],
+                   dtype: torch.dtype, shard: Any, marks: dict[str, Any]) -> _DcpFlat:
+    """A pickled ``_DcpFlat`` (``__reduce_ex__``)."""
+    out = _DcpFlat(chunks, shape, torch.empty(0, dtype=dtype))
+    out._chunks.__dict__.update(marks)
+    if shard is not None:
+        out.shard = shard
+    return out
+
+
+# The default torch.load (weights_only) reads pickled boxes; see ``_DcpFlat.__reduce_ex__``.
+torch.serialization.add_safe_globals([_rebuild_boxes])
 
 
 def _staged_shell(source: _DcpFlat, shape: tuple[int, ...], *, dtype: Any = None,
@@ -236,6 +285,26 @@ def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int
                     (end_whole - first_whole, *shape[1:]), first_whole * inner))
     if end_whole * inner < hi:
         within(end_whole, 0, hi - end_whole * inner)
+    return out
+
+
+def param_boxes(param: torch.Tensor, shard: FlatShard | None, like: torch.Tensor) -> torch.Tensor:
+    """``shard`` (a range of ``param`` flattened) as DCP's boxes of ``param``'s shape, views of
+    the shard's values; no box without a shard. See [Note: torch's layout from flat shards] in
+    torch_layout.py."""
+    shape = tuple(param.shape)
+    chunks = []
+    if shard is not None:
+        # A DTensor param's piece is a range of its local shard: runs of the global tensor
+        # ([Note: TP checkpoints] in format.py), each cut into boxes of the global shape.
+        for at_run, global_start, length in piece_runs(param, shard.offset, shard.end):
+            for offset, size, start in flat_range_boxes(shape, global_start,
+                                                        global_start + length):
+                at = at_run + start - global_start
+                chunks.append((offset, shard.local[at : at + math.prod(size)].view(size)))
+        like = shard.local
+    out = _DcpFlat(chunks, shape, like)
+    out.shard = shard  # what a load of these boxes installs
     return out
 
 

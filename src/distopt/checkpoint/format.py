@@ -161,6 +161,13 @@ class FlatShard:
         return self.offset + self.local.numel()
 
 
+def as_shard(value: Any) -> Any:
+    """The flat shard of ``opt.state_dict()``'s boxes (checkpoint/reshardable.py), else
+    ``value``."""
+    shard = getattr(value, "shard", None) if isinstance(value, torch.Tensor) else None
+    return value if shard is None else shard
+
+
 # The default torch.load (weights_only) reads a saved state dict's shards; see
 # [Note: torch's way of saving the optimizer] in state_dict.py.
 torch.serialization.add_safe_globals([FlatShard])
@@ -443,10 +450,11 @@ def merge_state_dicts(state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for sd in state_dicts:
         for name, shard in sd["main_params"].items():
-            main_params.setdefault(name, []).append(shard)
+            main_params.setdefault(name, []).append(as_shard(shard))
         for name, entries in sd["state"].items():
             into = state.setdefault(name, {})
             for key, value in entries.items():
+                value = as_shard(value)
                 if isinstance(value, FlatShard):
                     into.setdefault(key, []).append(value)
                 else:

@@ -48,6 +48,9 @@ def install(opt: Optimizer, states: Iterable[tuple[OwnedPiece, dict[str, Any]]],
     The model params are left as they are: a loader that loaded the main params rebuilds them
     with ``opt.sync_model_params()``.
     """
+    states = list(states)
+    if states:  # a load on a rank without pieces gives none: see [Note: opt.state by model param]
+        opt.state.made = True
     for owned, state in states:
         if state:
             # Per-element state in the dtypes this run holds it in: see [Note: state

@@ -41,6 +41,7 @@ from .format import (
     FlatShard,
     Optimizer,
     OwnedPiece,
+    as_shard,
     check_loaded_state,
     class_path,
     hyper_params,
@@ -52,7 +53,8 @@ from .format import (
     scaler_state,
     state_entry,
 )
-from .install import install_values
+from .install import install_states, install_values
+from .reshardable import is_torch_layout, reshardable, torch_layout_values
 
 
 def state_dict(opt: Optimizer, per_rank: bool = False) -> dict[str, Any]:
@@ -86,21 +88,34 @@ def state_dict(opt: Optimizer, per_rank: bool = False) -> dict[str, Any]:
     return out
 
 
+def own_state_dict(opt: Optimizer, per_rank: bool = False) -> dict[str, Any]:
+    """``opt.state_dict()`` of an optimizer not sharded over several ranks (or, ``per_rank``,
+    a rank's part): ``state_dict`` whose per-element tensors DCP reshards ([Note: a state dict
+    DCP reshards] in reshardable.py)."""
+    return reshardable(opt, state_dict(opt, per_rank=per_rank), per_rank=per_rank)
+
+
 def rank_part(opt: Optimizer) -> dict[str, Any]:
-    """``state_dict`` of this rank's part, marked with the process it belongs to."""
-    return {**state_dict(opt, per_rank=True), RANK_PART_KEY: {"rank": dist.get_rank(),
-                                               "world_size": dist.get_world_size()}}
+    """``own_state_dict`` of this rank's part, marked with the process it belongs to."""
+    return {**own_state_dict(opt, per_rank=True), RANK_PART_KEY: {
+        "rank": dist.get_rank(), "world_size": dist.get_world_size()}}
 
 
 def load_state_dict(opt: Optimizer, state_dict: dict[str, Any]) -> None:
     """Validate ``state_dict`` against this rank's pieces, agree across ranks, then load it."""
-    error, values = None, None
+    error, values, states, options = None, None, None, None
     try:
-        values = _pieces_of(opt, state_dict)
+        if is_torch_layout(state_dict):  # torchtitan's; see [Note: a state dict DCP reshards]
+            states, options = torch_layout_values(opt, state_dict)
+        else:
+            values = _pieces_of(opt, state_dict)
     except (CheckpointError, TypeError, KeyError) as exc:
         error = f"cannot load the optimizer state dict: {exc}"
     # The ranks that gather the params afterwards; see [Note: which ranks agree].
     agree(error, opt.parallel.dp_group if opt.sharded else None)
+    if states is not None:
+        install_states(opt, states, options)  # the masters are the model's entries
+        return
     assert values is not None
     install_values(opt, values, state_dict["param_groups"], state_dict["loss_scaler"])
     if opt.local_params is not None:
@@ -131,8 +146,8 @@ def _pieces_of(opt: Optimizer, sd: dict[str, Any]
     for owned in owned_pieces(opt, per_rank=sd.get(RANK_PART_KEY) is not None):
         if owned.name not in sd["main_params"]:
             raise CheckpointError(f"no main params for '{owned.name}' in the state dict")
-        main = piece_of(sd["main_params"][owned.name], owned, "main params")
-        entries = {key: loaded_entry(value, owned, key)
+        main = piece_of(as_shard(sd["main_params"][owned.name]), owned, "main params")
+        entries = {key: loaded_entry(as_shard(value), owned, key)
                    for key, value in sd["state"].get(owned.name, {}).items()}
         values.append((owned, main, entries))
     return values

@@ -48,7 +48,6 @@ them).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -68,7 +67,6 @@ from .format import (
     loaded_entry,
     owned_pieces,
     piece_of,
-    piece_runs,
 )
 from .install import install_states
 from .state_dict import consolidated_state_dict, state_dict
@@ -112,22 +110,9 @@ def check(call: torch_dcp.DistoptCall) -> None:
 def boxes(param: torch.Tensor, shard: FlatShard | None, like: torch.Tensor) -> torch.Tensor:
     """``shard`` (a range of ``param`` flattened) as DCP's boxes of ``param``'s shape, views of
     the shard's values; no box without a shard. See [Note: torch's layout from flat shards]."""
-    from .dcp import _DcpFlat, flat_range_boxes
+    from .dcp import param_boxes
 
-    shape = tuple(param.shape)
-    chunks = []
-    if shard is not None:
-        # A DTensor param's piece is a range of its local shard: runs of the global tensor
-        # ([Note: TP checkpoints] in format.py), each cut into boxes of the global shape.
-        for at_run, global_start, length in piece_runs(param, shard.offset, shard.end):
-            for offset, size, start in flat_range_boxes(shape, global_start,
-                                                        global_start + length):
-                at = at_run + start - global_start
-                chunks.append((offset, shard.local[at : at + math.prod(size)].view(size)))
-        like = shard.local
-    out = _DcpFlat(chunks, shape, like)
-    out.shard = shard  # what a load of these boxes installs
-    return out
+    return param_boxes(param, shard, like)
 
 
 def _loadable(value: Any, key: str) -> Any:

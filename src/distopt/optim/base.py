@@ -151,6 +151,7 @@ class BufferOptimizer(OptimizerConstruction, torch.optim.Optimizer):
             self._first_step_done = True
             release_freed_host_memory()
         if result.updated:
+            self.state.made = True  # on every rank alike: [Note: opt.state by model param]
             self._gather_params()
         for owned in self._owned:
             owned.note_params_written()

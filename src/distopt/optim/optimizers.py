@@ -51,6 +51,8 @@ class StateDictFunctions(Protocol):
 
     def state_dict(self, opt: BufferOptimizer) -> dict[str, Any]: ...
 
+    def own_state_dict(self, opt: BufferOptimizer) -> dict[str, Any]: ...
+
     def rank_part(self, opt: BufferOptimizer) -> dict[str, Any]: ...
 
     def load_state_dict(self, opt: BufferOptimizer, state_dict: dict[str, Any]) -> None: ...
@@ -93,7 +95,7 @@ class _CheckpointedOptimizer(BufferOptimizer):
         the rank it belongs to ([Note: torch's way of saving the optimizer] in
         checkpoint/state_dict.py)."""
         if not self._state_is_sharded():
-            return _state_dict_functions().state_dict(self)
+            return _state_dict_functions().own_state_dict(self)
         if self._consolidated is not None:
             return self._consolidated
         return _state_dict_functions().rank_part(self)

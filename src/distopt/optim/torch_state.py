@@ -12,6 +12,11 @@ group steps together). Per-element state (``exp_avg``, ...) is a piece of the pa
 rank, not a tensor of its shape: asking for it raises, naming
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, which gives it in the
 param's shape. The dict is built for the read and not stored: writing into it changes nothing.
+
+``bool(opt.state)`` is whether the optimizer holds state, as torch's: true on every rank once a
+step updated the params or a load installed state, also on a rank that owns no piece (whose
+dict is empty), so that code asking it (torchtitan's ``init_optim_state``, which steps when it
+is false) takes the same branch on every rank and the step's collectives match.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class TorchState(defaultdict):
     def __init__(self, scalars_of: Callable[[Any], ParamScalars | None]) -> None:
         super().__init__(dict)
         self._scalars_of = scalars_of
+        self.made = False  # a step or a load made state, on every rank
+
+    def __bool__(self) -> bool:
+        return self.made or dict.__len__(self) > 0
 
     def __missing__(self, key: Any) -> Any:
         scalars = self._scalars_of(key)
