@@ -511,6 +511,10 @@ def test_one_reduce_scatter_and_all_gather_per_bucket_per_step(results_4, config
                 assert calls["all_gather"] == buckets, calls
             # The tie's shard, over the stages, once per step.
             assert sum(c.get("tied_all_reduce", 0) for c in step_calls) == 1, step_calls
+            # With sharded params one forward check a step per model chunk, not one per
+            # micro-batch's forward and backward: the schedule orders them alike on every rank.
+            for calls in step_calls:
+                assert calls.get("forward_check", 0) == (1 if "shard_params" in config else 0)
         # A sharded stage held its step whole: a grad buffer per bucket, every param gathered
         # (what `distopt memory --pp` states for the step).
         variant = config[4] if len(config) > 4 else ""

@@ -157,11 +157,15 @@ class PipelineStage(TorchPipelineStage):
         base = super().backward_maybe_with_nosync
         if last_backward and backward_type != "input":  # reduces, frees: [Note: a step held
             self.submod.hold_step = False               # whole]; an input half makes no grads
-        with self._sync_if(last_backward):
-            if backward_type == "weight":  # assigns p.grad: see [Note: pipeline stages]
-                with self.submod.assigned_grads():
-                    return base(backward_type, bwd_kwargs, last_backward)
-            return base(backward_type, bwd_kwargs, last_backward)
+        try:
+            with self._sync_if(last_backward):
+                if backward_type == "weight":  # assigns p.grad: see [Note: pipeline stages]
+                    with self.submod.assigned_grads():
+                        return base(backward_type, bwd_kwargs, last_backward)
+                return base(backward_type, bwd_kwargs, last_backward)
+        finally:
+            if last_backward and backward_type != "input":
+                self.submod.scheduled(False)  # forwards outside a schedule are checked again
 
     def clear_runtime_states(self) -> None:
         # Called by every schedule at the start of each step, on every stage.
@@ -170,6 +174,7 @@ class PipelineStage(TorchPipelineStage):
             self._check_new_step()
             # Sharded grads and params reduce and gather once per step, not per micro-batch.
             self.submod.hold_step = not self.submod.options.grad_policy.full_grads
+            self.submod.scheduled(True)  # one forward check a step (ddp/stage_methods.py)
 
     def _check_new_step(self) -> None:
         """A training step starts from zeroed grads, or every stage refuses it before any

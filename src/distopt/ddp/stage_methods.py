@@ -22,6 +22,7 @@ class PipelineStageMethods:
 
     _grad_sync: GradSync
     _backward_seen: bool
+    _unsharder: Any
 
     def _check_live(self) -> None: ...
 
@@ -47,6 +48,15 @@ class PipelineStageMethods:
         self._backward_seen = True
         with self._grad_sync.assigned_grads():
             yield
+
+
+    def scheduled(self, on: bool) -> None:
+        """Whether a pipeline schedule's training step drives the forwards and backwards now:
+        every rank of the stage runs the same schedule, so the forward check of sharded
+        params runs at the step's first forward alone, not at every micro-batch's forward and
+        backward (see "Pipeline stages" in [Note: every rank runs every forward])."""
+        if self._unsharder is not None and self._unsharder.check is not None:
+            self._unsharder.check.scheduled(on)
 
 
 def guard_torch_pipeline_stages(ddp_class: type) -> None:

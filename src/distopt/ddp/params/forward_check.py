@@ -40,6 +40,12 @@ is settled, so ranks that parted still raise before their gathers meet, while th
 trip overlaps what runs until then: the wait for a unit gathered ahead by the step
 (``overlap_param_gather``), or a backward's compute up to its first reduction where the
 params were kept after the forward. A check that nothing settled is settled by the next one.
+Pipeline stages: inside a training step of torch's pipeline schedules (distopt's
+``PipelineStage`` marks it, from ``clear_runtime_states`` to the step's last backward) the
+schedule, the same on every rank of a stage, orders every micro-batch's forward and backward,
+so only the step's first forward is checked: a forward on one rank alone comes outside a
+schedule's step, where every forward is checked again.
+
 Cost: one all-gather of 5 int64 per rank per forward and per backward, torch's own (distopt's
 point-to-point all-gather on gloo would share its tags with a param gather in flight), about
 0.7 ms of round trip at d = 2 on gloo on the 2-core CPU machine where nothing hides it; on a
@@ -77,16 +83,32 @@ class ForwardCheck:
         _names[self.serial] = name
         self.forwards = 0
         self.backwards = 0
+        self._scheduled = False  # a pipeline schedule's step drives the forwards now
+        self._checked_in_schedule = False
+
+    def scheduled(self, on: bool) -> None:
+        """A pipeline schedule's training step starts (``on``) or ended: within it, only its
+        first forward is checked. See "Pipeline stages" in the Note."""
+        self._scheduled = on
+        self._checked_in_schedule = False
+
+    def _skips(self) -> bool:
+        if not self._scheduled:
+            return False
+        skip, self._checked_in_schedule = self._checked_in_schedule, True
+        return skip
 
     def forward(self, training: bool) -> None:
         """Before a forward's first collective: every rank starts this same forward."""
         self.forwards += 1
-        self._check(_FORWARD, self.forwards, torch.is_grad_enabled(), training)
+        if not self._skips():
+            self._check(_FORWARD, self.forwards, torch.is_grad_enabled(), training)
 
     def backward(self) -> None:
         """Before a backward's first gather: every rank starts this same backward."""
         self.backwards += 1
-        self._check(_BACKWARD, self.backwards, False, False)
+        if not self._skips():
+            self._check(_BACKWARD, self.backwards, False, False)
 
     def _check(self, kind: int, count: int, grad: bool, training: bool) -> None:
         if self.size == 1:
