@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +40,8 @@ PRECISIONS = {  # mode: (the params' dtype, the sharding mode, the optimizer's a
                                        "state_dtype": torch.bfloat16}),
     "muon": (torch.float32, "optim", {"muon": True}),  # whole-tensor owners
     "fp16": (torch.float16, "optim", {"loss_scaler": True}),
+    # The offload tier: masters and state rest in a file between steps.
+    "offload": (torch.float32, "optim", {"offload": True}),
 }
 """Modes beyond fp32 AdamW: each runs under a killed group like the sharding modes."""
 
@@ -57,6 +60,8 @@ def build_optimizer(ddp: Any, model: nn.Module, mode: str) -> Any:
     kwargs = dict(PRECISIONS[mode][2]) if mode in PRECISIONS else {}
     if kwargs.pop("loss_scaler", False):
         kwargs["loss_scaler"] = distopt.DynamicLossScaler()
+    if kwargs.pop("offload", False):
+        kwargs["offload_dir"] = tempfile.gettempdir()
     if kwargs.pop("muon", False):
         matrices = [p for p in model.parameters() if p.ndim == 2]
         rest = [p for p in model.parameters() if p.ndim != 2]
