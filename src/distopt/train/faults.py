@@ -22,7 +22,10 @@ phases:
 A kill fires once, at the first moment of its phase at or after its step; its rank writes it
 into the group's ``ft.jsonl`` before dying, so that the group's next start (its launcher
 restarts it) knows it fired. A ``heal`` kill waits for a heal that its rank takes part in;
-one that never comes is reported as not fired.
+one that never comes is reported as not fired. Without ``--ft-groups`` (a run that torchrun
+restarts whole, resuming from its last save) the schedule's ranks are those of one group, 0,
+and its kills are written into ``OUT/ft.jsonl``: a fresh output folder starts a fresh
+schedule.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class Faults:
         """Kill this process (SIGKILL) if a kill of ``phase`` is due at ``step``."""
         for kill in self.pending:
             if kill.phase == phase and step >= kill.step:
+                self.log.parent.mkdir(parents=True, exist_ok=True)
                 with self.log.open("a") as f:
                     f.write(json.dumps({"event": "killed", "step": step, "kill": asdict(kill),
                                         "attempt": int(os.environ.get(

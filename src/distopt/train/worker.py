@@ -88,9 +88,9 @@ class Trainer:
         self.manager, self._ft_store = (
             ft.build_manager(self.rank, self.world, config.timeout or FT_TIMEOUT_S)
             if config.ft_groups else (None, None))
-        self.faults = None if not config.ft_groups else faults_for(
-            self.group, self.rank, groups=groups, nproc=self.world, steps=config.steps,
-            log=self.out / ft.FT_LOG)
+        # Without --ft-groups the schedule names ranks of one group, 0 (benchmarks/faults.py).
+        self.faults = faults_for(self.group, self.rank, groups=groups, nproc=self.world,
+                                 steps=config.steps, log=self.out / ft.FT_LOG)
         torch.manual_seed(config.seed)
         experts, ep_group = self._expert_mesh()
         model = GPT(gpt_config(config.model, seq_len=config.seq_len, n_experts=config.moe),
@@ -207,6 +207,7 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "rng": torch.get_rng_state(),
             "history": self.history,
+            **({} if self.manager is None else {"ft": self.manager.state_dict()}),
         }
 
     def save(self, log: MetricsLog) -> None:
@@ -262,10 +263,14 @@ class Trainer:
     def maybe_resume(self) -> bool:
         """Resume from the latest checkpoint with --resume or when the launcher restarted
         the run (after a failure, or with another number of nodes: see train/elastic.py), at
-        whatever world size it has now; collective."""
+        whatever world size it has now; collective. A restarted replica group resumes from
+        its own last save and its Manager's step, then heals from a group ahead of it, if
+        any: when every group failed (the healing source died in the heal), the groups go on
+        from their saves instead of from step 0."""
         if self.manager is not None:
-            return False  # a restarted replica group heals from the others instead
-        restarted = elastic.is_restart(self.out, self.rank)
+            restarted = elastic.restart_count() > 0
+        else:
+            restarted = elastic.is_restart(self.out, self.rank)
         if not (self.config.resume or restarted) or not distopt.has_checkpoint(self.ckpt_dir):
             return False
         extra = distopt.load_checkpoint(self.ckpt_dir, self.ddp, self.opt)
@@ -274,6 +279,8 @@ class Trainer:
         self.sched.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
         self.history = list(extra["history"])
+        if self.manager is not None:
+            self.manager.load_state_dict(extra["ft"])
         return True
 
     # ------------------------------------------------------------------ loop
@@ -299,13 +306,13 @@ class Trainer:
                 # finished run: it must heal from a group still training, or stop.
                 raise RuntimeError(
                     "this replica group was restarted but no healthy group was left to heal "
-                    "from (the others had finished or failed): it stops instead of training "
-                    "from step 0")
+                    "from (the others had finished or failed) and it has no checkpoint: it "
+                    "stops instead of training from step 0")
             self.step = self.manager.current_step()
-            self._fault("forward")
             x, y = self.sampler.batch_at(self.step)
         else:
             x, y = self.sampler.next_batch()
+        self._fault("forward")
         x, y = x.to(self.device), y.to(self.device)
         # With --pp the schedule runs the micro-batches.
         loss_avg = (self._accumulate(x, y) if self.stages is None
