@@ -6,12 +6,15 @@ three ways in one launch, on the same data and the same failure schedule.
 
 1. ``clean``: ``distopt train --ft-groups G --nproc N``, no failure;
 2. ``ft``: the same with ``DISTOPT_TRAIN_FAIL_SCHEDULE=SEED:COUNT``: a killed group restarts
-   alone and heals from the others (``--ft-min-groups G``: the others wait for it, so every
-   committed step averages every group's batches, as in the clean run);
-3. ``restart``: ``distopt train --nproc G*N --max-restarts COUNT`` (torchrun's road, no torchft)
+   alone and heals from the others, which go on stepping without it meanwhile;
+3. ``ft-wait``: the same with ``--ft-min-groups G``: the others wait for it, so every committed
+   step averages every group's batches, as in the clean run (the same held-out loss);
+4. ``restart``: ``distopt train --nproc G*N --max-restarts COUNT`` (torchrun's road, no torchft)
    with the same kills, each named by its rank among the G*N (a ``heal`` kill, which this road
    has no heal for, dies in the forward instead): every rank restarts and resumes from the
-   last save.
+   last save;
+5. ``plain``: the same without failures: what ``restart`` costs beyond it is the failures',
+   what ``clean`` costs beyond it is torchft's (a quorum every step).
 
 The global batch is split over the same G*N ranks in each; the held-out loss is each run's
 last. Printed for each: the wall time, the steps tried and not committed (``ft``: a step that
@@ -72,25 +75,29 @@ def main() -> None:
     out = Path(a.out or tempfile.mkdtemp(prefix="distopt-faults-"))
     common = ["--steps", str(a.steps), "--save-every", str(a.save_every),
               "--timeout", str(a.timeout), "--eval-every", "0", *a.train_args]
-    ft = ["--ft-groups", str(a.groups), "--nproc", str(a.nproc),
-          "--ft-min-groups", str(a.groups), "--max-restarts", str(a.kills), *common]
+    ft = ["--ft-groups", str(a.groups), "--nproc", str(a.nproc), "--max-restarts",
+          str(a.kills), *common]
+    plain = ["--nproc", str(a.groups * a.nproc), "--max-restarts", str(a.kills), *common]
     kills = draw_schedule(a.seed, a.kills, groups=a.groups, nproc=a.nproc, steps=a.steps)
     flat = ",".join(f"0/{k.group * a.nproc + k.rank}/{k.step}/"
                     f"{'forward' if k.phase == 'heal' else k.phase}" for k in kills)
     print("schedule:", ", ".join(f"group {k.group} rank {k.rank} step {k.step} {k.phase}"
                                  for k in kills))
     rows = []
+    schedule = {FAIL_SCHEDULE_ENV: f"{a.seed}:{a.kills}"}
     for name, args, env in (
         ("clean", ft, {}),
-        ("ft", ft, {FAIL_SCHEDULE_ENV: f"{a.seed}:{a.kills}"}),
-        ("restart", ["--nproc", str(a.groups * a.nproc), "--max-restarts", str(a.kills),
-                     *common], {FAIL_SCHEDULE_ENV: flat}),
+        ("ft", ft, schedule),
+        ("ft-wait", [*ft, "--ft-min-groups", str(a.groups)], schedule),
+        ("restart", plain, {FAIL_SCHEDULE_ENV: flat}),
+        ("plain", plain, {}),
     ):
         seconds = _run(args, out / name, env)
         summary = json.loads((out / name / "summary.json").read_text())
-        if name == "restart":
+        if name in ("restart", "plain"):
             tried, lost = 0, _steps_redone(out / name / "metrics.jsonl")
-            fired = sum(1 for line in (out / name / "ft.jsonl").read_text().splitlines()
+            log = out / name / "ft.jsonl"
+            fired = sum(1 for line in (log.read_text().splitlines() if log.exists() else ())
                         if '"killed"' in line)
         else:
             groups = summary["ft"]["groups"]
@@ -99,9 +106,9 @@ def main() -> None:
                        for g in groups)
             fired = sum(len(g["kills"]) for g in groups)
         rows.append((name, seconds, fired, tried, lost, summary["heldout_loss_end"]))
-    print(f"\n{'run':8} {'wall s':>8} {'kills':>6} {'retried':>8} {'lost':>5} {'held-out':>9}")
+    print(f"\n{'run':8} {'wall s':>8} {'kills':>6} {'retried':>8} {'lost':>5} {'held-out':>10}")
     for name, seconds, fired, tried, lost, loss in rows:
-        print(f"{name:8} {seconds:8.1f} {fired:6d} {tried:8d} {lost:5d} {loss:9.4f}")
+        print(f"{name:8} {seconds:8.1f} {fired:6d} {tried:8d} {lost:5d} {loss:10.5f}")
     print(f"\noutputs: {out}")
 
 
