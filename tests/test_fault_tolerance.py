@@ -74,6 +74,18 @@ def _train_groups(out: Path, env: dict[str, str] | None = None) -> Command:
 TRAIN_FAIL = {"DISTOPT_TRAIN_FAIL_GROUP": "1", "DISTOPT_TRAIN_FAIL_AT_STEP": "3",
               "DISTOPT_TRAIN_FAIL_RANK": "1",
               "DISTOPT_TRAIN_FAIL_SCHEDULE": "1/1/3/heal,0/1/6/save"}
+# Three groups of one rank: group 0 killed at step 12, then each possible source of its heal
+# killed while sending it: every live copy of the state is lost, and the groups go on from
+# their last saves.
+SOURCE_FAIL = {"DISTOPT_TRAIN_FAIL_SCHEDULE": "0/0/12/forward,1/0/13/heal,2/0/13/heal"}
+SOURCE_RUN = launch_early(
+    "test_train_survives_the_healing_source_dying_in_the_heal",
+    lambda workdir: [Command.module(
+        "distopt", "train", "--nproc", "1", "--ft-groups", "3", "--max-restarts", "3",
+        "--model", "tiny", "--steps", "40", "--batch-size", "6", "--seq-len", "32",
+        "--max-bytes", "300000", "--eval-every", "20", "--eval-batches", "2",
+        "--save-every", "10", "--no-progress", "--warmup", "2", "--timeout", "60",
+        "--out", str(workdir / "failed"), env=SOURCE_FAIL)])
 TRAIN_RUNS = launch_early(
     "test_train_with_failures_in_a_heal_and_a_save_ends_as_the_run_without",
     lambda workdir: [_train_groups(workdir / "clean"),
@@ -247,6 +259,32 @@ def test_train_with_failures_in_a_heal_and_a_save_ends_as_the_run_without():
     assert len(set(summaries[1]["ft"]["heldout_loss"])) == 1
     for g in range(2):
         ckpt = resolve(TRAIN_RUNS.workdir / "failed" / "groups" / f"g{g}" / "checkpoints")
+        verify_files(ckpt, read_manifest(ckpt)["files"])
+
+
+@pytest.mark.slow
+def test_train_survives_the_healing_source_dying_in_the_heal():
+    """The groups that a restarted group heals from die while sending: the healing group's
+    heal fails, the sources restart from their last saves and the healing group heals from
+    them; the run finishes with every group at the same params, and only the steps since the
+    last save were committed twice."""
+    from distopt.checkpoint.files import read_manifest, resolve, verify_files
+
+    (failed,) = SOURCE_RUN.result()
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    out = SOURCE_RUN.workdir / "failed"
+    summary = json.loads((out / "summary.json").read_text())
+    groups = summary["ft"]["groups"]
+    assert [(k["step"], k["phase"]) for k in groups[0]["kills"]] == [(12, "forward")]
+    sources = [k for g in groups[1:] for k in g["kills"]]
+    assert sources and all(k["phase"] == "heal" for k in sources), groups
+    assert len(set(summary["ft"]["heldout_loss"])) == 1
+    for g in range(3):
+        events = [json.loads(line) for line in
+                  (out / "groups" / f"g{g}" / "ft.jsonl").read_text().splitlines()]
+        committed = [e["step"] for e in events if e["event"] == "committed"]
+        assert len(committed) - len(set(committed)) < 10 and max(committed) == 40, g
+        ckpt = resolve(out / "groups" / f"g{g}" / "checkpoints")
         verify_files(ckpt, read_manifest(ckpt)["files"])
 
 
