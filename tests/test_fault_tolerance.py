@@ -304,6 +304,9 @@ def test_a_seeded_schedule_is_spread_over_the_run():
                                                                    (0, 1, 6, "save")]
     with pytest.raises(ValueError, match="GROUP/RANK/STEP/PHASE"):
         parse_schedule("1/0/5/evaluate", groups=2, nproc=2, steps=10)
+    for bad in ("7", "7:x", "1/0/5", "3/0/5/heal"):
+        with pytest.raises(ValueError, match="GROUP/RANK/STEP/PHASE"):
+            parse_schedule(bad, groups=2, nproc=2, steps=10)
 
 
 # ---------------------------------------------------------------- the heal state, one process
@@ -433,6 +436,8 @@ def test_something_else_than_a_manager_is_refused():
     (["--ft-groups", "0"], "--ft-groups must be >= 1"),
     (["--ft-lighthouse", "http://host:29510"], "add --ft-groups"),
     (["--ft-groups", "2", "--ft-min-groups", "3"], "--ft-min-groups must be in"),
+    (["--ft-groups", "2", "--ft-min-groups", "2", "--ft-lighthouse", "http://host:29510"],
+     "--min_replicas"),
 ])
 def test_train_refuses_what_the_groups_do_not_cover(args, named):
     from distopt.train.config import parse_args

@@ -277,6 +277,9 @@ class TrainConfig:
         if not 1 <= self.ft_min_groups <= self.ft_groups:
             return [f"--ft-min-groups must be in [1, --ft-groups {self.ft_groups}], got "
                     f"{self.ft_min_groups}"]
+        if self.ft_min_groups != 1 and self.ft_lighthouse is not None:
+            return ["--ft-min-groups sets the Lighthouse that distopt train starts: with "
+                    "--ft-lighthouse set its --min_replicas instead"]
         return [f"--ft-groups does not compose with {flag} (not covered by the fault-tolerant "
                 "replica groups); drop one of them"
                 for flag, on in (("--no-shard", self.no_shard), ("--shard-size", self.shard_size),

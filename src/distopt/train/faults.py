@@ -57,13 +57,17 @@ class Kill:
 def parse_schedule(text: str, *, groups: int, nproc: int, steps: int) -> list[Kill]:
     """The kills of ``DISTOPT_TRAIN_FAIL_SCHEDULE``: ``SEED:COUNT`` or ``G/R/S/PHASE,...``."""
     text = text.strip()
-    if ":" in text and "/" not in text:
-        seed, count = (int(v) for v in text.split(":"))
-        return draw_schedule(seed, count, groups=groups, nproc=nproc, steps=steps)
-    kills = []
-    for item in filter(None, text.split(",")):
-        group, rank, step, phase = item.split("/")
-        kills.append(Kill(int(group), int(rank), int(step), phase))
+    try:
+        if ":" in text and "/" not in text:
+            seed, count = (int(v) for v in text.split(":"))
+            return draw_schedule(seed, count, groups=groups, nproc=nproc, steps=steps)
+        kills = []
+        for item in filter(None, text.split(",")):
+            group, rank, step, phase = item.split("/")
+            kills.append(Kill(int(group), int(rank), int(step), phase))
+    except ValueError:
+        raise ValueError(f"{FAIL_SCHEDULE_ENV}={text!r}: write SEED:COUNT or "
+                         "GROUP/RANK/STEP/PHASE,... (e.g. 1/0/40/heal)") from None
     for kill in kills:
         if kill.phase not in PHASES or not 0 <= kill.group < groups or not 0 <= kill.rank < nproc:
             raise ValueError(

@@ -91,7 +91,14 @@ def _launch_group(launch_one: Any, config: Any, group: int, lighthouse: str) -> 
     raise SystemExit(launch_one(config))
 
 
-def launch_groups(config: Any, launch_one: Any) -> int:
+def check_schedule(config: Any, nproc: int) -> None:
+    """A bad DISTOPT_TRAIN_FAIL_SCHEDULE is one ValueError, before any group starts."""
+    if os.environ.get(FAIL_SCHEDULE_ENV):
+        parse_schedule(os.environ[FAIL_SCHEDULE_ENV], groups=config.ft_groups, nproc=nproc,
+                       steps=config.steps)
+
+
+def launch_groups(config: Any, launch_one: Any, nproc: int) -> int:
     """Run ``launch_one(config)`` once per group, side by side, under one Lighthouse; write
     the run's summary; the exit status is the worst of the groups'."""
     server = None
@@ -119,7 +126,7 @@ def launch_groups(config: Any, launch_one: Any) -> int:
         server.shutdown()
     status = max(p.exitcode or 0 for p in procs)
     if status == 0:
-        write_ft_summary(out, config.ft_groups, config.nproc or 1, config.steps)
+        write_ft_summary(out, config.ft_groups, nproc, config.steps)
     return status
 
 
