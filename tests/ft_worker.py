@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -32,12 +33,53 @@ BATCH = 4  # rows per rank and step
 LR = 1e-2
 MODES = {"optim": {}, "grads": {"shard_grads": True}, "params": {"shard_params": True}}
 """The sharding modes inside a group: DistributedDataParallel's arguments."""
+PRECISIONS = {  # mode: (the params' dtype, the sharding mode, the optimizer's arguments)
+    "bf16": (torch.bfloat16, "optim", {}),  # fp32 main params of bf16 params
+    # The lean tier: bf16 params, their fp32 remainders, bf16 optimizer state.
+    "lean": (torch.bfloat16, "grads", {"store_param_remainders": True,
+                                       "state_dtype": torch.bfloat16}),
+    "muon": (torch.float32, "optim", {"muon": True}),  # whole-tensor owners
+    "fp16": (torch.float16, "optim", {"loss_scaler": True}),
+    # The offload tier: masters and state rest in a file between steps.
+    "offload": (torch.float32, "optim", {"offload": True}),
+}
+"""Modes beyond fp32 AdamW: each runs under a killed group like the sharding modes."""
 
 
-def build_model() -> nn.Module:
+def build_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                         nn.Linear(HIDDEN, OUT))
+    # BatchNorm: running statistics, module buffers that a healed group must take too. After
+    # the activation: a bias right before it would get a grad of roundoff alone, which Adam
+    # scales up to lr-sized steps that no control reproduces.
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.BatchNorm1d(HIDDEN),
+                         nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT)).to(dtype)
+
+
+def build_optimizer(ddp: Any, model: nn.Module, mode: str) -> Any:
+    """The run's optimizer: AdamW, or the mode's precision (PRECISIONS)."""
+    kwargs = dict(PRECISIONS[mode][2]) if mode in PRECISIONS else {}
+    if kwargs.pop("loss_scaler", False):
+        kwargs["loss_scaler"] = distopt.DynamicLossScaler()
+    if kwargs.pop("offload", False):
+        kwargs["offload_dir"] = tempfile.gettempdir()
+    if kwargs.pop("muon", False):
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        return distopt.DistributedOptimizer(
+            ddp, torch.optim.Muon, lr=0.02, **kwargs,
+            params=[{"params": matrices},
+                    {"params": rest, "optimizer": torch.optim.AdamW, "lr": LR}])
+    return distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, weight_decay=0.1,
+                                        **kwargs)
+
+
+def dtype_of(mode: str) -> torch.dtype:
+    return PRECISIONS[mode][0] if mode in PRECISIONS else torch.float32
+
+
+def buffers_of(model: nn.Module) -> list[float]:
+    """The module buffers' values, in order, as floats (for the log)."""
+    return [v for b in model.buffers() for v in b.double().flatten().tolist()]
 
 
 def batch(step: int, group: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +91,7 @@ def batch(step: int, group: int, rank: int, world: int) -> tuple[torch.Tensor, t
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(x), y)
+    return F.mse_loss(model(x).float(), y)
 
 
 def free_port() -> int:
@@ -75,14 +117,19 @@ def run_rank(spec: dict[str, Any]) -> None:
         store_port=spec["port"], rank=rank, world_size=world, replica_id=f"group{group}",
         lighthouse_addr=spec["lighthouse"], timeout=timeout, quorum_timeout=timeout * 3,
         connect_timeout=timeout)
-    ddp = distopt.DistributedDataParallel(build_model(), ft_manager=manager,
-                                          **MODES[spec["mode"]])
-    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    mode = spec["mode"]
+    model = build_model(dtype_of(mode))
+    ddp = distopt.DistributedDataParallel(
+        model, ft_manager=manager, **MODES[PRECISIONS[mode][1] if mode in PRECISIONS else mode])
+    opt = build_optimizer(ddp, model, mode)
     out = Path(spec["out"])
     with open(out / f"steps-g{group}-r{rank}.jsonl", "a") as log:
         _train(spec, manager, ddp, opt, log)
     record = opt._fault_tolerance.record
-    state = {"params": {n: p.detach().clone() for n, p in ddp.full_state_dict().items()},
+    names = {n for n, _ in model.named_parameters()}
+    whole = ddp.full_state_dict()
+    # The buffers are each group's own (its batches' statistics); the params are the groups'.
+    state = {"params": {n: v for n, v in whole.items() if n in names},
              "optimizer": opt.sharded_state_dict(),
              "heals": {"sent": record.sent, "received": record.received}}
     torch.save(state, out / f"state-g{group}-r{rank}.pt")
@@ -94,19 +141,24 @@ def run_rank(spec: dict[str, Any]) -> None:
 
 def _train(spec: dict[str, Any], manager: Any, ddp: Any, opt: Any, log: Any) -> None:
     group, rank, world = spec["group"], spec["rank"], spec["world"]
+    dtype = dtype_of(spec["mode"])
     while manager.current_step() < spec["steps"]:
         opt.zero_grad()  # the quorum; a group behind the others heals here
         step = manager.current_step()
+        # Before the forward: the buffers the step starts from (a healed group's are the
+        # healthy group's at this step).
+        buffers = buffers_of(ddp.module)
         x, y = batch(step, group, rank, world)
-        loss = loss_of(ddp, x, y)
+        loss = loss_of(ddp, x.to(dtype), y)
         if spec["fail_at"] == step and spec["fail_rank"] == rank and spec["attempt"] == 0:
             os._exit(17)  # mid-step: after the forward, before the backward's reductions
-        loss.backward()
+        opt.scale_loss(loss).backward()
         time.sleep(spec["step_s"])  # a real model's compute: the groups' steps take time
         result = opt.step()
         if result.updated:
             log.write(json.dumps({"step": step, "participants": manager.num_participants(),
-                                  "loss": loss.item(), "attempt": spec["attempt"]}) + "\n")
+                                  "loss": loss.item(), "attempt": spec["attempt"],
+                                  "buffers": buffers}) + "\n")
             log.flush()
 
 

@@ -220,9 +220,20 @@ def _whole(pieces: list[FlatShard]) -> FlatShard:
 def heal_state(opt: Optimizer) -> dict[str, Any]:
     """What this rank holds, for the same rank of a replica group that heals from it: its
     pieces of the optimizer state (``state_dict``) and the model params it holds between steps
-    (every param, or with sharded params its shards), so that the load needs no collective.
-    See [Note: fault-tolerant replicas] in parallel/managed_replicas.py."""
-    return {"optimizer": state_dict(opt), "params": opt.held_params()}
+    (every param, or with sharded params its shards), and the module buffers (BatchNorm's
+    running statistics: the next forward broadcasts them from the group's rank 0, which must
+    hold the healthy group's), so that the load needs no collective. See
+    [Note: fault-tolerant replicas] in parallel/managed_replicas.py."""
+    return {"optimizer": state_dict(opt), "params": opt.held_params(),
+            "buffers": _module_buffers(opt, copies=True)}
+
+
+def _module_buffers(opt: Optimizer, copies: bool = False) -> list[torch.Tensor]:
+    # Copies to send: the transport may still be reading after this rank's next forward has
+    # begun, and that forward's broadcast and statistics write the buffers in place (the
+    # params wait for the transfer in should_commit, the buffers would not).
+    return [buf.detach().clone() if copies else buf
+            for model in opt.models for buf in model.module.buffers()]
 
 
 def load_heal_state(opt: Optimizer, state: dict[str, Any]) -> None:
@@ -237,8 +248,16 @@ def load_heal_state(opt: Optimizer, state: dict[str, Any]) -> None:
         raise CheckpointError(
             "the healthy group's params are laid out otherwise: every replica group must build "
             "the same model with the same options and the same number of ranks")
+    buffers = _module_buffers(opt)
+    if [(t.shape, t.dtype) for t in state["buffers"]] != [(t.shape, t.dtype) for t in buffers]:
+        raise CheckpointError(
+            "the healthy group's module buffers are laid out otherwise: every replica group "
+            "must build the same model")
     install_values(opt, values, sd["param_groups"], sd["loss_scaler"])
     opt.load_held_params(saved)
+    with torch.no_grad():
+        for buf, value in zip(buffers, state["buffers"], strict=True):
+            buf.copy_(value)
 
 
 # The public optimizers' state-dict methods do their work here, and the optimizers sit a layer

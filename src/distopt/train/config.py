@@ -174,6 +174,10 @@ class TrainConfig:
     ft_lighthouse: str | None = None
     """With ``ft_groups``: the address of a running torchft Lighthouse (``http://HOST:PORT``);
     None: ``distopt train`` starts one."""
+    ft_min_groups: int = 1
+    """With ``ft_groups`` and the Lighthouse ``distopt train`` starts: the groups a step needs;
+    with ``ft_groups`` the others wait for a failed group to come back and heal rather than
+    step without it (no race between its restart and the end of the run)."""
 
     def __post_init__(self) -> None:
         if self.lr is None:
@@ -270,6 +274,12 @@ class TrainConfig:
             return ["--ft-lighthouse names the Lighthouse of --ft-groups: add --ft-groups G"]
         if self.ft_groups < 1:
             return [f"--ft-groups must be >= 1, got {self.ft_groups}"]
+        if not 1 <= self.ft_min_groups <= self.ft_groups:
+            return [f"--ft-min-groups must be in [1, --ft-groups {self.ft_groups}], got "
+                    f"{self.ft_min_groups}"]
+        if self.ft_min_groups != 1 and self.ft_lighthouse is not None:
+            return ["--ft-min-groups sets the Lighthouse that distopt train starts: with "
+                    "--ft-lighthouse set its --min_replicas instead"]
         return [f"--ft-groups does not compose with {flag} (not covered by the fault-tolerant "
                 "replica groups); drop one of them"
                 for flag, on in (("--no-shard", self.no_shard), ("--shard-size", self.shard_size),
@@ -445,6 +455,9 @@ def parser() -> argparse.ArgumentParser:
                    "(pip install 'torch-distopt[ft]')")
     p.add_argument("--ft-lighthouse", default=None, metavar="ADDR",
                    help="with --ft-groups: a running torchft Lighthouse (default: start one)")
+    p.add_argument("--ft-min-groups", type=int, default=1, metavar="K",
+                   help="with --ft-groups: the groups each step needs (default 1); K = G: the "
+                   "others wait for a failed group to heal instead of stepping without it")
     return p
 
 

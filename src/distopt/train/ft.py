@@ -13,6 +13,7 @@ went through: ``{"groups": [{"group", "failed_at", "healed_at", "restarts", ...}
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -22,7 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .elastic import GROUP_ENV  # the replica group of a launch's ranks, set by this launcher
+# GROUP_ENV: the replica group of a launch's ranks, set by this launcher
+from .elastic import GROUP_ENV, restart_count
+from .faults import FAIL_SCHEDULE_ENV, parse_schedule, read_events
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """torchft's own variable for the Lighthouse's address, read by the Manager."""
@@ -68,13 +71,34 @@ def log_event(out: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def log_step(out: Path, rank: int, step: int, manager: Any, record: Any,
+             heals_logged: int) -> int:
+    """After a step with --ft-groups: rank 0 logs the heals received since the last step and
+    whether the step committed. Returns the heals logged."""
+    if rank == 0:
+        for heal in record.received[heals_logged:]:
+            log_event(out, {"event": "healed", **heal})
+        committed = manager.current_step() > step
+        log_event(out, {"event": "committed" if committed else "uncommitted",
+                        "step": step + 1 if committed else step,
+                        "attempt": restart_count()})
+    return len(record.received)
+
+
 def _launch_group(launch_one: Any, config: Any, group: int, lighthouse: str) -> None:
     os.environ[GROUP_ENV] = str(group)
     os.environ[LIGHTHOUSE_ENV] = lighthouse
     raise SystemExit(launch_one(config))
 
 
-def launch_groups(config: Any, launch_one: Any) -> int:
+def check_schedule(config: Any, nproc: int) -> None:
+    """A bad DISTOPT_TRAIN_FAIL_SCHEDULE is one ValueError, before any group starts."""
+    if os.environ.get(FAIL_SCHEDULE_ENV):
+        parse_schedule(os.environ[FAIL_SCHEDULE_ENV], groups=config.ft_groups, nproc=nproc,
+                       steps=config.steps)
+
+
+def launch_groups(config: Any, launch_one: Any, nproc: int) -> int:
     """Run ``launch_one(config)`` once per group, side by side, under one Lighthouse; write
     the run's summary; the exit status is the worst of the groups'."""
     server = None
@@ -82,7 +106,8 @@ def launch_groups(config: Any, launch_one: Any) -> int:
     if lighthouse is None:
         from torchft._torchft import LighthouseServer
 
-        server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_MS,
+        server = LighthouseServer(bind="[::]:0", min_replicas=config.ft_min_groups,
+                                  join_timeout_ms=JOIN_MS,
                                   quorum_tick_ms=TICK_MS, heartbeat_timeout_ms=HEARTBEAT_MS)
         lighthouse = server.address()
     out = Path(config.out)
@@ -101,7 +126,7 @@ def launch_groups(config: Any, launch_one: Any) -> int:
         server.shutdown()
     status = max(p.exitcode or 0 for p in procs)
     if status == 0:
-        write_ft_summary(out, config.ft_groups)
+        write_ft_summary(out, config.ft_groups, nproc, config.steps)
     return status
 
 
@@ -109,7 +134,7 @@ def group_record(folder: Path, group: int) -> dict[str, Any]:
     """One group's ``ft`` entry, from its ``ft.jsonl``: the steps at which a start of it ended
     in a failure (the committed steps it had reached), the steps at which it healed, the
     restarts of each rank, and the steps it tried and did not commit."""
-    events = [json.loads(line) for line in (folder / FT_LOG).read_text().splitlines()]
+    events = read_events(folder / FT_LOG)
     starts = [e for e in events if e["event"] == "start"]
     reached: dict[int, int] = {}
     for e in events:
@@ -126,10 +151,31 @@ def group_record(folder: Path, group: int) -> dict[str, Any]:
         "uncommitted_steps": [e["step"] for e in events if e["event"] == "uncommitted"],
         "heals": [{k: e[k] for k in ("step", "bytes", "seconds")} for e in events
                   if e["event"] == "healed"],
+        # DISTOPT_TRAIN_FAIL_SCHEDULE's kills that fired: the step each fired at, its phase.
+        "kills": [{"step": e["step"], "phase": e["kill"]["phase"], "rank": e["kill"]["rank"],
+                   "attempt": e["attempt"]} for e in events if e["event"] == "killed"],
     }
 
 
-def write_ft_summary(out: Path, groups: int) -> dict[str, Any]:
+def schedule_record(records: list[dict[str, Any]], groups: int, nproc: int,
+                    steps: int) -> dict[str, Any]:
+    """The kills planned by DISTOPT_TRAIN_FAIL_SCHEDULE, and those that never fired."""
+    planned = parse_schedule(os.environ[FAIL_SCHEDULE_ENV], groups=groups, nproc=nproc,
+                             steps=steps)
+    fired = [(r["group"], k["rank"], k["phase"]) for r in records for k in r["kills"]]
+    unfired = []
+    for kill in planned:
+        key = (kill.group, kill.rank, kill.phase)
+        if key in fired:
+            fired.remove(key)
+        else:
+            unfired.append(dataclasses.asdict(kill))
+    return {"planned": [dataclasses.asdict(k) for k in planned],
+            "unfired": unfired}
+
+
+def write_ft_summary(out: Path, groups: int, nproc: int = 1,
+                     steps: int = 0) -> dict[str, Any]:
     """``OUT/summary.json``: the first group's summary, each group's held-out loss and the
     ``ft`` entry."""
     summaries = [json.loads((group_out(out, g) / "summary.json").read_text())
@@ -137,5 +183,8 @@ def write_ft_summary(out: Path, groups: int) -> dict[str, Any]:
     summary = dict(summaries[0])
     summary["ft"] = {"groups": [group_record(group_out(out, g), g) for g in range(groups)]}
     summary["ft"]["heldout_loss"] = [s.get("heldout_loss_end") for s in summaries]
+    if os.environ.get(FAIL_SCHEDULE_ENV):
+        summary["ft"]["schedule"] = schedule_record(summary["ft"]["groups"], groups, nproc,
+                                                    steps)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

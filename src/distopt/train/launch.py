@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if missing(FT_NEEDS):
             return _fail(f"--ft-groups needs torchft (not installed): {pip_install('ft')}")
-        return ft.launch_groups(config, launch_group)
+        try:
+            ft.check_schedule(config, nproc)
+        except ValueError as error:
+            return _fail(str(error))
+        return ft.launch_groups(config, launch_group, nproc)
     return launch_group(config)
 
 

@@ -166,3 +166,24 @@ def write_loss_plot(path: Path, history: list[dict[str, Any]]) -> None:
 
 
 __all__ = ["write_loss_plot", "write_summary"]
+
+
+class MetricsLog:
+    """JSONL metrics, one object per line, appended (a resumed run continues the file)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def progress_bar(config: TrainConfig, rank: int, initial: int):
+    if rank != 0 or not config.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=initial, desc="distopt train", unit="step",
+                dynamic_ncols=True)

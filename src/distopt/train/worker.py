@@ -29,8 +29,9 @@ from ..plan import ownership
 from . import elastic, ft
 from .config import OPTIMIZERS, TrainConfig, default_shard_size, param_groups
 from .data import BatchSampler, eval_batches, load_corpus
+from .faults import faults_for
 from .model import GPT, gpt_config
-from .report import write_loss_plot, write_summary
+from .report import MetricsLog, progress_bar, write_loss_plot, write_summary
 from .stages import GPTStage, StagedSteps
 
 FT_TIMEOUT_S = 30.0
@@ -87,6 +88,9 @@ class Trainer:
         self.manager, self._ft_store = (
             ft.build_manager(self.rank, self.world, config.timeout or FT_TIMEOUT_S)
             if config.ft_groups else (None, None))
+        # Without --ft-groups the schedule names ranks of one group, 0 (benchmarks/faults.py).
+        self.faults = faults_for(self.group, self.rank, groups=groups, nproc=self.world,
+                                 steps=config.steps, log=self.out / ft.FT_LOG)
         torch.manual_seed(config.seed)
         experts, ep_group = self._expert_mesh()
         model = GPT(gpt_config(config.model, seq_len=config.seq_len, n_experts=config.moe),
@@ -203,14 +207,16 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "rng": torch.get_rng_state(),
             "history": self.history,
+            **({} if self.manager is None else {"ft": self.manager.state_dict()}),
         }
 
-    def save(self, log: _MetricsLog) -> None:
+    def save(self, log: MetricsLog) -> None:
         """Save a checkpoint (with --async-save, start one). One that fails has changed nothing
         on disk (see [Note: failed saves]): it is reported and training goes on, unless
         --stop-on-save-failure. The time the loop was held is logged as checkpoint_stall_s."""
         began = time.perf_counter()
         waited = self.settle(log)
+        self._fault("save")
         try:
             saved = distopt.save_checkpoint(self.ckpt_dir, self.ddp, self.opt,
                                             extra=self._extra(), keep=self.config.keep,
@@ -223,7 +229,7 @@ class Trainer:
         log.write({"step": self.step, "checkpoint_stall_s": time.perf_counter() - began,
                    "checkpoint_wait_s": waited})
 
-    def settle(self, log: _MetricsLog) -> float:
+    def settle(self, log: MetricsLog) -> float:
         """Wait for the async save in flight, if any, and report its failure; every rank
         waits here, at the same step, so that all learn the outcome together. Returns the
         seconds waited."""
@@ -237,7 +243,7 @@ class Trainer:
             self._save_failed(log, step, error)
         return time.perf_counter() - began
 
-    def _save_failed(self, log: _MetricsLog, step: int, error: Exception) -> None:
+    def _save_failed(self, log: MetricsLog, step: int, error: Exception) -> None:
         if self.config.stop_on_save_failure:
             raise error
         log.write({"step": step, "checkpoint_error": str(error)})
@@ -246,19 +252,25 @@ class Trainer:
                   "(--stop-on-save-failure stops instead)", file=sys.stderr, flush=True)
 
     def _train_state(self) -> dict[str, Any]:
+        self._fault("heal", self.manager.current_step())  # the healing source fails
         return {"scheduler": self.sched.state_dict(), "history": list(self.history)}
 
     def _load_train_state(self, state: dict[str, Any]) -> None:
+        self._fault("heal", self.manager.current_step())  # the healing group fails again
         self.sched.load_state_dict(state["scheduler"])
         self.history = list(state["history"])
 
     def maybe_resume(self) -> bool:
         """Resume from the latest checkpoint with --resume or when the launcher restarted
         the run (after a failure, or with another number of nodes: see train/elastic.py), at
-        whatever world size it has now; collective."""
+        whatever world size it has now; collective. A restarted replica group resumes from
+        its own last save and its Manager's step, then heals from a group ahead of it, if
+        any: when every group failed (the healing source died in the heal), the groups go on
+        from their saves instead of from step 0."""
         if self.manager is not None:
-            return False  # a restarted replica group heals from the others instead
-        restarted = elastic.is_restart(self.out, self.rank)
+            restarted = elastic.restart_count() > 0
+        else:
+            restarted = elastic.is_restart(self.out, self.rank)
         if not (self.config.resume or restarted) or not distopt.has_checkpoint(self.ckpt_dir):
             return False
         extra = distopt.load_checkpoint(self.ckpt_dir, self.ddp, self.opt)
@@ -267,6 +279,8 @@ class Trainer:
         self.sched.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
         self.history = list(extra["history"])
+        if self.manager is not None:
+            self.manager.load_state_dict(extra["ft"])
         return True
 
     # ------------------------------------------------------------------ loop
@@ -292,16 +306,18 @@ class Trainer:
                 # finished run: it must heal from a group still training, or stop.
                 raise RuntimeError(
                     "this replica group was restarted but no healthy group was left to heal "
-                    "from (the others had finished or failed): it stops instead of training "
-                    "from step 0")
+                    "from (the others had finished or failed) and it has no checkpoint: it "
+                    "stops instead of training from step 0")
             self.step = self.manager.current_step()
             x, y = self.sampler.batch_at(self.step)
         else:
             x, y = self.sampler.next_batch()
+        self._fault("forward")
         x, y = x.to(self.device), y.to(self.device)
         # With --pp the schedule runs the micro-batches.
         loss_avg = (self._accumulate(x, y) if self.stages is None
                     else self.stages.train(x, y))
+        self._fault("step")
         result = self.opt.step()
         if result.updated:
             self.sched.step()
@@ -321,6 +337,7 @@ class Trainer:
         for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
             with self.ddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
                 _, loss = self.ddp(mx, my)
+                self._fault("backward")
                 self.opt.scale_loss(loss / accum).backward()
             loss_sum += loss.detach().float()
         return loss_sum / accum
@@ -334,7 +351,7 @@ class Trainer:
             (self.out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
             if not resumed:
                 metrics_path.unlink(missing_ok=True)
-        log = _MetricsLog(metrics_path if self.rank == 0 else None)
+        log = MetricsLog(metrics_path if self.rank == 0 else None)
         if resumed:
             log.write({"step": self.step, "resumed": True, "world_size": self.world,
                        "dp_replicas": self.dp_replicas})
@@ -348,7 +365,7 @@ class Trainer:
                                     "step": self.step})
 
         tokens_per_step = config.batch_size * config.seq_len
-        bar = _progress(config, self.rank, initial=self.step)
+        bar = progress_bar(config, self.rank, initial=self.step)
         window_start, window_steps = time.perf_counter(), 0
         while self.step < config.steps:
             if self.step == fail_step:
@@ -380,23 +397,20 @@ class Trainer:
         self.settle(log)  # the last checkpoint is published before the run ends
         return self.finish()
 
-    def _committed(self, log: _MetricsLog) -> bool:
+    def _committed(self, log: MetricsLog) -> bool:
         """With --ft-groups, after a step: whether the quorum committed it (else it is tried
-        again), and what this group's rank 0 logs of it for the run's ``ft`` summary."""
-        record = self.opt._fault_tolerance.record
-        if self.rank == 0:
-            for heal in record.received[self._heals_logged:]:
-                ft.log_event(self.out, {"event": "healed", **heal})
-            if self.manager.current_step() > self.step:
-                ft.log_event(self.out, {"event": "committed", "step": self.step + 1,
-                                        "attempt": elastic.restart_count()})
-            else:
-                ft.log_event(self.out, {"event": "uncommitted", "step": self.step,
-                                        "attempt": elastic.restart_count()})
-        self._heals_logged = len(record.received)
+        again); this group's rank 0 logs it for the run's ``ft`` summary."""
+        self._heals_logged = ft.log_step(self.out, self.rank, self.step, self.manager,
+                                         self.opt._fault_tolerance.record, self._heals_logged)
         return self.manager.current_step() > self.step
 
-    def _record(self, log: _MetricsLog, stats: dict[str, Any]) -> None:
+    def _fault(self, phase: str, step: int | None = None) -> None:
+        """DISTOPT_TRAIN_FAIL_SCHEDULE: die here if a kill of this phase is due; see
+        [Note: failure schedules] in train/faults.py."""
+        if self.faults is not None:
+            self.faults.at(phase, self.step if step is None else step)
+
+    def _record(self, log: MetricsLog, stats: dict[str, Any]) -> None:
         log.write(stats)
         keep = {k: stats[k] for k in ("step", "loss", "heldout_loss") if k in stats}
         self.history.append(keep)
@@ -443,27 +457,6 @@ class Trainer:
         if owned_whole and self.opt.sharded:
             memory["ownership"] = ownership.plan_of(self.opt)
         return memory
-
-
-class _MetricsLog:
-    """JSONL metrics, one object per line, appended (a resumed run continues the file)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def _progress(config: TrainConfig, rank: int, initial: int):
-    if rank != 0 or not config.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=config.steps, initial=initial, desc="distopt train", unit="step",
-                dynamic_ncols=True)
 
 
 def _node_id() -> str:
