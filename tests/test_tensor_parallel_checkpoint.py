@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import distopt
 from distopt.checkpoint.dcp import read_metadata
-from distopt.checkpoint.format import piece_runs
+from distopt.checkpoint.tp_runs import piece_runs
 
 from checkpoint_index import untiled_keys
 from dist_harness import case_result, run_cases

@@ -74,7 +74,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..parallel.tensor_parallel import TensorParallelMesh
-from .format import FlatShard, OwnedPiece, piece_runs
+from .format import FlatShard, OwnedPiece
+from .tp_runs import piece_runs
 
 
 class _Chunks(dict):
@@ -296,7 +297,7 @@ def param_boxes(param: torch.Tensor, shard: FlatShard | None, like: torch.Tensor
     chunks = []
     if shard is not None:
         # A DTensor param's piece is a range of its local shard: runs of the global tensor
-        # ([Note: TP checkpoints] in format.py), each cut into boxes of the global shape.
+        # ([Note: TP checkpoints] in tp_runs.py), each cut into boxes of the global shape.
         for at_run, global_start, length in piece_runs(param, shard.offset, shard.end):
             for offset, size, start in flat_range_boxes(shape, global_start,
                                                         global_start + length):

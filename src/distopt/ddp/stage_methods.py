@@ -54,7 +54,12 @@ class PipelineStageMethods:
         """Whether a pipeline schedule's training step drives the forwards and backwards now:
         every rank of the stage runs the same schedule, so the forward check of sharded
         params runs at the step's first forward alone, not at every micro-batch's forward and
-        backward (see "Pipeline stages" in [Note: every rank runs every forward])."""
+        backward (see "Pipeline stages" in [Note: every rank runs every forward]).
+
+        Args:
+            on: True as a schedule's training step starts (distopt's ``PipelineStage`` calls it
+                from ``clear_runtime_states``), False after the step's last backward.
+        """
         if self._unsharder is not None and self._unsharder.check is not None:
             self._unsharder.check.scheduled(on)
 

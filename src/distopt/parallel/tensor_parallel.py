@@ -30,7 +30,7 @@ size). The loss scaler's inf flag is a max, so it is reduced over the same group
 The TP mesh is derived from the DTensor params (they must all share one), never passed in.
 
 Checkpoints map the local pieces of DTensor params to the global tensor: see
-[Note: TP checkpoints] in distopt/checkpoint/format.py.
+[Note: TP checkpoints] in distopt/checkpoint/tp_runs.py.
 """
 
 from __future__ import annotations
