@@ -69,6 +69,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..ddp.params.whole_module import module_entries
 from ..layout.elementwise import ShardPiece
 from ..optim.kinds import whole_tensor_cost
 from ..optim.param_groups import CLASS_KEY
@@ -210,6 +211,20 @@ def names_everywhere(model: Any, items: list[tuple[str, Any]]) -> list[tuple[str
     the experts in its place on every EP rank (the same structure); see [Note: expert
     checkpoints]."""
     return items if model.experts is None else model.experts.everywhere(items)
+
+
+def untrained_entries(opt: Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Each model's state-dict tensors that are not trainable params (buffers, frozen params),
+    by model prefix and global name: a load reads them as saved, where the trainable params
+    come from the fp32 masters. A pipeline's stages load the whole model's checkpoint
+    ([Note: pipeline checkpoints])."""
+    entries = []
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        trainable = {id(p) for p in model.params}
+        for key, value in module_entries(model.module).items():
+            if isinstance(value, torch.Tensor) and id(value) not in trainable:
+                entries.append((prefix + global_name(model, key), value.detach()))
+    return entries
 
 
 def param_names(opt: Optimizer) -> dict[nn.Parameter, str]:

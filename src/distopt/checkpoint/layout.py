@@ -53,9 +53,8 @@ from .format import (
     Optimizer,
     buffer_keys,
     describe,
-    global_name,
-    model_prefixes,
     owned_pieces,
+    untrained_entries,
 )
 from .install import install, state_tensor
 from .state_dict import state_dict
@@ -226,14 +225,8 @@ def read(opt: Optimizer, group: Any, ckpt_dir: Path, manifest: dict[str, Any],
                             if per_element else target)
                 slots[key] = target
             targets.append((owned, slots))
-        # A pipeline's stages load the whole model's checkpoint: [Note: pipeline checkpoints].
-        for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
-            trainable = {id(p) for p in model.params}
-            for key, value in module_entries(model.module).items():
-                # Trainable params come from the masters; the rest as saved.
-                if isinstance(value, torch.Tensor) and id(value) not in trainable:
-                    fqn = torch_fqn(prefix + global_name(model, key))
-                    flat[paths[("model", fqn)]] = value.detach()
+        for name, value in untrained_entries(opt):
+            flat[paths[("model", torch_fqn(name))]] = value
         for path, at in paths.items():
             if path[:2] == ("optimizer", "param_groups") or path == EXTRA:
                 flat[at] = None

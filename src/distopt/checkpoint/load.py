@@ -23,7 +23,14 @@ from .checks import (
     check_whole_state,
 )
 from .files import CheckpointError
-from .format import Optimizer, describe, global_name, model_prefixes, names_everywhere, owned_pieces
+from .format import (
+    Optimizer,
+    describe,
+    model_prefixes,
+    names_everywhere,
+    owned_pieces,
+    untrained_entries,
+)
 from .install import install, state_tensor
 from .pipeline import WholeModel, check_unique_names, pipelined, whole_model
 
@@ -198,12 +205,8 @@ def _read(opt: Optimizer, group: dist.ProcessGroup | None, ckpt_dir: Path, manif
                     state[fqn] = dcp.piece_as_dcp(tp, owned, target, writing=False)
                 slots[key] = target
             targets.append((owned, slots))
-        for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
-            trainable = {id(p) for p in model.params}
-            for key, value in module_entries(model.module).items():
-                # Trainable params come from the fp32 main params below; the rest as saved.
-                if isinstance(value, torch.Tensor) and id(value) not in trainable:
-                    state[f"model/{prefix}{global_name(model, key)}"] = value.detach()
+        for name, value in untrained_entries(opt):
+            state[f"model/{name}"] = value
 
         with torch.no_grad():
             dcp.load(state, ckpt_dir, group, metadata)
