@@ -4,7 +4,9 @@ three ways in one launch, on the same data and the same failure schedule.
     python benchmarks/faults.py --groups 2 --nproc 2 --steps 60 --kills 3 --seed 1 \
         --save-every 10 -- --model tiny --batch-size 8 --seq-len 32 --max-bytes 300000
 
-1. ``clean``: ``distopt train --ft-groups G --nproc N``, no failure;
+1. ``clean``: ``distopt train --ft-groups G --nproc N --ft-min-groups G``, no failure (every
+   step with every group: without ``--ft-min-groups`` the group that starts first may take a
+   step or two alone before the others join);
 2. ``ft``: the same with ``DISTOPT_TRAIN_FAIL_SCHEDULE=SEED:COUNT``: a killed group restarts
    alone and heals from the others, which go on stepping without it meanwhile;
 3. ``ft-wait``: the same with ``--ft-min-groups G``: the others wait for it, so every committed
@@ -86,7 +88,7 @@ def main() -> None:
     rows = []
     schedule = {FAIL_SCHEDULE_ENV: f"{a.seed}:{a.kills}"}
     for name, args, env in (
-        ("clean", ft, {}),
+        ("clean", [*ft, "--ft-min-groups", str(a.groups)], {}),
         ("ft", ft, schedule),
         ("ft-wait", [*ft, "--ft-min-groups", str(a.groups)], schedule),
         ("restart", plain, {FAIL_SCHEDULE_ENV: flat}),
