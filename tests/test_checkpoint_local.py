@@ -17,6 +17,7 @@ from torch import nn
 
 import distopt
 from distopt.checkpoint import FlatShard, merge_state_dicts
+from distopt.checkpoint.format import as_shard
 from distopt.cli import main as cli_main
 
 from early_launches import Command, launch_early
@@ -116,7 +117,10 @@ def test_state_dict_format_and_round_trip():
     assert sorted(sd["param_groups"][0]["params"]) == sorted(names)
     for name, p in model.named_parameters():
         if p.requires_grad:
-            shard = sd["main_params"][name]
+            # Boxes of the param's shape that DCP reshards, viewing the flat shard
+            # (checkpoint/reshardable.py); as_shard gives the shard.
+            assert sd["main_params"][name].shape == p.shape
+            shard = as_shard(sd["main_params"][name])
             assert (shard.offset, shard.numel, shard.local.numel()) == (0, p.numel(), p.numel())
             assert torch.equal(shard.local, p.detach().reshape(-1))
             assert set(sd["state"][name]) == {"step", "exp_avg", "exp_avg_sq"}
@@ -132,7 +136,7 @@ def test_state_dict_format_and_round_trip():
     with pytest.raises(distopt.CheckpointError, match="torch.optim.adamw.AdamW"):
         other[2].load_state_dict(snapshot)
     cut = copy.deepcopy(snapshot)
-    shard = cut["main_params"]["l1.weight"]
+    shard = as_shard(cut["main_params"]["l1.weight"])
     cut["main_params"]["l1.weight"] = FlatShard(shard.local[5:], 5, shard.numel)
     before = values(model)
     with pytest.raises(distopt.CheckpointError, match=r"holds elements \[5, 42\)"):
@@ -143,6 +147,7 @@ def test_state_dict_format_and_round_trip():
     for index, half in enumerate(halves):
         for entries in [half["main_params"], *half["state"].values()]:
             for key, value in entries.items():
+                value = as_shard(value)
                 if isinstance(value, FlatShard):
                     cut_at = value.numel // 2
                     lo, hi = (0, cut_at) if index == 0 else (cut_at, value.numel)
@@ -231,7 +236,7 @@ def test_export_master_weights_and_cli(tmp_path, capsys):
     train(ddp, opt, range(2))
     run = tmp_path / "run"
     distopt.save_checkpoint(run, ddp, opt)
-    main = {n: s.local.reshape(dict(model.named_parameters())[n].shape)
+    main = {n: as_shard(s).local.reshape(dict(model.named_parameters())[n].shape)
             for n, s in opt.state_dict()["main_params"].items()}
     assert cli_main(["export", str(run), str(tmp_path / "bf16.pt")]) == 0
     assert "wrote" in capsys.readouterr().out
@@ -265,7 +270,8 @@ def test_plain_checkpoint_is_checked_before_anything_changes(tmp_path):
     assert same(values(model), before[0])
     after = opt.state_dict()
     for name, entries in before[1]["state"].items():
-        assert torch.equal(entries["exp_avg"].local, after["state"][name]["exp_avg"].local)
+        assert torch.equal(as_shard(entries["exp_avg"]).local,
+                           as_shard(after["state"][name]["exp_avg"]).local)
 
 
 def _memory_benchmark(workdir: Path) -> list[Command]:
@@ -305,15 +311,23 @@ def test_save_load_export_memory_is_bounded():
 
 
 def test_pickled_state_dicts_load_across_versions():
-    """opt.state_dict() saved with torch.save loads back: under FlatShard's public module, and
-    under the module that held it in earlier versions (distopt.checkpoint_state)."""
+    """opt.state_dict() saved with torch.save loads back, and so does one of earlier versions,
+    whose entries were flat shards: under FlatShard's public module, and under the module that
+    held it before (distopt.checkpoint_state)."""
     import io
     import pickle
 
     model, ddp, opt = build()
     train(ddp, opt, range(2))
     name = next(n for n, p in model.named_parameters() if p.requires_grad)
-    sd = opt.state_dict()
+    today = io.BytesIO()
+    torch.save(opt.state_dict(), today)
+    today.seek(0)
+    opt.load_state_dict(torch.load(today, weights_only=False))
+    live = opt.state_dict()
+    sd = {**live, "main_params": {n: as_shard(v) for n, v in live["main_params"].items()},
+          "state": {n: {k: as_shard(v) for k, v in entries.items()}
+                    for n, entries in live["state"].items()}}
     fresh = io.BytesIO()
     torch.save(sd, fresh)
     assert b"distopt.checkpoint\nFlatShard" in fresh.getvalue()
@@ -330,4 +344,5 @@ def test_pickled_state_dicts_load_across_versions():
         shard = loaded["main_params"][name]
         assert isinstance(shard, FlatShard)
         assert torch.equal(shard.local, sd["main_params"][name].local)
+        opt.load_state_dict(loaded)
     assert pickle.loads(pickle.dumps(FlatShard(torch.ones(2), 1, 3))).offset == 1
