@@ -81,7 +81,10 @@ SOURCE_FAIL = {"DISTOPT_TRAIN_FAIL_SCHEDULE": "0/0/12/forward,1/0/13/heal,2/0/13
 SOURCE_RUN = launch_early(
     "test_train_survives_the_healing_source_dying_in_the_heal",
     lambda workdir: [Command.module(
-        "distopt", "train", "--nproc", "1", "--ft-groups", "3", "--max-restarts", "3",
+        # --ft-min-groups 2: no group commits a step alone (its own grads only) while the
+        # others restart, which a loaded machine's timing would otherwise allow.
+        "distopt", "train", "--nproc", "1", "--ft-groups", "3", "--ft-min-groups", "2",
+        "--max-restarts", "3",
         "--model", "tiny", "--steps", "40", "--batch-size", "6", "--seq-len", "32",
         "--max-bytes", "300000", "--eval-every", "20", "--eval-batches", "2",
         "--save-every", "10", "--no-progress", "--warmup", "2", "--timeout", "60",
