@@ -2,12 +2,10 @@
 
 With sharded params a bucket's gathered storage is freed after each use ([Note: sharded params]
 in ddp/buffers/param_storage.py). A state dict taken inside ``with ddp.gathered_params():`` views
-that
-storage, as do ``p.detach()`` kept from the block or from a forward hook; read after the free,
+that storage, as do ``p.detach()`` kept from the block or from a forward hook; read after the free,
 they would point at no bytes (a segfault), and ``torch.save`` of them would write a file that
 ``torch.load`` refuses. [Note: views that outlive a gather] in ddp/buffers/gathered_views.py leaves
-the
-storage to such views instead. Each case trains torch's DDP and distopt's (in every sharding
+the storage to such views instead. Each case trains torch's DDP and distopt's (in every sharding
 mode) from the same init on the same ranks, then compares what distopt handed out, read after
 its block or step, with torch's values. A view with no bytes is reported, not read, so that the
 pool's worker survives the code these tests guard against.

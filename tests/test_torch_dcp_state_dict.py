@@ -1,8 +1,7 @@
 """torch's own checkpoint API over distopt: ``get_state_dict`` + ``dcp.save`` in one system,
 ``dcp.load`` + ``set_state_dict`` in another, at another data-parallel size, as torchtitan
 saves and loads ([Note: torch's DCP state dicts] in ddp/torch_compat/torch_dcp.py, [Note: torch's
-layout
-from flat shards] in checkpoint/torch_layout.py).
+layout from flat shards] in checkpoint/torch_layout.py).
 
 Every run trains the same MLP on the same global batches (12 rows a step, each rank its
 rows), so every system at every d follows the trajectory of one process with torch's AdamW on

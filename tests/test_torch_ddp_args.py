@@ -1,7 +1,6 @@
 """torch DDP scripts under distopt's DDP: torch's meaning, or a refusal on every rank that
 names what works ([Note: torch DDP's spellings] in ddp/torch_compat/torch_spellings.py), each
-against torch's
-own DDP on the same ranks.
+against torch's own DDP on the same ranks.
 
 One process: the arguments' checks, bucket_cap_mb's size, zero-size params, requires_grad
 changed after wrapping, params converted after wrapping, comm hooks and join. At d = 2 and 3

@@ -4,8 +4,7 @@ compared: open_clip's ``model.logit_scale.clamp_(0, math.log(100))`` after every
 bound below the value, so that the clamp acts), ``p.mul_(0.5)``, ``p.copy_(t)``, ``p += t``
 and an operand that broadcasts to the param. With ``shard_params=True`` each rank writes its
 shard ([Note: writes between uses] in ddp/buffers/param_placeholder.py), and with bf16 params the
-fp32
-masters (or the remainders) follow the write at the next step; what needs the whole value
+fp32 masters (or the remainders) follow the write at the next step; what needs the whole value
 stays refused by name.
 """
 

@@ -391,8 +391,7 @@ def transient_bound(ddp, *, store_param_remainders: bool = False,
     [Note: where a param is used] in ddp/params/param_unshard.py), with every loose bucket (params
     outside all units: embeddings, a final norm); the grads of two of the largest buckets, one
     filling and one being reduced ([Note: sharded grads] in ddp/buffers/grad_pool.py), and on gloo
-    the
-    (d - 1)/d of a bucket each reduction in flight receives into; and in the
+    the (d - 1)/d of a bucket each reduction in flight receives into; and in the
     optimizer step, which runs one bucket's shard at a time, that shard's temporaries. A head
     tied to an embedding keeps the embedding's bucket from its first use to its grad, which the
     loose term covers. Activations are the model's and its batch's, not counted here.

@@ -7,9 +7,8 @@ last, and FSDP2, which it drives through its own methods. Any other module gets 
 per micro-batch, and ``scale_grads`` divides each ``p.grad``. Under distopt that would reduce the
 grads on every micro-batch (and refuse the second one, [Note: grads after the reduction] in
 ddp/grads/grad_sync.py), and ``p.grad`` is a marker that holds no grads ([Note: p.grad under
-distopt]
-in ddp/grads/grad_marker.py). ``distopt.pipelining.PipelineStage`` is torch's class with the three
-methods that do these things taught distopt's DDP, and nothing else:
+distopt] in ddp/grads/grad_marker.py). ``distopt.pipelining.PipelineStage`` is torch's class with
+the three methods that do these things taught distopt's DDP, and nothing else:
 
 * every forward and backward of a micro-batch but the step's last runs inside ``ddp.no_sync()``:
   the grads accumulate in the buffers, and the last micro-batch's backward launches each

@@ -17,9 +17,8 @@
   ddp/buffers/param_storage.py).
 
 The runtime reads it in one place per behaviour: each bucket's grad storage
-(ddp/buffers/grad_storage.py:
-where its grads live, around its reduction) and the ``GradPolicy`` below (when the grad sync
-launches, and which grads may still come after a reduction).
+(ddp/buffers/grad_storage.py: where its grads live, around its reduction) and the ``GradPolicy``
+below (when the grad sync launches, and which grads may still come after a reduction).
 """
 
 from __future__ import annotations

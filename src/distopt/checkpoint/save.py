@@ -157,8 +157,7 @@ def _params_gathered(opt: Optimizer) -> contextlib.ExitStack:
     """Sharded params gathered while their entries are read (and, saving synchronously,
     written), as a user's ``state_dict()`` sees them whole: a transient of the whole model per
     rank ([Note: sharded params] in ddp/buffers/param_storage.py). An async save has copied them
-    into
-    its staging when the block ends."""
+    into its staging when the block ends."""
     gathered = contextlib.ExitStack()
     for model in opt.models:
         # The others hold their params whole, or write them from their shards ([Note: model

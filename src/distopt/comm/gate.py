@@ -24,7 +24,3 @@ def settle() -> None:
     """Run every check held, oldest first; a check that raises is not run again."""
     while _held:
         _held.pop(0)()
-
-
-def held() -> bool:
-    return bool(_held)

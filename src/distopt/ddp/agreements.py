@@ -6,11 +6,10 @@ communicates nothing, so each backward's grad statistics are agreed over the ran
 ([Note: p.grad under distopt] in ddp/grads/grad_marker.py); and a forward on one rank alone under
 sharded params is refused on every rank instead of hanging, so each forward and backward starts
 with a check ([Note: every rank runs every forward] in ddp/params/forward_check.py). ``OPS`` names
-them
-in ``CommStats``, so that ``distopt bench`` reports the time a step spends in them apart from its
-reductions and gathers, and ``benchmarks/agreements.py`` times the same steps with and without
-them (``without()``) side by side. A DDP built inside ``without()`` refuses every ``p.grad``
-read and checks no forward; it is for measuring, never for training.
+them in ``CommStats``, so that ``distopt bench`` reports the time a step spends in them apart from
+its reductions and gathers, and ``benchmarks/agreements.py`` times the same steps with and without
+them (``without()``) side by side. A DDP built inside ``without()`` refuses every ``p.grad`` read
+and checks no forward; it is for measuring, never for training.
 """
 
 from __future__ import annotations

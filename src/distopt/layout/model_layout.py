@@ -50,8 +50,7 @@ class ParamSpec:
     unit: int | None = None
     """Its gather unit under sharded params (-1: loose): no element-wise bucket holds params of
     two units (see [Note: gather units] in ddp/params/gather_units.py); None for every param:
-    buckets
-    cut by size alone."""
+    buckets cut by size alone."""
 
     @property
     def numel(self) -> int:

@@ -6,8 +6,7 @@ out of the reductions: each rank keeps its own copy and its own local ``p.grad``
 torch optimizer over ``ddp.parameters()`` steps each rank's copy with that rank's grad. distopt's
 DDP leaves them out of its buffers alike ([Note: torch DDP's spellings] in
 ddp/torch_compat/torch_spellings.py), so its optimizer steps them beside its main params, as torch's
-would:
-one inner torch optimizer per class over them (the classes and options of the param groups
+would: one inner torch optimizer per class over them (the classes and options of the param groups
 that hold them, which follow the groups' options, ``lr`` set by a scheduler included, at each
 step), stepping the param itself with its plain ``p.grad``; no communication, and a param
 whose ``p.grad`` is None is skipped as torch.optim skips it. ``opt.zero_grad()`` zeroes their

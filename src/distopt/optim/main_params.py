@@ -1,15 +1,14 @@
 """The fp32 main params of the part of one flat buffer that a rank owns.
 
-One ``nn.Parameter`` per ``ShardPiece`` (a param's overlap with the rank's shard of a bucket):
-a view into the model's param buffer (fp32 params), into ``shard_fp32`` [owned numel] (other
-dtypes), or, with ``store_param_remainders``, a placeholder that holds the fp32 masters only
-inside ``bucket_masters`` (see [Note: param remainders] in optim/remainders.py). Their grads
-are views of the reduced grads (fp32), of ``grad_fp32`` [owned numel], or transient copies of
-one bucket. They are the main params' ``.grad`` only while a step runs (between steps
-``.grad`` is None, so that nothing reads grads that are not reduced yet, such as
-``torch.amp.GradScaler.unscale_`` iterating the optimizer's params); see [Note: p.grad under
-distopt] in ddp/grads/grad_marker.py. The step (optim/step.py) reads them through these methods
-alone.
+One ``nn.Parameter`` per ``ShardPiece`` (a param's overlap with the rank's shard of a bucket): a
+view into the model's param buffer (fp32 params), into ``shard_fp32`` [owned numel] (other dtypes),
+or, with ``store_param_remainders``, a placeholder that holds the fp32 masters only inside
+``bucket_masters`` (see [Note: param remainders] in optim/remainders.py). Their grads are views of
+the reduced grads (fp32), of ``grad_fp32`` [owned numel], or transient copies of one bucket. They
+are the main params' ``.grad`` only while a step runs (between steps ``.grad`` is None, so that
+nothing reads grads that are not reduced yet, such as ``torch.amp.GradScaler.unscale_`` iterating
+the optimizer's params); see [Note: p.grad under distopt] in ddp/grads/grad_marker.py. The step
+(optim/step.py) reads them through these methods alone.
 
 [Note: writes into the params]
 With bf16 or fp16 params the fp32 main params are a second copy, made when the optimizer is

@@ -43,8 +43,7 @@ Sharded params (``shard_params=True``) gather an expert's bucket over its expert
 around the expert's forward and backward: every rank of that group must run the expert in every
 forward, an idle one on no rows (``MoE.run_idle_experts`` in the demo), by the rule of
 [Note: every rank runs the same modules] in ddp/params/param_unshard.py; an idle expert's grad is
-then
-zero, never None.
+then zero, never None.
 
 Names. An expert is known by its global index: this rank's experts of a list of n are the
 global experts ``ep_rank * n .. ep_rank * n + n - 1``, so the param ``moe.experts.1.w`` of EP

@@ -58,8 +58,7 @@ class Bucket:
         self.param_ranges = param_ranges  # of each param, in bucket coordinates
         shard = layout.shard_range(dp_rank)
         # Where its params live ([Note: sharded params] in ddp/buffers/param_storage.py) and its
-        # grads
-        # (ddp/buffers/grad_storage.py): the two places a bucket depends on the sharding.
+        # grads (ddp/buffers/grad_storage.py): the two places a bucket depends on the sharding.
         self.params_store = params_store
         self.storage = storage
         self.group = group

@@ -52,11 +52,9 @@ class ParamAndGradBuffer:
         ``grad_pool`` the grads are sharded: no ``grad_data``, only ``grad_shards`` (this
         rank's reduced shard of every bucket) between steps; see [Note: sharded grads] in
         ddp/buffers/grad_pool.py. With a ``param_pool`` the params are sharded too: no
-        ``param_data``,
-        only ``param_shards``, and the params are placeholders between uses; see
+        ``param_data``, only ``param_shards``, and the params are placeholders between uses; see
         [Note: sharded params] in ddp/buffers/param_storage.py. ``expert``: it holds experts'
-        params,
-        reduced over the expert-data-parallel ``group`` with their grads first multiplied by
+        params, reduced over the expert-data-parallel ``group`` with their grads first multiplied by
         ``grad_scale`` ([Note: expert parallelism] in parallel/experts.py)."""
         if not params:
             raise ValueError("a buffer needs at least one parameter")

@@ -4,22 +4,20 @@
 With sharded params a bucket's full params live in a buffer whose storage is resized to nothing
 when the bucket is freed and back when it is gathered again ([Note: sharded params] in
 ddp/buffers/param_storage.py). Every tensor that views that storage sees the resize: a state dict
-taken
-inside ``with ddp.gathered_params():`` (its entries are ``param.detach()``, views of the
+taken inside ``with ddp.gathered_params():`` (its entries are ``param.detach()``, views of the
 buffer), ``p.detach()`` or ``p.data`` kept from inside the block, from a forward or from a
 hook. Read after the free, such a view points at no bytes: torch reads freed memory (a
 segfault, or garbage), and ``torch.save`` writes a storage that ``torch.load`` refuses to
 rebuild ("Trying to resize storage that is not resizable"). torch's DDP has no such tensor:
 its params always hold their bytes, and so do their views.
 
-So when a bucket is freed, the params are first made placeholders (they no longer view the
-buffer), and then the buffer's storage is asked who else holds it (its use count, one C
-call). Nobody: it is resized to nothing, as before. Somebody: the storage is left to them,
-whole, with the values it holds, and the bucket takes a fresh, empty storage for its next
-gather. The views stay readable and saveable, and free their bytes when the last of them goes,
-as any torch tensor does; nothing is copied, and a step that keeps no view pays only the count.
-The pool counts the storages it left so (``ParamPool.left_to_views``); a training step leaves
-none.
+So when a bucket is freed, the params are first made placeholders (they no longer view the buffer),
+and then the buffer's storage is asked who else holds it (its use count, one C call). Nobody: it is
+resized to nothing, as before. Somebody: the storage is left to them, whole, with the values it
+holds, and the bucket takes a fresh, empty storage for its next gather. The views stay readable and
+saveable, and free their bytes when the last of them goes, as any torch tensor does; nothing is
+copied, and a step that keeps no view pays only the count. The pool counts the storages it left so
+(``ParamPool.left_to_views``); a training step leaves none.
 
 The one holder that must not be given the storage is autograd: a forward that frees its units
 (``reshard_after_forward=True``) leaves its saved ``weight.t()`` views pointing into the buffer,

@@ -8,9 +8,8 @@ this rank's shard of it (or all of it, all-reduced), and nothing happens around 
 steps; the full grads live in a buffer borrowed from the ``GradPool`` from the bucket's first
 grad of a backward until its reduction is waited for. See [Note: sharded grads] in
 ddp/buffers/grad_pool.py for the whole life of those buffers; this module is its code on the
-bucket's
-side: take a buffer, zero what a reused buffer holds stale, reduce into the kept shard or add to
-it, give the buffer back.
+bucket's side: take a buffer, zero what a reused buffer holds stale, reduce into the kept shard or
+add to it, give the buffer back.
 """
 
 from __future__ import annotations

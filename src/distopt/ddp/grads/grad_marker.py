@@ -9,17 +9,16 @@ once its grad is moved a param's ``.grad`` is a ``GradInBuffer``: a tensor of th
 dtype and device without storage, whose operations are answered from the reduced grads:
 
 * the norms. At the end of the step's grad sync (ddp/grads/grad_sync.py) every rank takes, per
-param,
-  the fp32 norm (types 2 and inf) of the piece of the reduced grad it holds, and one small
+  param, the fp32 norm (types 2 and inf) of the piece of the reduced grad it holds, and one small
   all-gather over the data-parallel group gives every rank every rank's pieces, combined in rank
   order: the sum of the squares and the largest magnitude of each param's reduced grad, the same
   bits on every rank (``ddp/grads/grad_reads.py``). ``p.grad.norm()``, ``torch.linalg.vector_norm``,
-  ``torch._foreach_norm`` (so ``clip_grad_norm_``, ``get_total_norm``, whatever their
-  ``foreach``) read them and communicate nothing: a read on one rank alone (a script logging on
-  its master process) starts no collective that the other ranks do not join. torch's total norm
-  is then torch's own arithmetic on these norms, so ``error_if_nonfinite`` raises as torch's.
-  Against torch's DDP a norm differs only by the fp32 rounding of the same squares summed in
-  another order (and of an average over the ranks taken by another collective).
+  ``torch._foreach_norm`` (so ``clip_grad_norm_``, ``get_total_norm``, whatever their ``foreach``)
+  read them and communicate nothing: a read on one rank alone (a script logging on its master
+  process) starts no collective that the other ranks do not join. torch's total norm is then torch's
+  own arithmetic on these norms, so ``error_if_nonfinite`` raises as torch's. Against torch's DDP a
+  norm differs only by the fp32 rounding of the same squares summed in another order (and of an
+  average over the ranks taken by another collective).
 * scaling in place (``mul_``, ``div_``, ``_foreach_mul_`` by a scalar: ``clip_grad_norm_``'s
   clip) applies torch's own op to the pieces this rank holds, which are the grads the
   optimizer steps (main grads are views of them, or copies made in the step), and scales the

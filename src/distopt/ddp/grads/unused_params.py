@@ -5,13 +5,12 @@ which params no rank used.
 A param that got no grad in any backward of a step is torch DDP's error unless
 ``find_unused_parameters`` is set: torch refuses it at the next forward (so is a param frozen
 after wrapping for the whole step: [Note: params frozen after wrapping] in
-ddp/torch_compat/trainable.py).
-Stepping it on a zero grad instead would move it where ``torch.optim`` leaves it (weight decay,
-momentum), so ``finish`` refuses it too, naming it. The refusal comes after the step's
-reductions, which every rank runs alike whatever it used: where the params without a grad differ
-by rank (an expert no token of this rank's batch chose), the ranks that used everything are not
-left waiting in a collective, and the step stops before any param moves. With
-``find_unused_parameters`` the ranks agree which params no rank used (one small all-reduce) and
+ddp/torch_compat/trainable.py). Stepping it on a zero grad instead would move it where
+``torch.optim`` leaves it (weight decay, momentum), so ``finish`` refuses it too, naming it. The
+refusal comes after the step's reductions, which every rank runs alike whatever it used: where the
+params without a grad differ by rank (an expert no token of this rank's batch chose), the ranks that
+used everything are not left waiting in a collective, and the step stops before any param moves.
+With ``find_unused_parameters`` the ranks agree which params no rank used (one small all-reduce) and
 leave those out of the step; a param used on some ranks only is stepped on the average.
 """
 

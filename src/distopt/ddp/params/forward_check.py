@@ -4,8 +4,7 @@ that finds ranks that parted (a forward run on one rank alone) and refuses on ev
 [Note: every rank runs every forward]
 With ``shard_params=True`` a forward gathers each unit's params from every rank, and so does a
 backward ([Note: sharded params] in ddp/buffers/param_storage.py): every rank must run every forward
-and
-every backward of the model together. torch scripts break that with an evaluation on one rank:
+and every backward of the model together. torch scripts break that with an evaluation on one rank:
 nanoGPT's ``if iter_num % eval_interval == 0 and master_process: losses = estimate_loss()``,
 whose forwards (under ``torch.no_grad()``, in eval mode) torch DDP runs on rank 0 alone since
 they communicate nothing. Under distopt rank 0's gathers would meet whatever the other ranks

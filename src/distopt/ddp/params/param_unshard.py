@@ -22,8 +22,7 @@ their own, as units do (without the prefetch): a bucket is gathered before any o
 runs and freed once none of them is running. A later forward that reads a param outside its
 unit where the first forward did not (another branch) reads the placeholder, which raises,
 naming the param ([Note: reads between uses] in ddp/buffers/param_placeholder.py): a branch that
-calls
-the unit's module itself is always safe.
+calls the unit's module itself is always safe.
 
 A module's own pre-hooks read its params too: torch's ``spectral_norm``, ``weight_norm`` and
 ``prune`` compute ``module.weight`` from ``weight_orig`` (or ``weight_g`` and ``weight_v``) in a

@@ -2,9 +2,8 @@
 
 What ``DistributedDataParallel`` gives back of the module it wraps: the params' full values
 where a user needs them with sharded params ([Note: sharded params] in
-ddp/buffers/param_storage.py),
-and the module itself, a plain module once more ([Note: one wrapper per param] in
-ddp/param_owners.py).
+ddp/buffers/param_storage.py), and the module itself, a plain module once more ([Note: one wrapper
+per param] in ddp/param_owners.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torch DDP's own methods on distopt's wrapper: its communication hooks and uneven-inputs
 context (accepted or refused by name, [Note: torch DDP's spellings] in
-ddp/torch_compat/torch_spellings.py),
-its ignore list, and its grad-sync switch (``no_sync()`` and ``require_backward_grad_sync``).
+ddp/torch_compat/torch_spellings.py), its ignore list, and its grad-sync switch (``no_sync()`` and
+``require_backward_grad_sync``).
 """
 
 from __future__ import annotations
