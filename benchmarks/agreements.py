@@ -25,14 +25,13 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distopt.bench.models import build_model
-from distopt.bench.runner import init_rank
+from distopt.bench.runner import init_rank, slowest_rank, timed_step
 from distopt.bench.systems import LABELS, build_system
 from distopt.ddp import agreements
 
@@ -57,23 +56,12 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
     for cycle in range(args.cycles):
         shift = cycle % len(built)
         for key, system, model in built[shift:] + built[:shift]:
-            block = []
-            for k in range(args.block):
-                inputs = model.batch(step + k, rank, args.batch_size, device)
-                dist.barrier()
-                start = time.perf_counter()
-                system.zero_grad()
-                system.backward(model.loss(system.forward(*inputs)))
-                system.sync()
-                system.step()
-                block.append(time.perf_counter() - start)
+            block = [timed_step(system, model,
+                                model.batch(step + k, rank, args.batch_size, device))
+                     for k in range(args.block)]
             times[key].append(block[1:])
         step += args.block
-    slowest: dict[tuple[str, str], list[list[float]]] = {}
-    for key, blocks in times.items():
-        t = torch.tensor(blocks, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        slowest[key] = t.tolist()
+    slowest = {key: slowest_rank(blocks) for key, blocks in times.items()}
     if rank == 0:
         _report(args, slowest)
     dist.barrier()

@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ import torch.multiprocessing as mp
 
 from distopt.bench.models import build_model
 from distopt.bench.peers import build_peer_system
-from distopt.bench.runner import init_rank
+from distopt.bench.runner import init_rank, slowest_rank, timed_step
 from distopt.bench.systems import LABELS, PEER_SYSTEMS, build_system
 
 
@@ -42,20 +41,10 @@ def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
     for step in range(args.warmup + args.steps):
         shift = step % len(built)
         for name, system, model in built[shift:] + built[:shift]:
-            inputs = model.batch(step, rank, 1, device)
-            dist.barrier()
-            start = time.perf_counter()
-            system.zero_grad()
-            system.backward(model.loss(system.forward(*inputs)))
-            system.sync()
-            system.step()
+            seconds = timed_step(system, model, model.batch(step, rank, 1, device))
             if step >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-    slowest = {}
-    for name, own in times.items():
-        t = torch.tensor(own, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        slowest[name] = t.tolist()
+                times[name].append(seconds)
+    slowest = {name: slowest_rank(own) for name, own in times.items()}
     if rank == 0:
         _report(args, slowest)
     dist.barrier()

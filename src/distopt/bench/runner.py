@@ -117,6 +117,25 @@ def run_config(config: RunConfig, timeout_s: float = 600.0) -> dict[str, Any]:
             return json.load(f)
 
 
+def timed_step(system: Any, bench_model: Any, inputs: tuple[torch.Tensor, ...]) -> float:
+    """One training step of ``system`` on ``inputs``, started after a barrier: this rank's
+    seconds (for the benchmarks that take the steps of several systems in turn)."""
+    dist.barrier()
+    start = time.perf_counter()
+    system.zero_grad()
+    system.backward(bench_model.loss(system.forward(*inputs)))
+    system.sync()
+    system.step()
+    return time.perf_counter() - start
+
+
+def slowest_rank(seconds: list[Any]) -> list[Any]:
+    """``seconds`` (a list, or a list of equal lists) with each entry the slowest rank's."""
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def init_rank(rank: int, nproc: int, device: str, threads: int, tmp: str) -> torch.device:
     """Join the group of ``nproc`` spawned ranks that meet in directory ``tmp`` (gloo on
     ``cpu``, nccl on ``cuda`` with one GPU per rank); return this rank's device."""
