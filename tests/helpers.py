@@ -684,3 +684,17 @@ def parity_trajectory(run: ParityRun) -> dict:
         "owned": sum(m.numel() for m in opt.main_params),
         "num_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
+
+
+def assert_within_adamw_drift(ends: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                              tol: float = FP32_TOL) -> None:
+    """A run's params and AdamW state (keys ``param/``, ``exp_avg/``, ``exp_avg_sq/``,
+    ``step/`` and a param's name) against a reference run's: within ``tol`` (AdamW's fp32 drift
+    between two runs, FP32_TOL) on values of size about 1, and relative to its size on
+    ``exp_avg_sq``, the square of grads of about 0.1, whose relative error is twice the grads'."""
+    assert set(ends) == set(reference)
+    for key, value in reference.items():
+        diff = (ends[key].double() - value.double()).abs().max().item()
+        scale = value.double().abs().max().item()
+        bound = tol * max(scale, 1.0) if not key.startswith("exp_avg_sq") else 2 * tol * scale
+        assert diff <= bound, (key, diff, scale)
