@@ -272,16 +272,11 @@ def all_gather_small(
     """Every rank's small 1-D control tensor (a few statistics per param), stacked in the
     group's rank order: ``[group size, numel]``, the same on every rank, so that each rank
     combines them in one order (and a max keeps a nan, which a MAX all-reduce may drop)."""
-    gate.settle()
-    if group_size(group) == 1:
-        return tensor.unsqueeze(0)
-    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
-    with failures_named("all_gather", f"a control value ({tensor.numel()} elements)"):
-        dist.all_gather(parts, tensor, group=group)
-    gathered = torch.stack(parts)
-    if stats is not None:
-        stats.record("all_gather_small", gathered, group)
-    return gathered
+    out, handle = all_gather_small_async(tensor, group, stats)
+    if handle is not None:
+        with failures_named("all_gather", f"a control value ({tensor.numel()} elements)"):
+            handle.wait()
+    return out.view(group_size(group), -1)
 
 
 def all_gather_small_async(

@@ -112,7 +112,8 @@ class GradReads:
         self._pending = None
         self.complete = None
         if handle is not None:
-            handle.wait()
+            with comm.failures_named("all_gather", "the grad statistics p.grad reads"):
+                handle.wait()
         n = len(self.params)
         if self._squares is None:
             self._squares = torch.zeros(n, dtype=torch.float64, device=self.device)
