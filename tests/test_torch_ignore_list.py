@@ -103,7 +103,8 @@ two, three, both = pools_at_two_and_three(_cases)
 @pytest.mark.parametrize("mode", MODES)
 def test_one_optimizer_steps_the_ignore_list_as_torch_ddp(both, mode):
     for v in case_result(both, f"ignore-{mode}"):
-        assert v["diff"] <= 1e-6, v  # fp32 AdamW, the grads summed in another order
+        # fp32 AdamW, the grads summed in another order: the conformance suite's bound.
+        assert v["diff"] <= conformance.TRAJECTORY_TOL, v
         assert v["local"], v  # each rank's own copy, as under torch
         assert v["saved"] == ["exp_avg", "exp_avg_sq", "step"], v
         assert v["back"], v
@@ -113,4 +114,4 @@ def test_one_optimizer_steps_the_ignore_list_as_torch_ddp(both, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_clip_grad_value_clamps_the_ignored_grads_as_torch(both, mode):
     for diff in case_result(both, f"clip-value-{mode}"):
-        assert diff <= 1e-6, diff
+        assert diff <= conformance.TRAJECTORY_TOL, diff

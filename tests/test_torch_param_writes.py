@@ -147,7 +147,8 @@ two, three, both = pools_at_two_and_three(_cases)
 @pytest.mark.parametrize("mode", MODES)
 def test_writes_between_steps_train_as_under_torch_ddp(both, mode):
     for v in case_result(both, f"writes-{mode}"):
-        assert v["diff"] <= 1e-6, v  # fp32 AdamW, the grads summed in another order
+        # fp32 AdamW, the grads summed in another order: the conformance suite's bound.
+        assert v["diff"] <= conformance.TRAJECTORY_TOL, v
         assert v["scale"] <= BOUND  # the clamp acted
 
 
