@@ -21,11 +21,29 @@ glibc's defaults and trained at 5.50 GiB per rank with ``MALLOC_MMAP_THRESHOLD_=
 (benchmarks/README.md, "The lean tier at 2.0B"). So a process whose params or grads distopt
 shards on the CPU (the modes for models at the edge of memory) sets glibc's mmap threshold to
 1 MiB itself, with ``mallopt``, when its first such DDP is built: every block of 1 MiB or more
-is then mapped on its own and unmapped when freed, and nothing large is stranded. The cost is
-a page fault per 4 KiB page of each such block at its first touch (counted in
-benchmarks/README.md). The threshold is the process's, not distopt's: a user who set
-``MALLOC_MMAP_THRESHOLD_`` keeps it, and ``DISTOPT_MMAP_THRESHOLD=off`` (or a number of bytes)
-turns distopt's choice off (or changes it). Elsewhere than glibc it does nothing.
+is then mapped on its own and unmapped when freed, and nothing large is stranded.
+
+The cost is a page fault per 4 KiB page of each such block at its first touch, every time: a
+gather's buffer is fresh pages at every forward and backward (``distopt bench`` counts them,
+``page_faults_per_step``). So the threshold is set only where the heap's holes could matter:
+where the state the ranks of this host will hold (the DDP's params, grads, fp32 masters and an
+Adam's two moments, sharded as the DDP shards them, times the ranks on the host) exceeds half
+of the memory the host has available when the DDP is built. The ranks on the host are
+torchrun's ``LOCAL_WORLD_SIZE``, or else every rank of the DP group (the larger guess, which
+sets the threshold sooner).
+
+Below that, the holes fit twice over, and distopt asks the opposite of glibc: keep the blocks.
+glibc's own threshold starts at 128 KiB and rises only as mapped blocks are freed, and its heap
+gives back any free top larger than twice the threshold, so a step's gathers and grads were
+still mapped and faulted afresh, thousands of pages a step (mlp8 at d = 2 with sharded params:
+benchmarks/README.md, "What torch's spellings cost a step"). A roomy host sets the mmap
+threshold to glibc's largest, 32 MiB, and the heap's trim threshold to 64 MiB: each step's
+blocks come back from the heap, faulted once.
+
+The settings are the process's, not distopt's: a user who set ``MALLOC_MMAP_THRESHOLD_`` or
+``MALLOC_TRIM_THRESHOLD_`` keeps them, and ``DISTOPT_MMAP_THRESHOLD=off`` (or a number of bytes)
+turns distopt's choice off (or sets that threshold whatever the memory). Elsewhere than glibc
+it does nothing.
 """
 
 from __future__ import annotations
@@ -35,12 +53,28 @@ import ctypes.util
 import functools
 import os
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-"""glibc's ``mallopt`` parameter (malloc.h)."""
+"""glibc's ``mallopt`` parameters (malloc.h)."""
 EDGE_OF_MEMORY_MMAP_THRESHOLD = 1 << 20
-"""Blocks at least this large are mapped on their own ([Note: the heap at the edge of
-memory])."""
+"""Blocks at least this large are mapped on their own where memory is tight ([Note: the heap at
+the edge of memory])."""
+ROOMY_MMAP_THRESHOLD = 32 << 20
+"""glibc's largest mmap threshold on 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``): where memory
+is roomy, every block below it comes from the heap."""
+ROOMY_TRIM_THRESHOLD = 64 << 20
+"""Free memory at the heap's top kept where memory is roomy, rather than given back and faulted
+in again at the next step."""
+GLIBC_TRIM_THRESHOLD = 128 << 10
+"""glibc's own trim threshold (``DEFAULT_TRIM_THRESHOLD``), given back where a later DDP finds
+memory tight after an earlier one found it roomy."""
+TIGHT_SETTINGS = {M_MMAP_THRESHOLD: EDGE_OF_MEMORY_MMAP_THRESHOLD,
+                  M_TRIM_THRESHOLD: GLIBC_TRIM_THRESHOLD}
 THRESHOLD_VARIABLE = "DISTOPT_MMAP_THRESHOLD"
+GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+TIGHT_FRACTION = 0.5
+"""The share of the host's available memory above which the ranks' projected state sets the
+1 MiB threshold ([Note: the heap at the edge of memory])."""
 
 
 @functools.cache
@@ -68,17 +102,61 @@ def release_freed_host_memory() -> bool:
     return True
 
 
-def edge_of_memory_threshold() -> int | None:
-    """The mmap threshold distopt sets for sharded runs on the CPU, in bytes; None where it
-    leaves glibc alone (the user set ``MALLOC_MMAP_THRESHOLD_``, or ``DISTOPT_MMAP_THRESHOLD``
-    is ``off``). Raises, naming the variable, on a value that is neither."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+def available_host_bytes() -> int | None:
+    """The memory the host has available (``MemAvailable`` of /proc/meminfo); None where
+    unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def host_state_bytes(numel: int, param_itemsize: int, grad_itemsize: int, dp_size: int, *,
+                     shard_params: bool, ranks_on_host: int | None = None) -> int:
+    """The state the ranks of this host will hold for a DDP of ``numel`` trainable elements
+    whose grads are sharded (and its params too, with ``shard_params``): params, grads, fp32
+    masters of low-precision params and an Adam's two fp32 moments, each rank its shards
+    (docs/design.md's table). ``ranks_on_host`` defaults to torchrun's ``LOCAL_WORLD_SIZE``,
+    else ``dp_size``."""
+    if ranks_on_host is None:
+        ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", dp_size))
+    sharded = grad_itemsize + 8 + (4 if param_itemsize < 4 else 0)
+    whole = 0
+    if shard_params:
+        sharded += param_itemsize
+    else:
+        whole += param_itemsize
+    per_rank = numel * whole + -(-numel * sharded // max(dp_size, 1))
+    return ranks_on_host * per_rank
+
+
+def memory_is_tight(host_state_bytes: int | None, available: int | None) -> bool:
+    """Whether ``host_state_bytes`` (the state all ranks of the host will hold) exceeds
+    ``TIGHT_FRACTION`` of ``available``; True where either is unknown."""
+    if host_state_bytes is None or available is None:
+        return True
+    return host_state_bytes > TIGHT_FRACTION * available
+
+
+def heap_settings(host_state_bytes: int | None = None) -> dict[int, int]:
+    """The ``mallopt`` settings distopt makes for sharded runs on the CPU, by parameter; empty
+    where it leaves glibc alone (the user set glibc's own variables, or
+    ``DISTOPT_MMAP_THRESHOLD`` is ``off``). ``host_state_bytes``: the state all ranks of the host
+    will hold, None where unknown (taken as tight). Raises, naming the variable, on a value
+    that is neither a number of bytes nor ``off``."""
+    if any(name in os.environ for name in GLIBC_VARIABLES):
+        return {}
     value = os.environ.get(THRESHOLD_VARIABLE, "").strip()
     if not value:
-        return EDGE_OF_MEMORY_MMAP_THRESHOLD
+        if memory_is_tight(host_state_bytes, available_host_bytes()):
+            return dict(TIGHT_SETTINGS)
+        return {M_MMAP_THRESHOLD: ROOMY_MMAP_THRESHOLD, M_TRIM_THRESHOLD: ROOMY_TRIM_THRESHOLD}
     if value.lower() in ("off", "0", "none"):
-        return None
+        return {}
     try:
         threshold = int(value)
     except ValueError:
@@ -88,22 +166,23 @@ def edge_of_memory_threshold() -> int | None:
             f"{THRESHOLD_VARIABLE}={value!r}: give a number of bytes (1048576 maps every block "
             "of 1 MiB or more on its own) or 'off' to leave glibc's malloc as it is"
         )
-    return threshold
+    return {M_MMAP_THRESHOLD: threshold}
 
 
-_applied: list[int] = []
+_applied: list[dict[int, int]] = []
 
 
-def keep_heap_from_stranding() -> int | None:
-    """Set glibc's mmap threshold for this process, once; see [Note: the heap at the edge of
-    memory]. Returns the threshold set, or None where nothing was set."""
-    threshold = edge_of_memory_threshold()
-    if threshold is None:
-        return None
-    if _applied:
-        return _applied[0]
+def tune_heap(host_state_bytes: int | None = None) -> dict[int, int]:
+    """Make ``heap_settings(host_state_bytes)`` for this process, once, or again where a later
+    DDP finds memory tight after an earlier one found it roomy; see [Note: the heap at the edge
+    of memory]. Returns the settings in effect, empty where nothing was set."""
+    if _applied and (_applied[-1] == TIGHT_SETTINGS
+                     or heap_settings(host_state_bytes) != TIGHT_SETTINGS):
+        return _applied[-1]
+    settings = heap_settings(host_state_bytes)
     mallopt = _malloc_function("mallopt")
-    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, threshold):
-        return None
-    _applied.append(threshold)
-    return threshold
+    if not settings or mallopt is None:
+        return {}
+    made = {param: value for param, value in settings.items() if mallopt(param, value)}
+    _applied.append(made)
+    return made

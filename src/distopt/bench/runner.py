@@ -216,6 +216,7 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
         if step == config.warmup:
             counter.reset()
             newton_schulz.calls = 0
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if is_distopt:
                 system.model.comm_stats.reset()
         inputs = bench_model.batch(step, rank, config.batch_size, device)
@@ -238,6 +239,9 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
                                   backward=compute(m1, m2),
                                   step=compute(m2, m3) + compute(m3, m4)))
     counter.uninstall()
+    # First touches of freshly mapped pages: what a heap that unmaps its freed blocks costs
+    # (docs/memory.md, "The process's heap at the edge of memory").
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     # Taken before the last gather: peers that bound the wrapped functions still call them.
     calls, sent = dict(counter.calls), dict(counter.bytes)
     system.finish_param_sync()
@@ -253,6 +257,7 @@ def _measure(rank: int, config: RunConfig, device: torch.device) -> dict[str, An
         "bytes": sent,
         "newton_schulz_calls": newton_schulz.calls,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "page_faults": faults,
         "model_source": bench_model.source,
         "checksum": float(sum(p.double().sum() for p in system.full_params())),
     }
@@ -328,6 +333,7 @@ def _summarize(config: RunConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         / first["num_params"],
         "state_bytes": state,
         "max_rss_bytes": max(r["max_rss_bytes"] for r in per_rank),
+        "page_faults_per_step": max(r["page_faults"] for r in per_rank) / steps,
         "calls_per_step": {op: c / steps for op, c in first["calls"].items()},
         "payload_bytes_per_step": payload,
         "wire_bytes_per_step": sum(wire_bytes(op, b, d) for op, b in payload.items()),

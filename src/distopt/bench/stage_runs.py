@@ -53,6 +53,7 @@ def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, An
     for step in range(config.warmup + config.steps):
         if step == config.warmup:
             counter.reset()
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if stats is not None:
                 stats.reset()
         # Every stage of a pipeline makes the same batch; the first feeds the inputs, the last
@@ -74,6 +75,7 @@ def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, An
             rows.append(clock.row(m0, m3, before, schedule=compute(m0, m1),
                                   step=compute(m1, m2) + compute(m2, m3)))
     counter.uninstall()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     calls, sent = dict(counter.calls), dict(counter.bytes)
     # Read before the checksum, whose gather of sharded params is not a step's.
     own = None if stats is None else (dict(stats.calls), dict(stats.bytes))
@@ -90,6 +92,7 @@ def measure_stages(rank: int, config: Any, device: torch.device) -> dict[str, An
         "bytes": sent,
         "newton_schulz_calls": 0,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "page_faults": faults,
         "model_source": "distopt.train.stages.GPTStage",
         "checksum": checksum,
     }

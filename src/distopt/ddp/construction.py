@@ -33,7 +33,7 @@ from torch import nn
 from ..comm import collectives as comm
 from ..cross_rank.model import check_same_model
 from ..cross_rank.stages import stages_agree
-from ..host_memory import keep_heap_from_stranding
+from ..host_memory import host_state_bytes, tune_heap
 from ..layout.elementwise import TARGET_BUCKETS, TARGET_BUCKETS_GLOO
 from ..layout.model_layout import resolve_bucket_size
 from ..options import GradSyncOptions
@@ -149,6 +149,16 @@ def check_inputs(
     return Inputs(named, ignored, resolved, meta, static_graph, gradient_as_bucket_view)
 
 
+def projected_host_state(named: Sequence[tuple[str, nn.Parameter]], options: GradSyncOptions,
+                         dp_group: dist.ProcessGroup) -> int:
+    """The state this host's ranks will hold ([Note: the heap at the edge of memory])."""
+    numel = sum(p.numel() for _, p in named)
+    param_itemsize = named[0][1].dtype.itemsize if named else 4
+    grad_itemsize = (options.grad_dtype or named[0][1].dtype).itemsize if named else 4
+    return host_state_bytes(numel, param_itemsize, grad_itemsize, comm.group_size(dp_group),
+                            shard_params=options.shard_params)
+
+
 def resolve_groups(
     module: nn.Module,
     inputs: Inputs,
@@ -190,7 +200,7 @@ def resolve_groups(
     torch_spellings.check_devices(device_ids, output_device, dim, device)
     if device.type == "cpu" and not options.grad_policy.full_grads:
         # Sharded grads or params on the host: [Note: the heap at the edge of memory].
-        keep_heap_from_stranding()
+        tune_heap(projected_host_state(named, options, parallel.dp_group))
     # Raises, on every rank alike, where no one group spans the DP ranks.
     adopt_sync_batchnorm_group(module, parallel)
     if parallel.pp_group is not None or "torch.distributed.pipelining" in sys.modules:
