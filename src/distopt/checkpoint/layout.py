@@ -25,9 +25,17 @@ with block exponents) as its fp32 values, which a load quantizes with its own bl
 as it would have from the values and exponents; the masters of a run with
 ``store_param_remainders`` rebuilt exactly, split back on load. The manifest beside it
 (``distopt.json``, ``"layout": "torch"``) keeps what makes it distopt's: the structure every
-load checks first, the files' sizes and CRC32s, the loss scaler's state. Model chunks,
-pipeline stages and experts, for which no torch system has a state dict to load into, keep
-the earlier layout (``main/``, ``state/``, ``model/``; package docstring).
+load checks first, the files' sizes and CRC32s, the loss scaler's state.
+
+Every layout distopt trains is written so, under the whole model's FQNs where distopt knows
+them, as torchtitan writes its model parts: a pipeline stage's entries under the names the
+whole model gives them ([Note: pipeline checkpoints] in pipeline.py), so that the unpipelined
+model loads them with torch's recipe; a tie's optimizer state once, by the stage that counts
+it ([Note: tied stage params]), and each model entry two stages hold by the lowest pipeline
+rank holding it; the manifest's ``"pipeline"`` lists each pipeline rank's params and the tied
+ones. An expert's entries are under its global FQN ([Note: expert checkpoints] in format.py),
+each EP rank writing its own; model chunks that are not stages under ``chunk{i}.{fqn}``. The
+earlier layout (``main/``, ``state/``, ``model/``; package docstring) is still read.
 
 Each rank writes its part of the pieces it holds as boxes of the params' shapes, split between
 replicas ([Note: each byte written once] in parts.py); the model's other entries are dealt out
