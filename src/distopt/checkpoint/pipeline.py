@@ -33,7 +33,6 @@ from .files import CheckpointError
 from .format import (
     Optimizer,
     describe,
-    global_name,
     hyper_params,
     param_names,
     whole_names,
@@ -76,14 +75,21 @@ def whole_model(opt: Optimizer) -> WholeModel:
     mine: dict[str, Any] = {"parameters": [], "state_dict": [], "groups": [], "whole": [],
                             "entries": []}
     for model in opt.models:
-        seen: dict[str, str] = {}
-        for name, p in model.module.named_parameters():
-            mine["parameters"].append([names.get(p, name), list(p.shape), p.requires_grad])
-            seen[name] = names.get(p, name)
-        entries = module_entries(model.module)
-        mine["state_dict"] += [[k, *describe(v)] for k, v in entries.items()]
-        mine["entries"] += [global_name(model, k) for k in entries]
-    mine["stage"] = [names[p] for model in opt.models for p in model.params]
+        # Experts by their global names, every EP rank's ([Note: expert checkpoints] in
+        # format.py); a tie by its name.
+        experts = model.experts
+
+        def spread(items: list[tuple[str, Any]], experts: Any = experts) -> list[tuple[str, Any]]:
+            return items if experts is None else experts.everywhere(items)
+
+        for name, p in spread(list(model.module.named_parameters())):
+            if experts is None or not experts.is_expert_entry(name):
+                name = names.get(p, name)
+            mine["parameters"].append([name, list(p.shape), p.requires_grad])
+        entries = spread(list(module_entries(model.module).items()))
+        mine["state_dict"] += [[k, *describe(v)] for k, v in entries]
+        mine["entries"] += [k for k, _ in entries]
+    mine["stage"] = [name for name, _, requires_grad in mine["parameters"] if requires_grad]
     mine["groups"] = [group["params"] for group in hyper_params(opt)]
     mine["whole"] = sorted(whole_names(opt))
     every = comm.all_gather_object(mine, opt.parallel.pp_group)
