@@ -216,9 +216,17 @@ def test_model_chunks_save_load_and_export(tmp_path):
 
     models, ddps, opt = chunks(0)
     step(models, opt)
-    distopt.save_checkpoint(tmp_path / "run", ddps, opt)
+    saved = distopt.save_checkpoint(tmp_path / "run", ddps, opt)
     assert sorted(opt.state_dict()["main_params"]) == [
         "chunk0.0.bias", "chunk0.0.weight", "chunk1.0.bias", "chunk1.0.weight"]
+    # torch's layout, each chunk's entries under its prefix.
+    import torch.distributed.checkpoint as dcp
+
+    paths = {tuple(p) for p in dcp.FileSystemReader(saved).read_metadata().planner_data.values()}
+    assert {p for p in paths if p[0] == "model"} == {
+        ("model", f"chunk{i}.0.{k}") for i in range(2) for k in ("weight", "bias")}
+    assert {p[2] for p in paths if p[:2] == ("optimizer", "state")} == {
+        f"chunk{i}.0.{k}" for i in range(2) for k in ("weight", "bias")}
     fresh, fresh_ddps, fresh_opt = chunks(1)
     distopt.load_checkpoint(tmp_path / "run", fresh_ddps, fresh_opt)
     step(models, opt)
@@ -229,6 +237,40 @@ def test_model_chunks_save_load_and_export(tmp_path):
     exported = torch.load(out, weights_only=True)
     assert [list(sd) for sd in exported["model"]] == [["0.weight", "0.bias"]] * 2
     assert sorted(exported["optimizer"]["state"]) == [0, 1, 2, 3]
+
+
+def test_model_chunks_of_the_earlier_layout_load(tmp_path):
+    """Chunks saved in the earlier layout (``main/chunk0.…``) load and train on exactly as
+    the run that saved them."""
+    from distopt.checkpoint import layout
+
+    def chunks(seed):
+        torch.manual_seed(seed)
+        first, second = mlp([4, 6]), mlp([6, 3])
+        ddps = [distopt.DistributedDataParallel(m) for m in (first, second)]
+        return (first, second), ddps, distopt.DistributedOptimizer(ddps, torch.optim.AdamW)
+
+    def step(models, opt):
+        opt.zero_grad()
+        models[1](models[0](torch.ones(2, 4))).sum().backward()
+        opt.step()
+
+    models, ddps, opt = chunks(0)
+    step(models, opt)
+    layout.write_earlier_layout = True
+    try:
+        saved = distopt.save_checkpoint(tmp_path / "run", ddps, opt)
+    finally:
+        layout.write_earlier_layout = False
+    import torch.distributed.checkpoint as dcp
+
+    assert "main/chunk1.0.weight" in dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    fresh, fresh_ddps, fresh_opt = chunks(1)
+    distopt.load_checkpoint(tmp_path / "run", fresh_ddps, fresh_opt)
+    step(models, opt)
+    step(fresh, fresh_opt)
+    for a, b in zip(models, fresh, strict=True):
+        assert same(values(a), values(b))
 
 
 def test_export_master_weights_and_cli(tmp_path, capsys):

@@ -274,6 +274,24 @@ def resume(saved_at: tuple[int, int] | None, loads_at: list[tuple[int, int] | No
     return {**finish_from(path, loads_at), "path": path}
 
 
+def resume_earlier_layout(saved_at: tuple[int, int], loads_at: list[tuple[int, int] | None]
+                          ) -> dict:
+    """``resume``, the checkpoint written in the earlier layout (``main/``, ``state/``,
+    ``model/``), which ``load_checkpoint`` still reads."""
+    from distopt.checkpoint import layout
+
+    half = STEPS // 2
+    path = shared_tmpdir("distopt-experts-earlier-")
+    model, ddp, opt = build_any(saved_at, SEED)
+    train(model, ddp, opt, range(half))
+    layout.write_earlier_layout = True
+    try:
+        distopt.save_checkpoint(path, ddp, opt, extra={"step": half})
+    finally:
+        layout.write_earlier_layout = False
+    return {**finish_from(path, loads_at), "path": path}
+
+
 def finish_from(path: str, loads_at: list[tuple[int, int] | None]) -> dict:
     """For each of ``loads_at``, a model built from another seed loads the checkpoint at
     ``path`` and trains the rest: the largest difference from one process that trained every
@@ -455,6 +473,7 @@ def _cases_2() -> list:
         ("collectives-dp1-ep2", collectives, (1, 2)),
         ("resume-from-dp1-ep2", resume, ((1, 2), [(2, 1), (1, 2), None])),
         ("resume-from-every-expert-local", resume, (None, [(1, 2)])),
+        ("resume-earlier-layout-from-dp1-ep2", resume_earlier_layout, ((1, 2), [(2, 1), None])),
         ("exported-dp1-ep2", exported, (1, 2)),
         ("bf16-dp1-ep2", bf16, (1, 2)),
         *((f"refused-{what}", refused, (what,)) for what in REFUSALS),
@@ -627,12 +646,43 @@ def test_collectives_by_group_four_ranks(grid4) -> None:
         assert v["by_group"]["reduce_scatter@expert_dp"] == v["expert_buckets"] >= 1, v
 
 
-@pytest.mark.parametrize("name", ["resume-from-dp1-ep2", "resume-from-every-expert-local"])
+@pytest.mark.parametrize("name", ["resume-from-dp1-ep2", "resume-from-every-expert-local",
+                                  "resume-earlier-layout-from-dp1-ep2"])
 def test_checkpoint_resumes_at_other_layouts_two_ranks(grid2, name: str) -> None:
     # None: the model with every expert local, on plain data parallelism.
     for result in case_result(grid2, name):
         diffs = {k: v for k, v in result.items() if k != "path"}
         assert all(d < FP32_TOL for d in diffs.values()), diffs
+
+
+def _checkpoint_keys(run_dir: str) -> tuple[dict, set[tuple]]:
+    import json
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = Path(run_dir) / (Path(run_dir) / "latest").read_text().strip()
+    data = dcp.FileSystemReader(ckpt).read_metadata().planner_data
+    return (json.loads((ckpt / "distopt.json").read_text()),
+            {tuple(p) for p in (data or {}).values()})
+
+
+def test_experts_are_saved_in_torch_s_layout_by_their_global_fqns(grid2) -> None:
+    """Each EP rank writes its experts under the FQNs the model with every expert local
+    gives them; the earlier layout's keys are gone."""
+    manifest, paths = _checkpoint_keys(case_result(grid2, "resume-from-dp1-ep2")[0]["path"])
+    assert manifest["layout"] == "torch"
+    torch.manual_seed(SEED)
+    whole = GPT(config(2))
+    assert {p for p in paths if p[0] == "model"} == {("model", k) for k in whole.state_dict()}
+    experts = {n for n, _ in whole.named_parameters() if ".experts." in n}
+    assert {f"blocks.{b}.mlp.experts.{e}" for b in range(2) for e in range(4)} <= {
+        n.rsplit(".", 2)[0] for n in experts}
+    assert {("optimizer", "state", n, "exp_avg") for n in experts} <= paths
+    assert all(p[0] in ("model", "optimizer", "distopt") for p in paths)
+    manifest, _ = _checkpoint_keys(case_result(grid2, "resume-earlier-layout-from-dp1-ep2")[0]
+                                   ["path"])
+    assert "layout" not in manifest
 
 
 @pytest.mark.slow

@@ -687,7 +687,8 @@ def train_resumed_from(checkpoint: str, out: str, *args: str) -> str:
 HALFWAY = "ckpt-000001"
 # Each resumed run -> the run whose step-4 checkpoint it starts from, and its own flags. (An
 # unpipelined checkpoint loaded into stages: test_a_checkpoint_resumes_at_another_layout.)
-RESUMED = {"flat-from-pp": ("pp", ())}
+RESUMED = {"flat-from-pp": ("pp", ()),
+           "flat-moe-from-pp-moe": ("pp-moe", ("--moe", "4", "--ep", "2"))}
 
 
 @pytest.fixture(scope="module")
@@ -739,7 +740,7 @@ def test_train_resumed_at_another_pp_ends_where_the_uninterrupted_run_ends(train
     source = RESUMED[resumed][0]
     assert train_runs[source]["resumed_at"] is None
     assert train_runs[resumed]["resumed_at"] == 4
-    for uninterrupted in ("pp", "flat"):
+    for uninterrupted in (source, "flat" + source.removeprefix("pp")):
         assert train_runs[resumed]["heldout"] == pytest.approx(
             train_runs[uninterrupted]["heldout"], rel=LOSS_RTOL)
 

@@ -1,7 +1,9 @@
 """Checkpoints that reshard: save at one DP size, resume at any other, export to plain PyTorch.
 
 ``save_checkpoint`` and ``load_checkpoint`` are collective over the data-parallel group. Each rank
-writes only what it owns, through torch.distributed.checkpoint (DCP), under these keys::
+writes only what it owns, through torch.distributed.checkpoint (DCP), in torch's layout for every
+model distopt trains ([Note: torch's layout on disk] in layout.py). Checkpoints written before
+it, which ``load_checkpoint`` and ``export_checkpoint`` still read, hold these keys::
 
     main/{name}          fp32 master values: 1-D [numel], one chunk per owning rank
     state/{name}/{key}   per-element optimizer state (exp_avg, ...): 1-D [numel], same chunks;

@@ -234,20 +234,27 @@ def _export_torch_layout(manifest: dict[str, Any], metadata: Metadata, objects: 
 
     index = metadata.state_dict_metadata
     paths = _paths(metadata)
-    (saved,) = manifest["models"]
-    trainable = {n for n, _, requires_grad in saved["parameters"] if requires_grad}
-    names = [n for n, _, _ in saved["parameters"]]
-    shape_of = {n: shape for n, shape, _ in saved["parameters"]}
-    sd: dict[str, Any] = {}
-    for key, shape, dtype in saved["state_dict"]:
-        at = paths[("model", torch_fqn(key))]
-        if shape is None:
-            sd[key] = objects[at]
-            continue
-        # Trainable params are stored as their fp32 masters: the model's dtype is their cast.
-        wanted = (torch.float32 if master_weights and key in trainable
-                  else getattr(torch, dtype))
-        sd[key] = _Placeholder(at, shape, wanted)
+    # Model chunks are keyed ``chunk{i}.{key}``, as the earlier layout keys them.
+    model_dicts: list[dict[str, Any]] = []
+    names: list[str] = []
+    shape_of: dict[str, list[int]] = {}
+    for saved in manifest["models"]:
+        prefix = saved["prefix"]
+        trainable = {n for n, _, requires_grad in saved["parameters"] if requires_grad}
+        names += [prefix + n for n, _, _ in saved["parameters"]]
+        shape_of.update((prefix + n, shape) for n, shape, _ in saved["parameters"])
+        sd: dict[str, Any] = {}
+        for key, shape, dtype in saved["state_dict"]:
+            at = paths[("model", torch_fqn(prefix + key))]
+            if shape is None:
+                sd[key] = objects[at]
+                continue
+            # Trainable params are stored as their fp32 masters: the model's dtype is their
+            # cast.
+            wanted = (torch.float32 if master_weights and key in trainable
+                      else getattr(torch, dtype))
+            sd[key] = _Placeholder(at, shape, wanted)
+        model_dicts.append(sd)
     by_fqn = {torch_fqn(n): n for n in names}
     whole_state = manifest.get("whole_state") or {}
 
@@ -270,7 +277,8 @@ def _export_torch_layout(manifest: dict[str, Any], metadata: Metadata, objects: 
     options = [{**g, "params": [by_fqn[f] for f in g.get("params", [])]}
                for g in param_groups(objects, paths)]
     extra = objects.get(paths.get(EXTRA, ""))
-    return ({"model": sd} | _optimizer_tree(manifest, names, options, state_entries())
+    model = model_dicts[0] if len(model_dicts) == 1 else model_dicts
+    return ({"model": model} | _optimizer_tree(manifest, names, options, state_entries())
             | {"extra": None if extra is None else torch.load(io.BytesIO(extra),
                                                                 weights_only=False),
                "loss_scaler": manifest["loss_scaler"]})

@@ -25,9 +25,17 @@ with block exponents) as its fp32 values, which a load quantizes with its own bl
 as it would have from the values and exponents; the masters of a run with
 ``store_param_remainders`` rebuilt exactly, split back on load. The manifest beside it
 (``distopt.json``, ``"layout": "torch"``) keeps what makes it distopt's: the structure every
-load checks first, the files' sizes and CRC32s, the loss scaler's state. Model chunks,
-pipeline stages and experts, for which no torch system has a state dict to load into, keep
-the earlier layout (``main/``, ``state/``, ``model/``; package docstring).
+load checks first, the files' sizes and CRC32s, the loss scaler's state.
+
+Every layout distopt trains is written so, under the whole model's FQNs where distopt knows
+them, as torchtitan writes its model parts: a pipeline stage's entries under the names the
+whole model gives them ([Note: pipeline checkpoints] in pipeline.py), so that the unpipelined
+model loads them with torch's recipe; a tie's optimizer state once, by the stage that counts
+it ([Note: tied stage params]), and each model entry two stages hold by the lowest pipeline
+rank holding it; the manifest's ``"pipeline"`` lists each pipeline rank's params and the tied
+ones. An expert's entries are under its global FQN ([Note: expert checkpoints] in format.py),
+each EP rank writing its own; model chunks that are not stages under ``chunk{i}.{fqn}``. The
+earlier layout (``main/``, ``state/``, ``model/``; package docstring) is still read.
 
 Each rank writes its part of the pieces it holds as boxes of the params' shapes, split between
 replicas ([Note: each byte written once] in parts.py); the model's other entries are dealt out
@@ -53,10 +61,14 @@ from .format import (
     Optimizer,
     buffer_keys,
     describe,
+    global_name,
+    model_prefixes,
     owned_pieces,
+    param_names,
     untrained_entries,
 )
 from .install import install, state_tensor
+from .pipeline import WholeModel
 from .state_dict import state_dict
 from .torch_layout import _torch_entries, boxes, torch_fqn
 
@@ -67,26 +79,92 @@ TORCH = "torch"
 """The manifest's ``layout`` of a checkpoint in torch's layout (absent: the earlier one)."""
 EXTRA = ("distopt", "extra")
 
+write_earlier_layout = False
+"""Write the earlier layout (``main/``, ``state/``, ``model/``) instead: what the tests that
+check that ``load_checkpoint`` still reads it set, never a user."""
+
 
 def covers(opt: Optimizer) -> bool:
-    """Whether ``opt``'s checkpoints are written in torch's layout (one model, no pipeline
-    stage, no experts: what torch's state-dict functions describe)."""
-    return (len(opt.models) == 1 and opt.parallel.pp_group is None
-            and opt.models[0].experts is None)
+    """Whether ``opt``'s checkpoints are written in torch's layout: every layout distopt trains
+    (one model, model chunks, pipeline stages, experts, tensor parallelism)."""
+    return not write_earlier_layout
 
 
 # ---------------------------------------------------------------------- save
 
 
-def dcp_state(opt: Optimizer, extra: Any, group: Any
+def _model_entries(opt: Optimizer, mains: dict[str, FlatShard], part: Any,
+                   whole: WholeModel | None, group: Any) -> dict[str, Any]:
+    """The ``model`` entries this rank writes: the trainable params' boxes of its part of
+    their masters, the module's other entries dealt out ([Note: each byte written once] in
+    parts.py), each under the whole model's torch FQN (a chunk's prefixed ``chunk{i}.``, an
+    expert's by its global name)."""
+    tp = opt.parallel.tp
+    names = param_names(opt)
+    fp32 = torch.empty(0, dtype=torch.float32)
+    # A pipeline stage's entries are held by its DP ranks alone, and one that two stages hold
+    # (a tie's copies under one name) is written by the lowest pipeline rank holding it.
+    rank, ranks = parts.model_dealers(opt, group)
+    writers = None if whole is None else whole.entry_stages
+    pp_rank = comm.group_rank(opt.parallel.pp_group) if whole is not None else 0
+    entries: dict[str, Any] = {}
+    dealt: dict[str, int] = {}
+    dealt_experts: dict[str, int] = {}
+    expert_group = None
+    for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
+        buffers = buffer_keys(model.module)
+        trainable = {id(p) for p in model.params}
+        expert = model.experts.is_expert_entry if model.experts is not None else None
+        for key, value in module_entries(model.module).items():
+            name = prefix + global_name(model, key)
+            if writers is not None and writers.get(name, pp_rank) != pp_rank:
+                continue  # another stage's copy of it
+            fqn = torch_fqn(name)
+            if id(value) in trainable:  # boxes of this rank's part, if it holds a piece
+                shard = mains.get(names[value])
+                entries[fqn] = boxes(value, None if shard is None else part(names[value], shard),
+                                     fp32)
+            elif key in buffers:
+                if model.parallel.first_dp_rank:
+                    entries[fqn] = value.detach()
+            elif isinstance(value, torch.Tensor) and tp is None:
+                to = dealt_experts if expert is not None and expert(key) else dealt
+                to[fqn] = value.numel() * value.element_size()
+                entries[fqn] = value.detach()
+                if to is dealt_experts:
+                    expert_group = model.experts.parallel.expert_dp_group
+            else:  # DTensors and objects: DCP writes each once
+                entries[fqn] = value.detach() if isinstance(value, torch.Tensor) else value
+    dealt_to = [(dealt, rank, ranks)]
+    if expert_group is not None:  # an expert's entries: over the ranks holding it
+        dealt_to.append((dealt_experts, comm.group_rank(expert_group),
+                         comm.group_size(expert_group)))
+    for sizes, mine, count in dealt_to:
+        for fqn, owner in parts.deal(sizes, count).items():
+            if owner != mine:
+                del entries[fqn]
+    return entries
+
+
+def dcp_state(opt: Optimizer, extra: Any, group: Any, whole: WholeModel | None = None
               ) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
     """What this rank gives DCP (nested, as torch's ``dcp.save`` is given it) and the
-    whole-parameter state among it (``{name: {key: [shape, dtype]}}``)."""
+    whole-parameter state among it (``{name: {key: [shape, dtype]}}``). ``whole``: a
+    pipeline's whole model ([Note: pipeline checkpoints] in pipeline.py)."""
     sd = state_dict(opt)
-    model = opt.models[0]
+    # A tie's copies: their state is written by the stage that counts it ([Note: tied stage
+    # params]); their model entries by the lowest stage holding each name.
+    copies = {o.name for o in owned_pieces(opt) if o.param in opt.tied_copies}
+    for name in copies:
+        sd["state"].pop(name, None)
+    order = [n for g in sd["param_groups"] for n in g["params"] if n in sd["state"]]
+    if whole is not None:
+        sd["param_groups"] = [{**g, "params": names}
+                              for g, names in zip(sd["param_groups"], whole.param_groups,
+                                                  strict=True)]
     tp = opt.parallel.tp
     index, count = parts.holders(opt)
-    params = {name: p for p, name in model.param_names.items()}
+    params = {name: p for p, name in param_names(opt).items()}
 
     def part(name: str, shard: FlatShard) -> FlatShard | None:
         if tp is not None and not tp.counts_once(params[name]):
@@ -95,34 +173,9 @@ def dcp_state(opt: Optimizer, extra: Any, group: Any
         return FlatShard(shard.local.reshape(-1)[lo - shard.offset : hi - shard.offset], lo,
                          shard.numel)
 
-    fp32 = torch.empty(0, dtype=torch.float32)
-    mains = sd["main_params"]
-    entries: dict[str, Any] = {}
-    dealt: dict[str, int] = {}
-    buffers = buffer_keys(model.module)
-    trainable = {id(p) for p in model.params}
-    for key, value in module_entries(model.module).items():
-        fqn = torch_fqn(key)
-        if id(value) in trainable:  # boxes of this rank's part, if it holds a piece
-            name = model.param_names[value]
-            shard = mains.get(name)
-            entries[fqn] = boxes(value, None if shard is None else part(name, shard), fp32)
-        elif key in buffers:
-            if model.parallel.first_dp_rank:
-                entries[fqn] = value.detach()
-        elif isinstance(value, torch.Tensor) and tp is None:
-            entries[fqn] = value.detach()
-            dealt[fqn] = value.numel() * value.element_size()
-        else:  # DTensors and objects: DCP writes each once
-            entries[fqn] = value.detach() if isinstance(value, torch.Tensor) else value
-    rank, ranks = comm.group_rank(group), comm.group_size(group)
-    for fqn, owner in parts.deal(dealt, ranks).items():
-        if owner != rank:
-            del entries[fqn]
-
+    entries = _model_entries(opt, sd["main_params"], part, whole, group)
     state: dict[str, dict[str, Any]] = {}
-    whole: dict[str, dict[str, list[Any]]] = {}
-    order = [n for g in sd["param_groups"] for n in g["params"] if n in sd["state"]]
+    whole_state: dict[str, dict[str, list[Any]]] = {}
     starts = {o.name: o.start for o in owned_pieces(opt)}
     for position, name in enumerate(order):  # torch's order
         # Values of the whole param (step, whole-parameter state) from one of the ranks that
@@ -135,7 +188,7 @@ def dcp_state(opt: Optimizer, extra: Any, group: Any
                 value = boxes(params[name], part(name, value), value.local)
             elif isinstance(value, torch.Tensor):
                 if value.dim() > 0:  # every holder lists it for the manifest
-                    whole.setdefault(name, {})[key] = describe(value)
+                    whole_state.setdefault(name, {})[key] = describe(value)
                 if not first:
                     continue
             converted[key] = value
@@ -143,11 +196,11 @@ def dcp_state(opt: Optimizer, extra: Any, group: Any
     groups = [{**g, "params": [torch_fqn(n) for n in g["params"]]} for g in sd["param_groups"]]
     out: dict[str, Any] = {"model": entries,
                            "optimizer": {"state": state, "param_groups": groups}}
-    if rank == 0:
+    if comm.group_rank(group) == 0:
         buffer = io.BytesIO()
         torch.save(extra, buffer)  # one object, as DCP would not flatten it
         out[EXTRA[0]] = {EXTRA[1]: buffer.getvalue()}
-    return out, whole
+    return out, whole_state
 
 
 # ---------------------------------------------------------------------- load

@@ -129,14 +129,14 @@ def dcp_state(opt: Optimizer, extra: Any, group: Any,
                 if not first and tp is None:
                     continue
             state[f"state/{name}/{key}"] = value
-    state.update(_model_entries(opt, *_model_dealers(opt, group)))
+    state.update(_model_entries(opt, *model_dealers(opt, group)))
     state["meta/param_groups"] = sd["param_groups"]
     if comm.group_rank(group) == 0:
         state["extra"] = extra
     return state, whole
 
 
-def _model_dealers(opt: Optimizer, group: Any) -> tuple[int, int]:
+def model_dealers(opt: Optimizer, group: Any) -> tuple[int, int]:
     """(this rank's index, count) among the ranks the model's entries are dealt over: the
     checkpoint group, or a pipeline stage's DP ranks, which alone hold its entries."""
     parallel = opt.parallel

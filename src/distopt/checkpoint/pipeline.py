@@ -30,7 +30,13 @@ import torch.distributed as dist
 from ..comm import collectives as comm
 from ..ddp.params.whole_module import module_entries
 from .files import CheckpointError
-from .format import Optimizer, describe, hyper_params, param_names, whole_names
+from .format import (
+    Optimizer,
+    describe,
+    hyper_params,
+    param_names,
+    whole_names,
+)
 
 
 def pipelined(opt: Optimizer) -> bool:
@@ -46,22 +52,44 @@ class WholeModel:
     state_dict: list[list[Any]]  # [key, shape, dtype] of the modules' state_dict entries
     param_groups: list[list[str]]  # each group's param names
     whole: frozenset[str]  # the params whole-tensor optimizers own whole
+    stages: list[list[str]]  # each pipeline rank's trainable params, by distopt's names
+    entry_stages: dict[str, int]  # each state_dict entry: the lowest pipeline rank holding it
 
     def manifest_models(self) -> list[dict[str, Any]]:
         """What the manifest lists under "models": one model, without prefix."""
         return [{"prefix": "", "parameters": self.parameters, "state_dict": self.state_dict}]
 
+    def structure(self) -> dict[str, Any]:
+        """What the manifest lists under "pipeline": each pipeline rank's params (its stages'),
+        and the params tied across ranks, which each holder loads and the lowest writes."""
+        held: dict[str, int] = {}
+        for names in self.stages:
+            for name in set(names):
+                held[name] = held.get(name, 0) + 1
+        return {"stages": self.stages, "tied": sorted(n for n, k in held.items() if k > 1)}
+
 
 def whole_model(opt: Optimizer) -> WholeModel:
     """The union of the stages' models; collective over the pipeline group."""
     names = param_names(opt)
-    mine: dict[str, Any] = {"parameters": [], "state_dict": [], "groups": [], "whole": []}
+    mine: dict[str, Any] = {"parameters": [], "state_dict": [], "groups": [], "whole": [],
+                            "entries": []}
     for model in opt.models:
-        seen: dict[str, str] = {}
-        for name, p in model.module.named_parameters():
-            mine["parameters"].append([names.get(p, name), list(p.shape), p.requires_grad])
-            seen[name] = names.get(p, name)
-        mine["state_dict"] += [[k, *describe(v)] for k, v in module_entries(model.module).items()]
+        # Experts by their global names, every EP rank's ([Note: expert checkpoints] in
+        # format.py); a tie by its name.
+        experts = model.experts
+
+        def spread(items: list[tuple[str, Any]], experts: Any = experts) -> list[tuple[str, Any]]:
+            return items if experts is None else experts.everywhere(items)
+
+        for name, p in spread(list(model.module.named_parameters())):
+            if experts is None or not experts.is_expert_entry(name):
+                name = names.get(p, name)
+            mine["parameters"].append([name, list(p.shape), p.requires_grad])
+        entries = spread(list(module_entries(model.module).items()))
+        mine["state_dict"] += [[k, *describe(v)] for k, v in entries]
+        mine["entries"] += [k for k, _ in entries]
+    mine["stage"] = [name for name, _, requires_grad in mine["parameters"] if requires_grad]
     mine["groups"] = [group["params"] for group in hyper_params(opt)]
     mine["whole"] = sorted(whole_names(opt))
     every = comm.all_gather_object(mine, opt.parallel.pp_group)
@@ -95,7 +123,12 @@ def _union(every: list[dict[str, Any]], groups: list[list[str]]) -> WholeModel:
         for key, shape, dtype in part["state_dict"]:
             state_dict.setdefault(key, [key, shape, dtype])
     whole = frozenset(n for part in every for n in part["whole"])
-    return WholeModel(list(parameters.values()), list(state_dict.values()), groups, whole)
+    entry_stages: dict[str, int] = {}
+    for stage, part in enumerate(every):
+        for name in part["entries"]:
+            entry_stages.setdefault(name, stage)
+    return WholeModel(list(parameters.values()), list(state_dict.values()), groups, whole,
+                      [part["stage"] for part in every], entry_stages)
 
 
 def check_unique_names(opt: Optimizer) -> None:

@@ -124,7 +124,7 @@ def save_checkpoint(
                       tmp=tmp, final=final, keep=keep, latest=latest, nested=nested)
     with _params_gathered(opt):
         if nested:
-            state, whole_state = layout.dcp_state(opt, extra, group)
+            state, whole_state = layout.dcp_state(opt, extra, group, whole)
         else:
             state, whole_state = parts.dcp_state(
                 opt, extra, group, None if whole is None else whole.param_groups)
@@ -273,4 +273,5 @@ def _manifest(opt: Optimizer, sequence: int, name: str,
         "files": None,
     } | ({"layout": layout.TORCH} if nested else {}) | (
         {} if whole is None else {"models": whole.manifest_models(),
-                                  "param_groups": whole.param_groups})
+                                  "param_groups": whole.param_groups,
+                                  "pipeline": whole.structure()})
