@@ -211,3 +211,78 @@ def test_the_source_is_read_without_deepspeed(source, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---------------------------------------------------------------- bf16 with fp32 masters
+
+
+def deepspeed_bf16_run(root: str) -> dict[str, list[float]]:
+    """DeepSpeed ZeRO-2 with bf16 params (fp32 masters) at d = 2, saved after SAVED_AT steps:
+    its bf16 params then, as lists. Its files are named bf16_zero_pp_rank_*."""
+    from distopt.bench.peers import import_deepspeed
+
+    deepspeed = import_deepspeed()
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    deepspeed.init_distributed("gloo")
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": ROWS // SAVED_D, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
+              "steps_per_print": 2**31, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(SAVED_AT):
+        x, y = (t[rank::world].bfloat16() for t in _batch(step))
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(str(Path(root) / "bf16"))
+    return {name: p.detach().float().reshape(-1).tolist()
+            for name, p in engine.module.named_parameters()}
+
+
+def resume_bf16(checkpoint: str) -> dict[str, torch.Tensor]:
+    """torch's recipe under distopt with bf16 params at this d: the fp32 masters and AdamW
+    state it then holds, whole."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import distopt
+
+    ddp = distopt.DistributedDataParallel(_model().bfloat16())
+    opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
+    msd, osd = get_state_dict(ddp, opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=checkpoint)
+    set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
+    msd, osd = get_state_dict(ddp, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"param/{k}": v.detach().float().clone() for k, v in msd.items()}
+    for fqn, state in osd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            out[f"{key}/{fqn}"] = state[key].detach().clone()
+    return out
+
+
+def test_a_bf16_run_with_fp32_masters_converts_and_resumes(root, tmp_path):
+    """The masters (not the bf16 params) and the fp32 moments come through, exactly: distopt
+    at d = 3 holds after the load what DeepSpeed saved, and its bf16 params are the masters
+    rounded, as DeepSpeed's were."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    bf16_params = case_result(run_cases(SAVED_D, [("bf16", deepspeed_bf16_run, (str(root),))],
+                                        end_pool=True), "bf16")[0]
+    dst = root / "bf16-dcp"
+    assert cli(["convert", str(root / "bf16"), str(dst)]) == 0
+    dcp_to_torch_save(dst, tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt", weights_only=False)
+    for name, values in bf16_params.items():
+        master = saved["model"][name]
+        assert master.dtype == torch.float32
+        assert torch.equal(master.bfloat16().float().reshape(-1), torch.tensor(values)), name
+    masters = torch.cat([saved["model"][n].reshape(-1) for n in bf16_params])
+    assert not torch.equal(masters, masters.bfloat16().float())  # more than bf16's bits
+    held = case_result(run_cases(3, [("distopt<-bf16", resume_bf16, (str(dst),))]),
+                       "distopt<-bf16")
+    for rank_held in held:
+        for name in bf16_params:
+            assert torch.equal(rank_held[f"param/{name}"], saved["model"][name]), name
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(rank_held[f"{key}/{name}"],
+                                   saved["optimizer"]["state"][name][key]), (key, name)

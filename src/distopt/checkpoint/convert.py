@@ -51,7 +51,8 @@ def detect(src: Path) -> str:
     raise CheckpointError(
         f"{src} holds neither a DeepSpeed checkpoint (a 'latest' file, or *_optim_states.pt and "
         "*_model_states.pt files) nor a Megatron-Core one (latest_checkpointed_iteration.txt, or "
-        "a torch_dist directory with .metadata and common.pt); pass --from to say which it is")
+        "a torch_dist directory with .metadata and metadata.json); pass --from to say which it "
+        "is")
 
 
 def read_source(src: Path, fmt: str | None = None) -> Converted:

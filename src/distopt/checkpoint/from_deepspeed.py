@@ -23,8 +23,9 @@ How a flat group is cut:
 So each param's elements are a few runs of the ranks' flat tensors, which ``_runs`` lists and
 ``Lazy`` values read when written: one param at a time, never a rank's whole file.
 Refused by name: model- or pipeline-parallel checkpoints (``mp_rank_01``, ``layer_*``), the
-bf16 optimizer without ZeRO (``bf16_zero_*``), elastic checkpoints (no param groups saved),
-a checkpoint with no optimizer state (saved before the first step).
+bf16 optimizer without ZeRO (stage 0; its files, like those of every bf16 run, are named
+``bf16_zero_*``), elastic checkpoints (no param groups saved), a checkpoint with no optimizer
+state (saved before the first step).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from .files import CheckpointError
 from .torch_layout import torch_fqn
 from .torch_zip import Foreign, StoredTensor, TorchFile
 
-_OPTIM = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# With bf16 on, DeepSpeed prefixes the optimizer files with "bf16_" at every ZeRO stage.
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 def looks_like(path: Path) -> bool:
@@ -71,25 +73,29 @@ def _value(x: Any) -> Any:
 
 
 def _optim_files(tag: Path) -> list[Path]:
-    for bad, why in (("bf16_zero_pp_rank_*", "DeepSpeed's bf16 optimizer without ZeRO (stage 0)"),
-                     ("fp16_zero_pp_rank_*", "DeepSpeed's fp16 optimizer without ZeRO"),
-                     ("layer_*", "a pipeline-parallel checkpoint (layer_* files)")):
+    for bad, why in (("layer_*", "a pipeline-parallel checkpoint (layer_* files)"),):
         if any(tag.glob(bad)):
             raise CheckpointError(f"{tag} holds {why}, which distopt convert does not cover: "
                                   "save it with ZeRO stage 1, 2 or 3 without pipeline stages")
     files: dict[int, Path] = {}
+    prefixes = set()
     for path in tag.glob("*_optim_states.pt"):
         match = _OPTIM.match(path.name)
         if match is None:
             continue
-        if int(match.group(2)) != 0:
+        prefixes.add(match.group(1) or "")
+        if int(match.group(3)) != 0:
             raise CheckpointError(f"{tag} is a model-parallel checkpoint ({path.name}): "
                                   "distopt convert covers data parallelism alone")
-        files[int(match.group(1))] = path
+        files[int(match.group(2))] = path
+    if len(prefixes) > 1:
+        raise CheckpointError(f"{tag} holds both bf16_zero_pp_rank_* and zero_pp_rank_* "
+                              "optimizer files: files of two runs are mixed")
     if not files:
         raise CheckpointError(f"{tag} holds no zero_pp_rank_<r>_mp_rank_00_optim_states.pt "
                               "files: not a ZeRO checkpoint, or its optimizer states are missing")
-    return [files[r] if r in files else tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+    prefix = prefixes.pop()
+    return [files[r] if r in files else tag / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
             for r in range(max(files) + 1)]
 
 
@@ -101,13 +107,18 @@ def _open_ranks(tag: Path) -> tuple[list[TorchFile], int, int]:
         raise CheckpointError(f"{paths[0]} is missing")
     osd = first.tree.get("optimizer_state_dict") if isinstance(first.tree, dict) else None
     if not isinstance(osd, dict) or "zero_stage" not in osd:
+        if paths[0].name.startswith("bf16_"):
+            raise CheckpointError(f"{paths[0]} holds DeepSpeed's bf16 optimizer without ZeRO "
+                                  "(stage 0), which distopt convert does not cover: save it "
+                                  "with ZeRO stage 1, 2 or 3")
         raise CheckpointError(f"{paths[0]} is not a ZeRO optimizer state file (no zero_stage)")
     stage = int(_value(osd["zero_stage"]))
     count = osd.get("partition_count")
     world = max(count) if isinstance(count, list) else int(count)
     missing = [p.name for p in paths[:world] if not p.exists()]
     if len(paths) < world or missing:
-        names = missing or [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        prefix = "bf16_" if paths[0].name.startswith("bf16_") else ""
+        names = missing or [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
                             for r in range(len(paths), world)]
         raise CheckpointError(f"{tag} is partial: the run had {world} data-parallel ranks, and "
                               f"the optimizer states of {', '.join(names)} are missing")

@@ -119,10 +119,14 @@ class StoredTensor:
 class TorchFile:
     """One ``torch.save`` file: its object tree with ``StoredTensor`` leaves, read lazily."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], data: bytes | None = None) -> None:
+        # ``data``: the file's bytes, already read (a torch.save archive stored inside another
+        # file, as Megatron-Core's common state inside a DCP file); ``path`` then names it.
         self.path = Path(path)
+        self._data = data
+        self._fd = -1
         try:
-            self._zip = zipfile.ZipFile(self.path)
+            self._zip = zipfile.ZipFile(self.path if data is None else io.BytesIO(data))
         except (OSError, zipfile.BadZipFile) as exc:
             raise CheckpointError(f"{self.path} is not a torch.save file written in torch's zip "
                                   f"format (torch >= 1.6): {exc}") from None
@@ -134,7 +138,8 @@ class TorchFile:
         order = self._prefix + "byteorder"
         if order in names and self._zip.read(order) != b"little":
             raise CheckpointError(f"{self.path} was written on a big-endian machine")
-        self._fd = os.open(self.path, os.O_RDONLY)
+        if data is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
         self._offsets: dict[str, int] = {}
         self.tree = _Unpickler(io.BytesIO(self._zip.read(pickles[0])), self).load()
 
@@ -160,12 +165,17 @@ class TorchFile:
             raise CheckpointError(f"{self.path}: record {name} is compressed, which torch.save "
                                   "never does")
         if name not in self._offsets:
-            header = os.pread(self._fd, 30, info.header_offset)
+            header = self._pread(30, info.header_offset)
             if len(header) != 30 or header[:4] != b"PK\x03\x04":
                 raise CheckpointError(f"{self.path} is damaged: no zip header for {name}")
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             self._offsets[name] = info.header_offset + 30 + name_len + extra_len
         return self._offsets[name], info.file_size
+
+    def _pread(self, count: int, at: int) -> bytes:
+        if self._data is not None:
+            return self._data[at : at + count]
+        return os.pread(self._fd, count, at)
 
     def storage_numel(self, key: str, dtype: torch.dtype) -> int:
         return self._record(key)[1] // _itemsize(dtype)
@@ -180,6 +190,10 @@ class TorchFile:
                                   f"{(start + count) * width} needed")
         if count == 0:
             return torch.empty(0, dtype=dtype)
+        if self._data is not None:
+            begin = at + start * width
+            return torch.frombuffer(bytearray(self._data[begin : begin + count * width]),
+                                    dtype=dtype)
         buffer = bytearray(count * width)  # the tensor's memory: frombuffer shares it
         view, done = memoryview(buffer), 0
         while done < len(buffer):

@@ -3,8 +3,9 @@ layout, which distopt, FSDP2 and torch DDP resume at any d.
 
     distopt convert runs/ds-exp1 runs/ds-exp1-dcp
     distopt convert runs/ds-exp1/global_step1000 step1000-dcp --from deepspeed
+    distopt convert runs/gpt/iter_0001000 iter1000-dcp --from megatron
 
-See docs/checkpoints.md (Runs from DeepSpeed and Megatron-Core) for what it carries.
+See docs/checkpoints.md (Runs from DeepSpeed, Runs from Megatron-Core) for what it carries.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ def main(argv: list[str]) -> int:
         "as a DCP checkpoint in torch's layout ({'model': ..., 'optimizer': ...} as "
         "get_state_dict gives them), which torch's dcp.load and set_state_dict resume under "
         "distopt, FSDP2 or torch DDP at any number of ranks. Needs neither DeepSpeed nor "
-        "Megatron-Core.")
-    parser.add_argument("src", help="the checkpoint directory the other system wrote (or one "
-                        "saved step inside it)")
+        "Megatron-Core installed. Megatron-Core: a dist_checkpointing.save in its torch_dist "
+        "format, its DistributedOptimizer's state saved in the fully_reshardable sharding "
+        "(Megatron-LM: --dist-ckpt-optim-fully-reshardable).")
+    parser.add_argument("src", help="the checkpoint directory the other system wrote "
+                        "(DeepSpeed's save_checkpoint directory or one tag in it; Megatron-LM's "
+                        "save directory or one iter_* in it, or the directory "
+                        "dist_checkpointing.save wrote)")
     parser.add_argument("dst", help="the DCP checkpoint directory to write (must not exist)")
     parser.add_argument("--from", dest="fmt", choices=FORMATS,
                         help="the source's format (default: detected)")

@@ -1,0 +1,277 @@
+"""``distopt convert``: a Megatron-Core run brought to distopt, FSDP2 and torch DDP.
+
+Megatron-Core (the ``peers`` install, with the shims of [Note: peers on CPU] in
+distopt/bench/peers.py) trains the MLP of test_torch_dcp_state_dict.py at d = 2 with its
+``DistributedDataParallel`` and ``DistributedOptimizer`` (Adam with decoupled weight decay:
+torch's ``AdamW``, fp32, no clipping), on the same global batches (each rank its rows), saves
+with ``dist_checkpointing.save`` after ``SAVED_AT`` steps and goes on to ``STEPS``. ``distopt
+convert`` turns the save into a DCP checkpoint in torch's layout; torch's recipe resumes it
+under another system at another d, with Megatron's two param groups (weights; biases, which
+its default rule exempts from weight decay through ``wd_mult``), and trains to ``STEPS``: the
+params must end where Megatron's uninterrupted run ends. A conversion that lost a step, an
+``exp_avg``, a param group's options or put a param in the wrong group moves the weights by
+about lr = 1e-2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from test_convert import assert_ends_where_deepspeed_ends as assert_ends_where_it_ends
+from test_torch_dcp_state_dict import LR, MODES, SAVED_AT, STEPS, _batch, _model, _train
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import distopt
+from distopt.checkpoint import CheckpointError
+from distopt.checkpoint.convert import convert
+from distopt.cli import main as cli
+
+from dist_harness import case_result, run_cases
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="Megatron-Core is not installed (make peers)")
+
+SAVED_D = 2
+SHARDINGS = ("fully_reshardable", "dp_reshardable")
+
+
+def megatron_run(root: str) -> dict[str, list[float]]:
+    """Megatron-Core at d = 2: saved after SAVED_AT steps (in each sharding of SHARDINGS),
+    trained to STEPS; its final params, as lists."""
+    from megatron_cpu import megatron_saving_on_cpu
+
+    from distopt.bench.peers import (
+        _cuda_calls_on_cpu,
+        import_megatron,
+        megatron_built_on_cpu,
+        megatron_stepping_on_cpu,
+    )
+
+    mc = import_megatron()
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.transformer.module import MegatronModule
+
+    config = mc.TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+
+    class Net(MegatronModule):
+        """The MLP's layers as this module's children: its sharded keys are their FQNs."""
+
+        def __init__(self) -> None:
+            super().__init__(config)
+            for name, layer in _model().named_children():
+                self.add_module(name, layer)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.children():
+                x = layer(x)
+            return x
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        net = Net()
+        with megatron_built_on_cpu():
+            ddp = mc.DistributedDataParallel(
+                config, mc.DistributedDataParallelConfig(use_distributed_optimizer=True), net)
+            opt = mc.get_megatron_optimizer(mc.OptimizerConfig(
+                optimizer="adam", lr=LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999,
+                adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=True), [ddp])
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for step in range(STEPS):
+            if step == SAVED_AT:
+                for sharding in SHARDINGS:
+                    path = Path(root) / sharding
+                    path.mkdir(parents=True, exist_ok=True)
+                    with megatron_saving_on_cpu():
+                        msd = net.sharded_state_dict()
+                        osd = opt.sharded_state_dict(
+                            msd, metadata={"distrib_optim_sharding_type": sharding})
+                        dist_checkpointing.save({"model": msd, "optimizer": osd}, str(path))
+            x, y = (t[rank::world] for t in _batch(step))
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            with _cuda_calls_on_cpu():
+                nn.functional.mse_loss(ddp(x), y).backward()
+                ddp.finish_grad_sync()
+            with megatron_stepping_on_cpu():
+                opt.step()
+        return {name: p.detach().reshape(-1).tolist() for name, p in net.named_parameters()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _groups(params: list[tuple[str, nn.Parameter]]) -> list[dict]:
+    """Megatron's two groups: weights; biases and 1-D params."""
+    no_decay = [p for n, p in params if n.endswith(".bias") or p.dim() == 1]
+    decay = [p for n, p in params if not (n.endswith(".bias") or p.dim() == 1)]
+    return [{"params": decay}, {"params": no_decay}]
+
+
+def _build(system: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    if system == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR)
+    if system == "torch":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR)
+    ddp = distopt.DistributedDataParallel(model, **MODES[system.removeprefix("distopt-")])
+    return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW,
+                                             _groups(list(model.named_parameters())), lr=LR)
+
+
+def resume(system: str, checkpoint: str) -> dict[str, torch.Tensor]:
+    """torch's recipe under ``system`` at this d, then training to STEPS: the final params."""
+    model, opt = _build(system)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=checkpoint)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    _train(model, opt, range(SAVED_AT, STEPS))
+    if hasattr(model, "finish_param_sync"):
+        model.finish_param_sync()
+        return {k: v.detach().clone() for k, v in model.full_state_dict().items()}
+    return {n.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor") else p)
+            .detach().clone() for n, p in model.named_parameters()}
+
+
+_RUN: dict[str, tuple[Path, dict[str, list[float]]]] = {}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, Path, dict[str, list[float]]]:
+    """Megatron's run (once per session): its saves, the fully_reshardable one converted, and
+    its final params."""
+    if "run" not in _RUN:
+        root = tmp_path_factory.mktemp("megatron")
+        results = run_cases(SAVED_D, [("megatron", megatron_run, (str(root),))], end_pool=True)
+        final = case_result(results, "megatron")[0]
+        assert cli(["convert", str(root / "fully_reshardable"), str(root / "dcp")]) == 0
+        _RUN["run"] = root, final
+    root, final = _RUN["run"]
+    return root, root / "dcp", final
+
+
+def test_a_megatron_run_resumes_under_distopt(saved):
+    """The fast case: saved at d = 2, resumed under distopt at d = 2."""
+    _, dst, final = saved
+    ends = case_result(run_cases(2, [("distopt<-megatron", resume,
+                                      ("distopt-optim", str(dst)))]), "distopt<-megatron")
+    for rank_ends in ends:
+        assert_ends_where_it_ends(rank_ends, final)
+
+
+def test_the_groups_carry_megatrons_options_and_membership(saved, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    _, dst, _ = saved
+    dcp_to_torch_save(dst, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    groups = whole["optimizer"]["param_groups"]
+    assert {k: v["step"].item() for k, v in whole["optimizer"]["state"].items()} == {
+        n: float(SAVED_AT) for n in ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight",
+                                     "4.bias"]}
+    assert [sorted(g["params"]) for g in groups] == [
+        ["0.weight", "2.weight", "4.weight"], ["0.bias", "2.bias", "4.bias"]]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0]
+    assert all(g["lr"] == LR and g["weight_decay"] == 0.01 and "step" not in g for g in groups)
+
+
+LOADERS = ["distopt-optim", "distopt-grads", "distopt-params", "fsdp", "torch"]
+
+
+@pytest.fixture(scope="module")
+def at_three(saved):
+    _, dst, _ = saved
+    return run_cases(3, [(f"{loader}<-megatron", resume, (loader, str(dst)))
+                         for loader in LOADERS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_megatron_run_resumes_at_three_under_each_system(saved, at_three, loader):
+    for rank_ends in case_result(at_three, f"{loader}<-megatron"):
+        assert_ends_where_it_ends(rank_ends, saved[2])
+
+
+# ---------------------------------------------------------------- bad sources
+
+
+@pytest.fixture
+def source(saved, tmp_path) -> Path:
+    """A copy of Megatron's fully_reshardable save, to damage."""
+    return Path(shutil.copytree(saved[0] / "fully_reshardable", tmp_path / "copy"))
+
+
+def _left_behind(dst: Path) -> list[str]:
+    return sorted(p.name for p in dst.parent.iterdir() if dst.name in p.name)
+
+
+def test_a_missing_data_file_is_named_and_nothing_is_written(source, tmp_path, capsys):
+    victim = sorted(source.glob("*.distcp"))[-1]
+    victim.unlink()
+    dst = tmp_path / "out"
+    assert cli(["convert", str(source), str(dst), "--from", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert "is partial" in err and victim.name in err
+    assert _left_behind(dst) == []
+
+
+def test_a_truncated_data_file_is_refused(source, tmp_path):
+    victim = sorted(source.glob("*.distcp"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{victim.name} is truncated"):
+        convert(source, tmp_path / "out")
+
+
+def test_a_missing_backend_file_or_metadata_is_named(source, tmp_path):
+    (source / "metadata.json").unlink()
+    with pytest.raises(CheckpointError, match="metadata.json"):
+        convert(source, tmp_path / "out", "megatron")
+    (source / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"no \.metadata"):
+        convert(source, tmp_path / "out", "megatron")
+
+
+def test_megatron_lms_iteration_directories_are_followed(source, tmp_path):
+    (tmp_path / "run").mkdir()
+    source.rename(tmp_path / "run" / "iter_0000002")
+    (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    converted = convert(tmp_path / "run", tmp_path / "out")
+    assert sorted(converted.model) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias",
+                                       "4.weight"]
+    (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("7\n")
+    with pytest.raises(CheckpointError, match="iter_0000007 is missing"):
+        convert(tmp_path / "run", tmp_path / "out2")
+
+
+def test_the_bucket_sharding_is_refused_with_the_fix(saved, tmp_path):
+    with pytest.raises(CheckpointError, match="'dp_reshardable' sharding.*fully_reshardable"):
+        convert(saved[0] / "dp_reshardable", tmp_path / "out")
+    assert _left_behind(tmp_path / "out") == []
+
+
+def test_the_source_is_read_without_megatron(source, tmp_path):
+    """Not one of Megatron-Core's modules is imported by a conversion."""
+    code = ("import sys; from distopt.checkpoint.convert import convert; "
+            f"convert({str(source)!r}, {str(tmp_path / 'out')!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith('megatron')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip().splitlines()[-1] == "[]"
