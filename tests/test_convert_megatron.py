@@ -16,6 +16,7 @@ about lr = 1e-2.
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -107,6 +108,11 @@ def megatron_run(root: str) -> dict[str, list[float]]:
         return {name: p.detach().reshape(-1).tolist() for name, p in net.named_parameters()}
     finally:
         parallel_state.destroy_model_parallel()
+        # torch_dist's writer starts a multiprocessing Manager for its results queue; ended
+        # here, or it outlives this worker (whose pool is ended) and holds the suite's output.
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join()
 
 
 def _groups(params: list[tuple[str, nn.Parameter]]) -> list[dict]:
