@@ -1,7 +1,7 @@
 """What distopt does to the process's C heap ([Note: the heap at the edge of memory] in
 distopt/host_memory.py): glibc's mmap threshold at 1 MiB for sharded runs on the CPU whose
-state fills more than half of the host's memory, the user's own setting kept, and a switch to
-turn it off or to set it whatever the memory."""
+state fills more than half of the host's memory, blocks kept in the heap below that, the
+user's own setting kept, and a switch to turn it off or to set it whatever the memory."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def test_threshold_only_where_memory_is_tight(glibc_defaults) -> None:
     assert host_memory.heap_settings((5 << 30) + 1) == TIGHT
     assert host_memory.heap_settings(5 << 30) == {
         MMAP: 32 << 20, host_memory.M_TRIM_THRESHOLD: 64 << 20}
+    assert host_memory.heap_settings((5 << 30) + 1, sharded=False) == {}  # tight, replicated
     glibc_defaults.setenv(host_memory.THRESHOLD_VARIABLE, "1048576")  # whatever the memory
     assert host_memory.heap_settings(1) == {MMAP: 1 << 20}
 
@@ -67,11 +68,14 @@ def test_host_state_is_the_design_table(monkeypatch: pytest.MonkeyPatch) -> None
     ranks: fp32 everything sharded is 16/d a rank; bf16 params with fp32 grads replicated
     hold their 2 bytes whole and 4 + 4 + 8 sharded."""
     n = 1_000_000
-    assert host_memory.host_state_bytes(n, 4, 4, 4, shard_params=True, ranks_on_host=4) == 16 * n
-    assert host_memory.host_state_bytes(n, 2, 4, 2, shard_params=False, ranks_on_host=2) == (
+    state = host_memory.host_state_bytes
+    assert state(n, 4, 4, 4, shard_grads=True, shard_params=True, ranks_on_host=4) == 16 * n
+    assert state(n, 2, 4, 2, shard_grads=True, shard_params=False, ranks_on_host=2) == (
         2 * (2 * n + 16 * n // 2))
+    assert state(n, 4, 4, 2, shard_grads=False, shard_params=False, ranks_on_host=1) == (
+        8 * n + 8 * n // 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert host_memory.host_state_bytes(n, 4, 4, 8, shard_params=True) == 3 * 16 * n // 8
+    assert state(n, 4, 4, 8, shard_grads=True, shard_params=True) == 3 * 16 * n // 8
 
 
 WRAPS = """
@@ -80,20 +84,23 @@ from torch import nn
 import distopt
 from distopt import host_memory
 dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
-distopt.DistributedDataParallel(nn.Linear(4, 4))
-print(sorted(host_memory._applied[-1].items()) if host_memory._applied else None)
-distopt.DistributedDataParallel(nn.Linear(512, 512), shard_grads=True)  # roomy
-print(sorted(host_memory._applied[-1].items()))
 host_memory.available_host_bytes = lambda: 1 << 20  # a host this small model fills
-distopt.DistributedDataParallel(nn.Linear(512, 512), shard_grads=True)
+distopt.DistributedDataParallel(nn.Linear(512, 512))  # replicated, tight
+print(sorted(host_memory._applied[-1].items()) if host_memory._applied else None)
+host_memory.available_host_bytes = lambda: 1 << 40
+distopt.DistributedDataParallel(nn.Linear(512, 512))  # replicated, roomy
+print(sorted(host_memory._applied[-1].items()))
+host_memory.available_host_bytes = lambda: 1 << 20
+distopt.DistributedDataParallel(nn.Linear(512, 512), shard_grads=True)  # sharded, tight
 print(sorted(host_memory._applied[-1].items()))
 """
 
 
-def test_only_a_sharded_wrapper_sets_threshold(tmp_path) -> None:
-    """A replicated DDP leaves glibc alone; a sharded one on the CPU keeps blocks in the heap
-    where memory is roomy and maps them on their own once a DDP's state fills the host, in its
-    own process (a fresh interpreter, so that this one's heap is untouched)."""
+def test_heap_tuned_by_what_the_wrapper_holds(tmp_path) -> None:
+    """On the CPU, a DDP on a roomy host keeps blocks in the heap; one whose grads or params
+    are sharded maps them on their own once its state fills the host, and a replicated one
+    then leaves glibc alone. In its own process (a fresh interpreter, so that this one's heap
+    is untouched)."""
     script = WRAPS.format(store=tmp_path / "store")
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

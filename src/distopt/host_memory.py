@@ -32,13 +32,14 @@ of the memory the host has available when the DDP is built. The ranks on the hos
 torchrun's ``LOCAL_WORLD_SIZE``, or else every rank of the DP group (the larger guess, which
 sets the threshold sooner).
 
-Below that, the holes fit twice over, and distopt asks the opposite of glibc: keep the blocks.
-glibc's own threshold starts at 128 KiB and rises only as mapped blocks are freed, and its heap
-gives back any free top larger than twice the threshold, so a step's gathers and grads were
-still mapped and faulted afresh, thousands of pages a step (mlp8 at d = 2 with sharded params:
-benchmarks/README.md, "What torch's spellings cost a step"). A roomy host sets the mmap
-threshold to glibc's largest, 32 MiB, and the heap's trim threshold to 64 MiB: each step's
-blocks come back from the heap, faulted once.
+Below that, the holes fit twice over, and every DDP on the CPU, sharded or not, asks the
+opposite of glibc: keep the blocks. glibc's own threshold starts at 128 KiB and rises only as
+mapped blocks are freed, and its heap gives back any free top larger than twice the threshold,
+so a step's gathers, grads in flight and fp32 copies were still mapped and faulted afresh,
+thousands of pages a step (mlp8 at d = 2: benchmarks/README.md, "What torch's spellings cost a
+step"). A roomy host sets the mmap threshold to glibc's largest, 32 MiB, and the heap's trim
+threshold to 64 MiB: each step's blocks come back from the heap, faulted once. (Where memory is
+tight and nothing is sharded, glibc is left alone, as it always was.)
 
 The settings are the process's, not distopt's: a user who set ``MALLOC_MMAP_THRESHOLD_`` or
 ``MALLOC_TRIM_THRESHOLD_`` keeps them, and ``DISTOPT_MMAP_THRESHOLD=off`` (or a number of bytes)
@@ -116,20 +117,23 @@ def available_host_bytes() -> int | None:
 
 
 def host_state_bytes(numel: int, param_itemsize: int, grad_itemsize: int, dp_size: int, *,
-                     shard_params: bool, ranks_on_host: int | None = None) -> int:
+                     shard_grads: bool, shard_params: bool,
+                     ranks_on_host: int | None = None) -> int:
     """The state the ranks of this host will hold for a DDP of ``numel`` trainable elements
-    whose grads are sharded (and its params too, with ``shard_params``): params, grads, fp32
-    masters of low-precision params and an Adam's two fp32 moments, each rank its shards
+    (grads and params sharded as the flags say): params, grads, fp32 masters of low-precision
+    params and an Adam's two fp32 moments, each rank its shards of the sharded ones
     (docs/design.md's table). ``ranks_on_host`` defaults to torchrun's ``LOCAL_WORLD_SIZE``,
     else ``dp_size``."""
     if ranks_on_host is None:
         ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", dp_size))
-    sharded = grad_itemsize + 8 + (4 if param_itemsize < 4 else 0)
+    sharded = 8 + (4 if param_itemsize < 4 else 0)
     whole = 0
-    if shard_params:
-        sharded += param_itemsize
-    else:
-        whole += param_itemsize
+    for itemsize, is_sharded in ((grad_itemsize, shard_grads or shard_params),
+                                 (param_itemsize, shard_params)):
+        if is_sharded:
+            sharded += itemsize
+        else:
+            whole += itemsize
     per_rank = numel * whole + -(-numel * sharded // max(dp_size, 1))
     return ranks_on_host * per_rank
 
@@ -142,18 +146,20 @@ def memory_is_tight(host_state_bytes: int | None, available: int | None) -> bool
     return host_state_bytes > TIGHT_FRACTION * available
 
 
-def heap_settings(host_state_bytes: int | None = None) -> dict[int, int]:
-    """The ``mallopt`` settings distopt makes for sharded runs on the CPU, by parameter; empty
-    where it leaves glibc alone (the user set glibc's own variables, or
-    ``DISTOPT_MMAP_THRESHOLD`` is ``off``). ``host_state_bytes``: the state all ranks of the host
-    will hold, None where unknown (taken as tight). Raises, naming the variable, on a value
-    that is neither a number of bytes nor ``off``."""
+def heap_settings(host_state_bytes: int | None = None, *, sharded: bool = True
+                  ) -> dict[int, int]:
+    """The ``mallopt`` settings distopt makes for runs on the CPU, by parameter; empty where it
+    leaves glibc alone (the user set glibc's own variables, ``DISTOPT_MMAP_THRESHOLD`` is
+    ``off``, or memory is tight and neither grads nor params are ``sharded``).
+    ``host_state_bytes``: the state all ranks of the host will hold, None where unknown (taken
+    as tight). Raises, naming the variable, on a value that is neither a number of bytes nor
+    ``off``."""
     if any(name in os.environ for name in GLIBC_VARIABLES):
         return {}
     value = os.environ.get(THRESHOLD_VARIABLE, "").strip()
     if not value:
         if memory_is_tight(host_state_bytes, available_host_bytes()):
-            return dict(TIGHT_SETTINGS)
+            return dict(TIGHT_SETTINGS) if sharded else {}
         return {M_MMAP_THRESHOLD: ROOMY_MMAP_THRESHOLD, M_TRIM_THRESHOLD: ROOMY_TRIM_THRESHOLD}
     if value.lower() in ("off", "0", "none"):
         return {}
@@ -172,14 +178,14 @@ def heap_settings(host_state_bytes: int | None = None) -> dict[int, int]:
 _applied: list[dict[int, int]] = []
 
 
-def tune_heap(host_state_bytes: int | None = None) -> dict[int, int]:
-    """Make ``heap_settings(host_state_bytes)`` for this process, once, or again where a later
-    DDP finds memory tight after an earlier one found it roomy; see [Note: the heap at the edge
-    of memory]. Returns the settings in effect, empty where nothing was set."""
-    if _applied and (_applied[-1] == TIGHT_SETTINGS
-                     or heap_settings(host_state_bytes) != TIGHT_SETTINGS):
+def tune_heap(host_state_bytes: int | None = None, *, sharded: bool = True) -> dict[int, int]:
+    """Make ``heap_settings(host_state_bytes, sharded=sharded)`` for this process, once, or
+    again where a later DDP finds memory tight after an earlier one found it roomy; see [Note:
+    the heap at the edge of memory]. Returns the settings in effect, empty where nothing was
+    set."""
+    settings = heap_settings(host_state_bytes, sharded=sharded)
+    if _applied and (_applied[-1] == TIGHT_SETTINGS or settings != TIGHT_SETTINGS):
         return _applied[-1]
-    settings = heap_settings(host_state_bytes)
     mallopt = _malloc_function("mallopt")
     if not settings or mallopt is None:
         return {}

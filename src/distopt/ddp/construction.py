@@ -156,6 +156,7 @@ def projected_host_state(named: Sequence[tuple[str, nn.Parameter]], options: Gra
     param_itemsize = named[0][1].dtype.itemsize if named else 4
     grad_itemsize = (options.grad_dtype or named[0][1].dtype).itemsize if named else 4
     return host_state_bytes(numel, param_itemsize, grad_itemsize, comm.group_size(dp_group),
+                            shard_grads=not options.grad_policy.full_grads,
                             shard_params=options.shard_params)
 
 
@@ -198,9 +199,12 @@ def resolve_groups(
     stats = comm.CommStats()
     device = target_device(parallel.dp_group) if inputs.meta else named[0][1].device
     torch_spellings.check_devices(device_ids, output_device, dim, device)
-    if device.type == "cpu" and not options.grad_policy.full_grads:
-        # Sharded grads or params on the host: [Note: the heap at the edge of memory].
-        tune_heap(projected_host_state(named, options, parallel.dp_group))
+    if device.type == "cpu":
+        # glibc's heap kept from faulting each step's blocks afresh, or, for sharded grads or
+        # params where memory is tight, from stranding them: [Note: the heap at the edge of
+        # memory].
+        tune_heap(projected_host_state(named, options, parallel.dp_group),
+                  sharded=not options.grad_policy.full_grads)
     # Raises, on every rank alike, where no one group spans the DP ranks.
     adopt_sync_batchnorm_group(module, parallel)
     if parallel.pp_group is not None or "torch.distributed.pipelining" in sys.modules:
