@@ -155,3 +155,23 @@ def test_the_records_carry_no_second_crc_and_torch_reads_them(loaded):
         assert isinstance(value, torch.Tensor) and value.isfinite().all(), index
         tensors += 1
     assert tensors > 0
+
+
+def test_a_file_s_crc32_read_from_its_end_is_zlib_s(tmp_path, monkeypatch):
+    """[Note: checking a file from its end] in checkpoint/crc.py: blocks' CRC32s folded into
+    the file's equal zlib.crc32 of the whole, for every size around the block's."""
+    import random
+    import zlib
+
+    from distopt.checkpoint import crc
+
+    rng = random.Random(0)
+    for _ in range(100):
+        a, b = rng.randbytes(rng.randrange(300)), rng.randbytes(rng.randrange(300))
+        assert crc.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    monkeypatch.setattr(crc, "BLOCK", 64)
+    for size in (0, 1, 63, 64, 65, 128, 1000):
+        data = rng.randbytes(size)
+        (tmp_path / "f").write_bytes(data)
+        assert crc.file_crc32(tmp_path / "f") == (size, zlib.crc32(data)), size
+        assert files.checksum(tmp_path / "f") == {"bytes": size, "crc32": zlib.crc32(data)}
