@@ -110,9 +110,28 @@ def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("reads"))
 
 
+def load_other_byte_order(root: str) -> dict:
+    """The checkpoint loaded as if this machine's byte order were the other one: no tensor
+    read straight into place (DCP's reading swaps what needs it; here nothing does)."""
+    from distopt.checkpoint import reading
+
+    ddp, opt = build()
+    with mock.patch.object(reading, "_NATIVE", b"big" if reading._NATIVE == b"little"
+                           else b"little"):
+        counts = counted_load(Path(root) / "run", ddp, opt)
+    saved = torch.load(Path(root) / "saved.pt")
+    return {"diff": largest_diff(saved, whole(ddp, opt)), **counts}
+
+
 @pytest.fixture(scope="module")
 def loaded(root):
     return case_result(run_cases(2, [("load", save_then_load, (root,))]), "load")
+
+
+def test_a_file_of_another_byte_order_is_read_through_dcp(loaded, root):
+    for value in case_result(run_cases(2, [("byte-order", load_other_byte_order, (root,))]),
+                             "byte-order"):
+        assert value["diff"] == 0.0 and value["items"] > 0 and value["direct"] == 0, value
 
 
 def test_a_load_at_the_saved_layout_reads_every_tensor_straight_into_place(loaded):

@@ -12,9 +12,9 @@ checkpoint road and distopt's"). ``DirectReader`` reads the item's zip structure
 in the file) and, where the load wants the whole saved tensor and fills a contiguous CPU tensor
 of the same dtype and shape, reads the values with one ``readinto`` into that tensor's memory.
 Everything else (objects, a part of a saved tensor after a change of DP size, other devices,
-other dtypes, a big-endian file, storage transforms) goes through DCP's own reading. The bytes
-read are the same either way, and every file was checked against the manifest's CRC32 before
-(load.py), so what a direct read installs is what was saved.
+other dtypes, a file of the other byte order, storage transforms) goes through DCP's own
+reading. The bytes read are the same either way, and every file was checked against the
+manifest's CRC32 before (load.py), so what a direct read installs is what was saved.
 
 Files are read in offset order, one open per file.
 """
@@ -30,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+_NATIVE = sys.byteorder.encode()  # the byte order this machine's tensors hold
 
 
 class DirectReader(dcp.FileSystemReader):
@@ -72,13 +74,18 @@ def _read_direct(reader: DirectReader, stream: Any, item: ReadItem,
     """Read ``item`` from ``stream`` straight into its target where it can (see [Note: direct
     reads]); False, having changed nothing, where DCP's own reading must."""
     info = reader.storage_data[item.storage_index]
-    if (item.type != LoadItemType.TENSOR or sys.byteorder != "little"
-            or getattr(info, "transform_descriptors", None) or any(item.storage_offsets)):
+    if (item.type != LoadItemType.TENSOR or getattr(info, "transform_descriptors", None)
+            or any(item.storage_offsets)):
         return False
     target = planner.resolve_tensor(item).detach()
     if target.device.type != "cpu" or not target.is_contiguous():
         return False
     try:
+        # Bytes in this machine's order only (a file without the record is, as torch.load
+        # takes it); torch.load swaps the others.
+        records = torch._C.PyTorchFileReader(reader._slice_file(stream, info))
+        if records.has_record("byteorder") and records.get_record("byteorder") != _NATIVE:
+            return False
         saved = torch.load(reader._slice_file(stream, info), map_location="meta",
                            weights_only=True)
         at = saved.untyped_storage()._checkpoint_offset
