@@ -21,6 +21,7 @@ Files are read in offset order, one open per file.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,9 @@ def _read_direct(reader: DirectReader, stream: Any, item: ReadItem,
         return False
     if target.nbytes:
         stream.seek(info.offset + at)
-        into = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        # The tensor's bytes as a writable buffer (ctypes, as numpy is not one of torch's
+        # requirements); the tensor outlives the read.
+        into = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
         while into.nbytes:
             got = stream.readinto(into)
             if not got:
