@@ -424,8 +424,8 @@ def report(system: str, ranks: list[dict[str, Any]]) -> list[str]:
         lines.append("  torch's road beside distopt's (the highest rank GiB, the slowest rank s):")
         lines += [
             f"    {road} {gib[f'torch {ours}']:.2f} against distopt's {ours} {gib[ours]:.2f}: "
-            f"{gib[f'torch {ours}'] / gib[ours]:.3f}x; {secs[f'torch {ours}']:.0f} s against "
-            f"{secs[ours]:.0f} s"
+            f"{gib[f'torch {ours}'] / gib[ours]:.3f}x; {secs[f'torch {ours}']:.1f} s against "
+            f"{secs[ours]:.1f} s (distopt's {secs[ours] / secs[f'torch {ours}']:.2f}x)"
             for ours, road in (("save", "get_state_dict + dcp.save"),
                                ("load", "get_state_dict + dcp.load + set_state_dict"))]
     if "state" in first:

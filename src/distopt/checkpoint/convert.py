@@ -16,7 +16,7 @@ A reader (from_deepspeed.py, from_megatron.py) describes the source as a ``Conve
 tensors as ``Lazy`` values, each of which reads its elements from the source files when asked
 ([Note: reading foreign torch.save files] in torch_zip.py). DCP's planner sees each one's
 shape and dtype through the checkpointable protocol (``__create_write_items__``), and the
-planner here reads a value only when the writer asks for it; the writer (dcp.py's
+planner here reads a value only when the writer asks for it; the writer (writing.py's
 [Note: bounded writes]) writes it and lets it go before the next. So the conversion holds one
 tensor of the output at a time (and the pieces it is read from), never the model.
 
@@ -85,7 +85,7 @@ def write_dcp(converted: Converted, directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .dcp import _Writer
+    from .writing import _Writer
 
     state = {"model": converted.model,
              "optimizer": {"state": converted.state, "param_groups": converted.param_groups}}

@@ -17,13 +17,6 @@ objects, which DCP writes once however many ranks hold them.
 The state dicts given to DCP are flat (keys such as ``main/l1.weight``), so both planners run
 with flattening off.
 
-[Note: bounded writes]
-DCP's FileSystemWriter keeps every tensor it wrote to a file referenced until the file is
-closed, and for views (a piece of the param buffer) and device tensors those are CPU copies:
-the rank's whole share of the model and state at once. ``_Writer`` writes the same files, in
-the same format (each item torch.save'd at a recorded offset, so DCP's reader reads them), but
-holds one item at a time.
-
 [Note: staging by torch's stagers]
 ``dcp.async_save`` first copies the state dict with its stager, then writes the copy in the
 background. torch's default stager (``StateDictStager``) copies a tensor as
@@ -44,11 +37,8 @@ copies box by box.
 from __future__ import annotations
 
 import copy
-import io
 import math
-import os
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +46,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -64,18 +53,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from ..parallel.tensor_parallel import TensorParallelMesh
 from .format import FlatShard, OwnedPiece
+from .reading import DirectReader
 from .tp_runs import piece_runs
+from .writing import _Writer
 
 
 class _Chunks(dict):
@@ -337,82 +324,6 @@ def piece_as_dcp(tp: TensorParallelMesh | None, owned: OwnedPiece, values: torch
     return _DcpFlat([(g, values[i : i + n]) for i, g, n in runs], numel, values)
 
 
-class _ErrorKeepingFile:
-    """A file whose write errors survive ``torch.save``, which reports them as an unrelated
-    "unexpected pos" RuntimeError: a full disk must say that the disk is full."""
-
-    __slots__ = ("_file", "error", "crc32")
-
-    def __init__(self, file: io.BufferedIOBase) -> None:
-        self._file, self.error = file, None
-        self.crc32 = 0  # of every byte written through it, for the manifest
-
-    def write(self, data: Any) -> int:
-        self.crc32 = zlib.crc32(data, self.crc32)
-        try:
-            return self._file.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self._file.flush()
-
-
-class _Writer(dcp.FileSystemWriter):
-    """One file per rank, one item in memory at a time; see [Note: bounded writes]. The
-    CRC32 of each file is taken from the bytes as they are written (``checksums``: the
-    manifest's entries), so a save never reads its files back."""
-
-    checksums: dict[str, dict[str, int]]
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = f"{plan.storage_data.prefix}0.distcp"
-        results = []
-        with open(Path(self.path) / name, "wb") as stream:
-            kept = _ErrorKeepingFile(stream)
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                offset = stream.tell()
-                if item.type == WriteItemType.BYTE_IO:
-                    assert isinstance(data, io.BytesIO)
-                    kept.write(data.getbuffer())
-                else:
-                    tensor = data.detach().cpu()
-                    if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                        tensor = tensor.clone()  # torch.save writes a view's whole storage
-                    try:
-                        torch.save(tensor, kept)
-                    except RuntimeError:
-                        if kept.error is not None:
-                            raise kept.error from None
-                        raise
-                    del tensor
-                length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
-                del data
-            stream.flush()
-            os.fsync(stream.fileno())
-            self.checksums = {name: {"bytes": stream.tell(), "crc32": kept.crc32}}
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
-
-
-class _Reader(dcp.FileSystemReader):
-    """A reader that reuses metadata already read (and checked) instead of reading it again."""
-
-    def __init__(self, path: Path, metadata: Metadata | None) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-
 def _no_dist(group: dist.ProcessGroup | None) -> bool:
     return group is None
 
@@ -458,7 +369,7 @@ def load(
 ) -> None:
     """Fill ``state`` in place: tensors are written into, other values replaced."""
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.load(state, storage_reader=_Reader(directory, metadata), planner=planner,
+    dcp.load(state, storage_reader=DirectReader(directory, metadata), planner=planner,
              process_group=group, no_dist=_no_dist(group))
 
 

@@ -35,9 +35,10 @@ import json
 import os
 import shutil
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
+
+from .crc import file_crc32
 
 MANIFEST = "distopt.json"
 LATEST = "latest"
@@ -46,7 +47,6 @@ VERSION = 2  # 2: torch's layout ([Note: torch's layout on disk] in layout.py) w
 READABLE = (1, 2)  # every version a load reads
 TMP_SUFFIX = ".distopt-tmp"
 OLD_SUFFIX = ".distopt-old"
-_BLOCK = 1 << 20  # bytes read at a time when checksumming, into one reused buffer
 
 
 class CheckpointError(ValueError):
@@ -137,14 +137,9 @@ def begin_save(run_dir: Path, name: str | None) -> tuple[Path, Path, int]:
 
 
 def checksum(path: Path) -> dict[str, int]:
-    """Size and CRC32 of a file, read a block at a time."""
-    crc, size = 0, 0
-    buffer = bytearray(_BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb") as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
+    """Size and CRC32 of a file, read a block at a time from its end (see [Note: checking a
+    file from its end] in crc.py)."""
+    size, crc = file_crc32(path)
     return {"bytes": size, "crc32": crc}
 
 

@@ -10,7 +10,7 @@ one host buffer and gives DCP views of it; a writer thread writes them while tra
 The buffer is one flat byte tensor per optimizer, kept between saves: each staged tensor is a
 slice of its storage (64-byte aligned, so any dtype's view is aligned), so the writer's
 ``torch.save`` writes exactly that slice, with no copy (a tensor sharing a larger storage would
-make it write or clone the whole storage; see [Note: bounded writes] in dcp.py). It is
+make it write or clone the whole storage; see [Note: bounded writes] in writing.py). It is
 allocated at the first async save and again only when a save needs more than it holds (the
 optimizer's state appears at its first step), to exactly the bytes needed; so its size is what
 this rank writes, about 1/N of the checkpoint over N ranks. With CUDA tensors it is pinned, the
