@@ -14,6 +14,7 @@ that this file imports torch only.
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import tempfile
 
@@ -111,9 +112,10 @@ def reference() -> dict[str, torch.Tensor]:
     return ends(net, opt)
 
 
-def _worker(rank: int, world: int, store: str, out: str, ckpt: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
+def resume(rank: int, world: int, ckpt: str) -> dict[str, torch.Tensor]:
+    """torch DDP loads ``ckpt`` and trains on to ``STEPS``; its ends. The DDP is freed on
+    return, before the process group: a gloo group whose last owner is a torch DDP destroyed
+    after ``destroy_process_group`` can deadlock joining its threads."""
     net = nn.parallel.DistributedDataParallel(model())
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     msd, osd = get_state_dict(net, opt)
@@ -125,9 +127,17 @@ def _worker(rank: int, world: int, store: str, out: str, ckpt: str) -> None:
         opt.zero_grad()
         loss_fn(net(x), y).backward()
         opt.step()
+    return ends(net, opt)
+
+
+def _worker(rank: int, world: int, store: str, out: str, ckpt: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    resumed = resume(rank, world, ckpt)
+    gc.collect()  # the DDP's reference cycles, before the group goes
     imported = any(m.split(".")[0] == "distopt" for m in sys.modules)
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (ends(net, opt), imported))
+    dist.all_gather_object(everyone, (resumed, imported))
     if rank == 0:
         torch.save({"ends": [e for e, _ in everyone],
                     "distopt_imported": any(i for _, i in everyone)}, out)
