@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import distopt
-from distopt.checkpoint import dcp as dcp_module
 from distopt.checkpoint import files as files_module
+from distopt.checkpoint import writing as writer_module
 
 from dist_harness import case_result, run_cases
 from helpers import numbers_by_name, same_by_name
@@ -55,7 +55,7 @@ def _disk_fills_while_writing(rank: int, run_dir: Path) -> Iterator[None]:
     if dist.get_rank() != rank:
         yield
         return
-    with mock.patch.object(dcp_module, "open", _FillingFile, create=True):
+    with mock.patch.object(writer_module, "open", _FillingFile, create=True):
         yield
 
 
