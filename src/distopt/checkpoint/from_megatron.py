@@ -14,7 +14,10 @@ master; ``fp32_param`` in older releases), ``exp_avg``, ``exp_avg_sq``. Everythi
 "common state", is pickled whole as the DCP object ``common_state`` (older releases: a
 ``common.pt`` file beside): there the optimizer's part holds ``param_state_sharding_type`` and
 torch's ``param_groups`` without their ``params`` and with the step count in each group
-(``step``), and Megatron-LM adds its iteration, args, RNG and scheduler states. Megatron-LM
+(``step``), and Megatron-LM adds its iteration, args, RNG and scheduler states. In the
+``dp_reshardable`` sharding (Megatron-LM's default) the state is the optimizer's flat buckets
+instead, and the param groups an object beside ([Note: Megatron-Core's dp_reshardable
+buckets] in from_megatron_buckets.py). Megatron-LM
 saves each iteration into ``dir/iter_<7 digits>`` and names the last in
 ``dir/latest_checkpointed_iteration.txt``.
 
@@ -24,11 +27,10 @@ in ``.bias`` or that has one dimension is in the group with ``wd_mult`` 0, the o
 group with ``wd_mult`` 1 (both with ``lr_mult`` 1, neither expert-parallel nor with a decoupled
 LR). A run whose groups that rule does not reproduce is refused by name.
 
-Each output tensor is one DCP tensor of the source, read alone when it is written (DCP's
-reader assembles its chunks from the ranks' files). Refused by name: the ``dp_reshardable``
-sharding (Megatron-LM's default, whose flat bucket tensors name no params: save with
-``fully_reshardable``), other backends (``zarr``), model chunks or several optimizers in one
-checkpoint, and a source whose files are missing or short.
+Each output tensor is one DCP tensor of the source (or, from a bucket, one param's slice of
+it), read alone when it is written (DCP's reader assembles its chunks from the ranks' files).
+Refused by name: other shardings, other backends (``zarr``), model chunks or several
+optimizers in one checkpoint, and a source whose files are missing or short.
 """
 
 from __future__ import annotations
