@@ -161,21 +161,28 @@ _RUN: dict[str, tuple[Path, dict[str, list[float]]]] = {}
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, Path, dict[str, list[float]]]:
-    """Megatron's run (once per session): its saves, the fully_reshardable one converted, and
-    its final params."""
+    """Megatron's run (once per session): its saves, each converted (the fully_reshardable
+    one to dcp, the others to dcp-<sharding>), and its final params."""
     if "run" not in _RUN:
         root = tmp_path_factory.mktemp("megatron")
         results = run_cases(SAVED_D, [("megatron", megatron_run, (str(root),))], end_pool=True)
         final = case_result(results, "megatron")[0]
-        assert cli(["convert", str(root / "fully_reshardable"), str(root / "dcp")]) == 0
+        for sharding in SHARDINGS:
+            assert cli(["convert", str(root / sharding), str(root / _converted(sharding))]) == 0
         _RUN["run"] = root, final
     root, final = _RUN["run"]
     return root, root / "dcp", final
 
 
-def test_a_megatron_run_resumes_under_distopt(saved):
-    """The fast case: saved at d = 2, resumed under distopt at d = 2."""
-    _, dst, final = saved
+def _converted(sharding: str) -> str:
+    return "dcp" if sharding == "fully_reshardable" else f"dcp-{sharding}"
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_a_megatron_run_resumes_under_distopt(saved, sharding):
+    """The fast case: saved at d = 2 (in each sharding), resumed under distopt at d = 2."""
+    root, _, final = saved
+    dst = root / _converted(sharding)
     ends = case_result(run_cases(2, [("distopt<-megatron", resume,
                                       ("distopt-optim", str(dst)))]), "distopt<-megatron")
     for rank_ends in ends:
@@ -203,15 +210,17 @@ LOADERS = ["distopt-optim", "distopt-grads", "distopt-params", "fsdp", "torch"]
 
 @pytest.fixture(scope="module")
 def at_three(saved):
-    _, dst, _ = saved
-    return run_cases(3, [(f"{loader}<-megatron", resume, (loader, str(dst)))
-                         for loader in LOADERS])
+    root = saved[0]
+    return run_cases(3, [(f"{loader}<-megatron-{sharding}", resume,
+                          (loader, str(root / _converted(sharding))))
+                         for sharding in SHARDINGS for loader in LOADERS])
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDINGS)
 @pytest.mark.parametrize("loader", LOADERS)
-def test_a_megatron_run_resumes_at_three_under_each_system(saved, at_three, loader):
-    for rank_ends in case_result(at_three, f"{loader}<-megatron"):
+def test_a_megatron_run_resumes_at_three_under_each_system(saved, at_three, loader, sharding):
+    for rank_ends in case_result(at_three, f"{loader}<-megatron-{sharding}"):
         assert_ends_where_it_ends(rank_ends, saved[2])
 
 
@@ -267,8 +276,52 @@ def test_megatron_lms_iteration_directories_are_followed(source, tmp_path):
         convert(tmp_path / "run", tmp_path / "out2")
 
 
-def test_the_bucket_sharding_is_refused_with_the_fix(saved, tmp_path):
-    with pytest.raises(CheckpointError, match="'dp_reshardable' sharding.*fully_reshardable"):
+def _whole(dst: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(dst, tmp_path / f"{dst.name}.pt")
+    return torch.load(tmp_path / f"{dst.name}.pt", weights_only=False)
+
+
+def test_the_bucket_sharding_converts_bit_for_bit_as_the_named_one(saved, tmp_path):
+    """dp_reshardable's flat buckets, placed by Megatron-Core's layout, give each param's
+    master, exp_avg and exp_avg_sq exactly as fully_reshardable names them (whose masters
+    are Megatron's fp32 params: the resumes above end where its run ends)."""
+    root = saved[0]
+    named, buckets = (_whole(root / _converted(s), tmp_path) for s in SHARDINGS)
+    assert sorted(buckets["model"]) == sorted(named["model"])
+    for fqn, value in named["model"].items():
+        assert torch.equal(buckets["model"][fqn], value), fqn
+    def groups(whole: dict) -> list[dict]:  # a group's params are keyed by FQN: any order
+        return [{**g, "params": sorted(g["params"])} for g in whole["optimizer"]["param_groups"]]
+
+    assert groups(buckets) == groups(named)
+    for fqn, state in named["optimizer"]["state"].items():
+        assert sorted(buckets["optimizer"]["state"][fqn]) == sorted(state)
+        for name, value in state.items():
+            assert torch.equal(buckets["optimizer"]["state"][fqn][name], value), (fqn, name)
+
+
+def test_bucket_places_that_do_not_match_the_params_are_refused(saved, tmp_path, monkeypatch):
+    from distopt.checkpoint import from_megatron
+
+    placed = from_megatron.buckets.places
+
+    def out_of_order(tensors, params, where):
+        # Megatron-Core's order is model.parameters(): any other misplaces the params
+        return placed(tensors, [params[1], params[0], *params[2:]], where)
+
+    monkeypatch.setattr(from_megatron.buckets, "places", out_of_order)
+    with pytest.raises(CheckpointError, match="'0.weight'.*does not fall where.*fully_reshardable"):
+        convert(saved[0] / "dp_reshardable", tmp_path / "out")
+
+    def swapped(tensors, params, where):  # places that the chunks allow, values refute
+        out = placed(tensors, params, where)
+        out["0.bias"], out["2.bias"] = out["2.bias"], out["0.bias"]
+        return out
+
+    monkeypatch.setattr(from_megatron.buckets, "places", swapped)
+    with pytest.raises(CheckpointError, match="place derived for '.\\.bias' does not hold"):
         convert(saved[0] / "dp_reshardable", tmp_path / "out")
     assert _left_behind(tmp_path / "out") == []
 

@@ -14,7 +14,10 @@ master; ``fp32_param`` in older releases), ``exp_avg``, ``exp_avg_sq``. Everythi
 "common state", is pickled whole as the DCP object ``common_state`` (older releases: a
 ``common.pt`` file beside): there the optimizer's part holds ``param_state_sharding_type`` and
 torch's ``param_groups`` without their ``params`` and with the step count in each group
-(``step``), and Megatron-LM adds its iteration, args, RNG and scheduler states. Megatron-LM
+(``step``), and Megatron-LM adds its iteration, args, RNG and scheduler states. In the
+``dp_reshardable`` sharding (Megatron-LM's default) the state is the optimizer's flat buckets
+instead, and the param groups an object beside ([Note: Megatron-Core's dp_reshardable
+buckets] in from_megatron_buckets.py). Megatron-LM
 saves each iteration into ``dir/iter_<7 digits>`` and names the last in
 ``dir/latest_checkpointed_iteration.txt``.
 
@@ -24,11 +27,10 @@ in ``.bias`` or that has one dimension is in the group with ``wd_mult`` 0, the o
 group with ``wd_mult`` 1 (both with ``lr_mult`` 1, neither expert-parallel nor with a decoupled
 LR). A run whose groups that rule does not reproduce is refused by name.
 
-Each output tensor is one DCP tensor of the source, read alone when it is written (DCP's
-reader assembles its chunks from the ranks' files). Refused by name: the ``dp_reshardable``
-sharding (Megatron-LM's default, whose flat bucket tensors name no params: save with
-``fully_reshardable``), other backends (``zarr``), model chunks or several optimizers in one
-checkpoint, and a source whose files are missing or short.
+Each output tensor is one DCP tensor of the source (or, from a bucket, one param's slice of
+it), read alone when it is written (DCP's reader assembles its chunks from the ranks' files).
+Refused by name: other shardings, other backends (``zarr``), model chunks or several
+optimizers in one checkpoint, and a source whose files are missing or short.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 
+from . import from_megatron_buckets as buckets
 from .converted import Converted, Lazy
 from .files import CheckpointError
 from .torch_layout import torch_fqn
@@ -46,7 +49,7 @@ from .torch_zip import TorchFile
 
 _STATE = "optimizer.state."
 _MASTER_KEYS = ("param", "fp32_param")
-_SHARDINGS = ("fully_reshardable",)
+_SHARDINGS = ("fully_reshardable", "dp_reshardable")
 _FIX = ("save it from Megatron-Core with the optimizer's sharded_state_dict(..., metadata="
         "{'distrib_optim_sharding_type': 'fully_reshardable'}) (Megatron-LM: "
         "--dist-ckpt-optim-fully-reshardable), which names each param's state")
@@ -155,24 +158,66 @@ class _Source:
             raise CheckpointError(f"{self.directory}: reading '{key}' failed: {error}") from None
         return out
 
+    def read_slice(self, key: str, start: int, numel: int) -> torch.Tensor:
+        """Elements ``start:start + numel`` of the 1-D tensor saved under ``key``, read
+        without the rest of it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import (
+            create_read_items_for_chunk_list,
+        )
+
+        meta = self.metadata.state_dict_metadata[key]
+
+        class _SlicePlanner(DefaultLoadPlanner):
+            def create_local_plan(self) -> LoadPlan:
+                chunk = ChunkStorageMetadata(torch.Size([start]), torch.Size([numel]))
+                return LoadPlan(create_read_items_for_chunk_list(key, meta, [chunk]))
+
+            def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+                # ``out`` is the one destination; the default lookup expects a
+                # ShardedTensor where the destination chunk has an offset.
+                return out[read_item.dest_offsets[0]:][:read_item.lengths[0]]
+
+        out = torch.empty(numel, dtype=meta.properties.dtype)
+        try:
+            dcp.load({key: out}, storage_reader=self.reader, planner=_SlicePlanner(),
+                     no_dist=True)
+        except CheckpointException as exc:
+            error = next(iter(exc.failures.values()))
+            raise CheckpointError(f"{self.directory}: reading '{key}' failed: {error}") from None
+        return out
+
+    def object_tree(self, name: str) -> Any | None:
+        """The object saved under ``name`` (a ``ShardedObject``'s key: its one shard), read
+        without Megatron-Core's classes; None when there is none."""
+        names = [k for k in self.objects() if k.split("/")[0] == name]
+        if not names:
+            return None
+        index = next(i for i in self.metadata.storage_data if i.fqn == names[0])
+        info = self.metadata.storage_data[index]
+        if info.transform_descriptors:
+            raise CheckpointError(f"{self.directory}: '{name}' is stored with transforms "
+                                  f"{info.transform_descriptors}, which distopt convert does "
+                                  "not read")
+        with open(self.directory / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        tree = TorchFile(self.directory / info.relative_path, data=data).tree
+        if isinstance(tree, list) and len(tree) == 1:  # a ShardedObject's one shard
+            tree = tree[0]
+        return tree
+
     def common(self) -> Any:
         """The common state: the ``common_state`` object, or common.pt, read without
         Megatron-Core's classes."""
-        names = [k for k in self.objects() if k.split("/")[0] == "common_state"]
-        if names:
-            index = next(i for i in self.metadata.storage_data if i.fqn == names[0])
-            info = self.metadata.storage_data[index]
-            if info.transform_descriptors:
-                raise CheckpointError(f"{self.directory}: the common state is stored with "
-                                      f"transforms {info.transform_descriptors}, which distopt "
-                                      "convert does not read")
-            with open(self.directory / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-            tree = TorchFile(self.directory / info.relative_path, data=data).tree
-        elif (self.directory / "common.pt").is_file():
+        tree = self.object_tree("common_state")
+        if tree is None and (self.directory / "common.pt").is_file():
             tree = TorchFile(self.directory / "common.pt").tree
-        else:
+        elif tree is None:
             raise CheckpointError(f"{self.directory} is partial: its common state (the "
                                   "'common_state' object, or common.pt) is missing")
         if isinstance(tree, list) and len(tree) == 1:  # a ShardedObject's one shard
@@ -205,11 +250,26 @@ def _optimizer_common(common: dict[str, Any], where: Path) -> tuple[str, dict[st
     sharding = state["param_state_sharding_type"]
     if sharding not in _SHARDINGS:
         raise CheckpointError(f"{where}: the distributed optimizer's state was saved in the "
-                              f"'{sharding}' sharding, whose tensors name no params; {_FIX}")
+                              f"'{sharding}' sharding, which distopt convert does not read; "
+                              f"{_FIX}")
+    return key, state
+
+
+def _with_param_groups(source: _Source, state: dict[str, Any],
+                       tensors: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's common state with its param groups (and grad scaler): in the common
+    state, or, in the dp_reshardable sharding, in objects beside."""
+    if state["param_state_sharding_type"] == "dp_reshardable":
+        state = dict(state)
+        for name in buckets.object_names(tensors, source.directory):
+            value = source.object_tree(name)
+            if value is not None:
+                state[name.rsplit(".", 1)[1]] = value
     inner = state.get("optimizer")
     if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
-        raise CheckpointError(f"{where}: the optimizer's common state holds no param_groups")
-    return key, state
+        raise CheckpointError(f"{source.directory}: the optimizer's state holds no "
+                              "param_groups")
+    return state
 
 
 def _group_key(fqn: str, shape: tuple[int, ...]) -> float:
@@ -268,6 +328,57 @@ def _lazy(source: _Source, key: str, meta: Any, dtype: torch.dtype | None = None
     return Lazy(tuple(meta.size), dtype or meta.properties.dtype, lambda: source.read(key))
 
 
+def _named_state(source: _Source, tensors: dict[str, Any],
+                 where: Path) -> dict[str, dict[str, tuple[tuple[int, ...], Lazy]]]:
+    """fully_reshardable: each param key's states (``param``: its master), read whole."""
+    state_keys: dict[str, dict[str, str]] = {}  # param key -> state name -> DCP key
+    for key in tensors:
+        if key.startswith(_STATE):
+            name, _, param = key[len(_STATE):].partition(".")
+            state_keys.setdefault(param, {})[name] = key
+    if not state_keys:
+        raise CheckpointError(f"{where} holds no optimizer state tensors "
+                              f"({_STATE}<name>.<param>): saved without the optimizer?")
+    out = {}
+    for param, names in state_keys.items():
+        master = next((names[k] for k in _MASTER_KEYS if k in names), None)
+        if master is None:
+            raise CheckpointError(f"{where} is partial: the fp32 master of '{param}' "
+                                  f"({_STATE}param.{param}) is missing")
+        shape = tuple(tensors[master].size)
+        for key in names.values():
+            if tuple(tensors[key].size) != shape:
+                raise CheckpointError(f"{where}: '{key}' has shape "
+                                      f"{tuple(tensors[key].size)}, its param {shape}")
+        out[param] = {"param" if k == master else n: _lazy(source, k, tensors[k])
+                      for n, k in sorted(names.items())}
+    return out
+
+
+def _bucket_state(source: _Source, tensors: dict[str, Any],
+                  where: Path) -> dict[str, dict[str, Lazy]]:
+    """dp_reshardable: each param key's states, read as slices of the buckets; see [Note:
+    Megatron-Core's dp_reshardable buckets]."""
+    params = [k for k in tensors if not k.startswith("optimizer.")]
+    out = {}
+    for param, (start, keys) in buckets.places(tensors, params, where).items():
+        shape = tuple(tensors[param].size)
+        numel = 1
+        for n in shape:
+            numel *= n
+
+        def reader(key: str, start: int = start, numel: int = numel) -> Any:
+            return lambda: source.read_slice(key, start, numel)
+
+        lazies = {name: Lazy(shape, tensors[key].properties.dtype, reader(key))
+                  for name, key in sorted(keys.items()) if name != "param"}
+        master = buckets.checked_master(reader(keys["param"]),
+                                        lambda param=param: source.read(param), param, where)
+        lazies["param"] = Lazy(shape, tensors[keys["param"]].properties.dtype, master)
+        out[param] = lazies
+    return out
+
+
 def read(path: Path) -> Converted:
     """The Megatron-Core checkpoint at ``path`` (a saved iteration, or the Megatron-LM save
     directory above it) as torch's layout; see [Note: Megatron-Core's torch_dist checkpoint
@@ -277,38 +388,26 @@ def read(path: Path) -> Converted:
     common = source.common()
     optimizer_key, optimizer = _optimizer_common(common, directory)
     tensors = source.tensors()
-    if any(k.startswith("optimizer.distributed.") for k in tensors):
-        raise CheckpointError(f"{directory}: the distributed optimizer's state is saved as "
-                              f"flat buckets (optimizer.distributed.*); {_FIX}")
-    state_keys: dict[str, dict[str, str]] = {}  # param key -> state name -> DCP key
-    for key in tensors:
-        if key.startswith(_STATE):
-            name, _, param = key[len(_STATE):].partition(".")
-            state_keys.setdefault(param, {})[name] = key
-    if not state_keys:
-        raise CheckpointError(f"{directory} holds no optimizer state tensors "
-                              f"({_STATE}<name>.<param>): saved without the optimizer?")
+    optimizer = _with_param_groups(source, optimizer, tensors)
+    sharding = optimizer["param_state_sharding_type"]
+    has_buckets = any(k.startswith(buckets.PREFIX) for k in tensors)
+    if has_buckets != (sharding == "dp_reshardable"):
+        raise CheckpointError(f"{directory}: its optimizer state tensors do not match its "
+                              f"'{sharding}' sharding")
+    per_param = (_bucket_state(source, tensors, directory) if has_buckets
+                 else _named_state(source, tensors, directory))
     model: dict[str, Lazy | torch.Tensor] = {}
     state: dict[str, dict[str, Lazy | torch.Tensor]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     groups = optimizer["optimizer"]["param_groups"]
     step = _step(groups, directory)
-    for param, names in state_keys.items():
+    for param, lazies in per_param.items():
         fqn = torch_fqn(param)
-        master = next((names[k] for k in _MASTER_KEYS if k in names), None)
-        if master is None:
-            raise CheckpointError(f"{directory} is partial: the fp32 master of '{param}' "
-                                  f"({_STATE}param.{param}) is missing")
-        shape = tuple(tensors[master].size)
-        for key in names.values():
-            if tuple(tensors[key].size) != shape:
-                raise CheckpointError(f"{directory}: '{key}' has shape "
-                                      f"{tuple(tensors[key].size)}, its param {shape}")
-        model[fqn] = _lazy(source, master, tensors[master], torch.float32)
+        master = lazies["param"]
+        model[fqn] = Lazy(master.shape, torch.float32, master.read)
         state[fqn] = {"step": step.clone()}
-        state[fqn].update({name: _lazy(source, key, tensors[key])
-                           for name, key in sorted(names.items()) if name not in _MASTER_KEYS})
-        shapes[fqn] = shape
+        state[fqn].update({n: v for n, v in lazies.items() if n != "param"})
+        shapes[fqn] = master.shape
     for key, meta in tensors.items():  # buffers and frozen params, saved as they are
         if not key.startswith("optimizer.") and torch_fqn(key) not in model:
             model[torch_fqn(key)] = _lazy(source, key, meta)
@@ -320,10 +419,9 @@ def read(path: Path) -> Converted:
         if fqns:
             options = {k: v for k, v in group.items() if k not in ("params", "step")}
             param_groups.append({**options, "params": fqns})
-    objects = [k for k in source.objects() if "_extra_state" not in k]
+    objects = [k for k in source.objects() if "_extra_state" not in k
+               and not k.startswith(buckets.PREFIX)]
     world = len({info.relative_path for info in source.metadata.storage_data.values()})
-    sharding = optimizer["param_state_sharding_type"]
     return Converted(f"Megatron-Core checkpoint {directory} ({sharding}, {world} file(s))",
                      model, state, param_groups,
                      _not_carried(common, optimizer_key, optimizer, objects, skipped))
-

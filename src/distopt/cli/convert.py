@@ -26,8 +26,8 @@ def main(argv: list[str]) -> int:
         "get_state_dict gives them), which torch's dcp.load and set_state_dict resume under "
         "distopt, FSDP2 or torch DDP at any number of ranks. Needs neither DeepSpeed nor "
         "Megatron-Core installed. Megatron-Core: a dist_checkpointing.save in its torch_dist "
-        "format, its DistributedOptimizer's state saved in the fully_reshardable sharding "
-        "(Megatron-LM: --dist-ckpt-optim-fully-reshardable).")
+        "format, its DistributedOptimizer's state saved in the fully_reshardable or "
+        "dp_reshardable (Megatron-LM's default) sharding.")
     parser.add_argument("src", help="the checkpoint directory the other system wrote "
                         "(DeepSpeed's save_checkpoint directory or one tag in it; Megatron-LM's "
                         "save directory or one iter_* in it, or the directory "
