@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,9 +60,10 @@ def deepspeed_run(stage: int, root: str) -> dict[str, list[float]]:
         return {name: p.detach().reshape(-1).tolist() for name, p in params.items()}
 
 
-def resume(system: str, checkpoint: str) -> dict[str, torch.Tensor]:
-    """torch's recipe under ``system`` at this d, then training to STEPS: the final params."""
-    model, opt = _build(system)
+def resume(system: str, checkpoint: str, groups: Any = None) -> dict[str, torch.Tensor]:
+    """torch's recipe under ``system`` at this d (AdamW over ``groups`` of the model's named
+    params, or over all of them), then training to STEPS: the final params."""
+    model, opt = _build(system, groups)
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=checkpoint)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)

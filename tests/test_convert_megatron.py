@@ -26,13 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from test_convert import _left_behind
 from test_convert import assert_ends_where_deepspeed_ends as assert_ends_where_it_ends
-from test_torch_dcp_state_dict import LR, MODES, SAVED_AT, STEPS, _batch, _model, _train
+from test_convert import resume as resume_converted
+from test_torch_dcp_state_dict import LR, SAVED_AT, STEPS, _batch, _model
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import distopt
 from distopt.checkpoint import CheckpointError
 from distopt.checkpoint.convert import convert
 from distopt.cli import main as cli
@@ -122,38 +121,9 @@ def _groups(params: list[tuple[str, nn.Parameter]]) -> list[dict]:
     return [{"params": decay}, {"params": no_decay}]
 
 
-def _build(system: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = _model()
-    if system == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR)
-    if system == "torch":
-        ddp = nn.parallel.DistributedDataParallel(model)
-        return ddp, torch.optim.AdamW(_groups(list(model.named_parameters())), lr=LR)
-    ddp = distopt.DistributedDataParallel(model, **MODES[system.removeprefix("distopt-")])
-    return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW,
-                                             _groups(list(model.named_parameters())), lr=LR)
-
-
 def resume(system: str, checkpoint: str) -> dict[str, torch.Tensor]:
-    """torch's recipe under ``system`` at this d, then training to STEPS: the final params."""
-    model, opt = _build(system)
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=checkpoint)
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    _train(model, opt, range(SAVED_AT, STEPS))
-    if hasattr(model, "finish_param_sync"):
-        model.finish_param_sync()
-        return {k: v.detach().clone() for k, v in model.full_state_dict().items()}
-    return {n.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor") else p)
-            .detach().clone() for n, p in model.named_parameters()}
+    """test_convert's resume, with Megatron's two param groups."""
+    return resume_converted(system, checkpoint, _groups)
 
 
 _RUN: dict[str, tuple[Path, dict[str, list[float]]]] = {}
@@ -231,10 +201,6 @@ def test_a_megatron_run_resumes_at_three_under_each_system(saved, at_three, load
 def source(saved, tmp_path) -> Path:
     """A copy of Megatron's fully_reshardable save, to damage."""
     return Path(shutil.copytree(saved[0] / "fully_reshardable", tmp_path / "copy"))
-
-
-def _left_behind(dst: Path) -> list[str]:
-    return sorted(p.name for p in dst.parent.iterdir() if dst.name in p.name)
 
 
 def test_a_missing_data_file_is_named_and_nothing_is_written(source, tmp_path, capsys):

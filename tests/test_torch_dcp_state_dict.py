@@ -13,6 +13,7 @@ and FSDP2's into distopt in each sharding mode, distopt's into torch DDP and FSD
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,16 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 5, generator=g), torch.randn(ROWS, 3, generator=g)
 
 
-def _build(system: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(system: str, groups: Callable[[list[tuple[str, nn.Parameter]]], list[dict]] | None
+           = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``system`` over the model, with AdamW over every param, or over the param groups
+    ``groups`` makes of the model's named params."""
     model = _model()
+    groups_of = (lambda m: m.parameters()) if groups is None else (
+        lambda m: groups(list(model.named_parameters())))
     if system == "torch":
         ddp = nn.parallel.DistributedDataParallel(model)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=LR)
+        return ddp, torch.optim.AdamW(groups_of(ddp), lr=LR)
     if system == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -64,9 +70,11 @@ def _build(system: str) -> tuple[nn.Module, torch.optim.Optimizer]:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+        return model, torch.optim.AdamW(groups_of(model), lr=LR)
     ddp = distopt.DistributedDataParallel(model, **MODES[system.removeprefix("distopt-")])
-    return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
+    if groups is None:
+        return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
+    return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, groups_of(ddp), lr=LR)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
