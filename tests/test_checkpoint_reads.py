@@ -15,8 +15,9 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint_torch_layout import ends, train
 from torch import nn
-from torch_resume import LR, SAVED_AT, batch
+from torch_resume import LR, SAVED_AT
 
 import distopt
 from distopt.checkpoint import files
@@ -35,28 +36,6 @@ def model() -> nn.Module:
 def build():
     ddp = distopt.DistributedDataParallel(model(), shard_params=True)
     return ddp, distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)
-
-
-def train(ddp, opt, steps: range) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for step in steps:
-        x, y = (t[rank::world] for t in batch(step))
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-
-
-def whole(ddp, opt) -> dict[str, torch.Tensor]:
-    """The params and the AdamW state, whole, on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    ddp.finish_param_sync()
-    out = {f"param/{n}": p.detach().clone() for n, p in ddp.full_state_dict().items()}
-    full = get_optimizer_state_dict(ddp, opt, options=StateDictOptions(full_state_dict=True))
-    for fqn, state in full["state"].items():
-        for key, value in state.items():
-            out[f"{key}/{fqn}"] = torch.as_tensor(value).detach().clone()
-    return out
 
 
 def counted_load(ckpt: Path, ddp, opt) -> dict[str, int]:
@@ -86,14 +65,14 @@ def save_then_load(root: str) -> dict:
     ddp, opt = build()
     train(ddp, opt, range(SAVED_AT))
     ckpt = distopt.save_checkpoint(Path(root) / "run", ddp, opt)
-    saved = whole(ddp, opt)
+    saved = ends(ddp, opt)
     if dist.get_rank() == 0:
         torch.save(saved, Path(root) / "saved.pt")
     train(ddp, opt, range(SAVED_AT, SAVED_AT + 1))
     moved = largest_diff({k: v for k, v in saved.items() if not k.startswith("step/")},
-                         {k: v for k, v in whole(ddp, opt).items() if not k.startswith("step/")})
+                         {k: v for k, v in ends(ddp, opt).items() if not k.startswith("step/")})
     counts = counted_load(ckpt, ddp, opt)
-    return {"ckpt": str(ckpt), "moved": moved, "diff": largest_diff(saved, whole(ddp, opt)),
+    return {"ckpt": str(ckpt), "moved": moved, "diff": largest_diff(saved, ends(ddp, opt)),
             **counts}
 
 
@@ -102,7 +81,7 @@ def load_elsewhere(root: str) -> dict:
     ddp, opt = build()
     counts = counted_load(Path(root) / "run", ddp, opt)
     saved = torch.load(Path(root) / "saved.pt")
-    return {"diff": largest_diff(saved, whole(ddp, opt)), **counts}
+    return {"diff": largest_diff(saved, ends(ddp, opt)), **counts}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +99,7 @@ def load_other_byte_order(root: str) -> dict:
                            else b"little"):
         counts = counted_load(Path(root) / "run", ddp, opt)
     saved = torch.load(Path(root) / "saved.pt")
-    return {"diff": largest_diff(saved, whole(ddp, opt)), **counts}
+    return {"diff": largest_diff(saved, ends(ddp, opt)), **counts}
 
 
 @pytest.fixture(scope="module")
