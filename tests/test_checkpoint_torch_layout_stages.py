@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import DeviceMesh
+from test_pipeline import pp_dp_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 from torch_resume_stages import (
     BATCH,
@@ -49,13 +49,7 @@ def train(pp: int, dp: int, start: int, stop: int, load: str | None = None,
     """Steps ``start`` to ``stop`` at (pp, dp) (pp = 1: the whole model), from the run
     directory ``load`` if given, saving into ``save`` at the end (``earlier``: in the earlier
     layout); the params this rank holds, by the whole model's names, and what the save wrote."""
-    if pp == 1:
-        mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
-        pp_rank, dp_rank = 0, mesh.get_local_rank()
-    else:
-        mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp),
-                          mesh_dim_names=("pp", "dp"))
-        pp_rank, dp_rank = mesh.get_coordinate()
+    mesh, pp_rank, dp_rank = pp_dp_mesh(pp, dp)
     module, tied = stage_of(model(), pp_rank, pp)
     ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, tied_params=tied)
     opt = distopt.DistributedOptimizer(ddp, torch.optim.AdamW, lr=LR)

@@ -570,6 +570,17 @@ def test_a_refusal_on_one_stage_is_raised_on_every_stage(results_2, name):
 
 # ---------------------------------------------------------------- checkpoints
 
+def pp_dp_mesh(pp: int, dp: int) -> tuple[DeviceMesh, int, int]:
+    """A (pp, dp) mesh over the ranks (pp = 1: a "dp" mesh alone, for the whole model), and this
+    rank's stage and DP index."""
+    if pp == 1:
+        mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
+        return mesh, 0, mesh.get_local_rank()
+    mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_coordinate()
+    return mesh, pp_rank, dp_rank
+
+
 def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None,
                 save: str | None = None, save_after: int | None = None
                 ) -> dict[str, torch.Tensor]:
@@ -577,13 +588,7 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
     DDP), from the checkpoint ``load`` if given, saving into ``save`` at the end, or
     asynchronously after step ``save_after`` while the later steps train (waited for at the
     end); the params this rank holds, by the whole model's names."""
-    if pp == 1:
-        mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
-        pp_rank, dp_rank = 0, mesh.get_local_rank()
-    else:
-        mesh = DeviceMesh("cpu", torch.arange(pp * dp).reshape(pp, dp),
-                          mesh_dim_names=("pp", "dp"))
-        pp_rank, dp_rank = mesh.get_coordinate()
+    mesh, pp_rank, dp_rank = pp_dp_mesh(pp, dp)
     torch.manual_seed(0)
     module, tied = stage_of(StagedLM(layers=max(pp, 2)), pp_rank, pp)
     ddp = distopt.DistributedDataParallel(module, device_mesh=mesh, bucket_size=64,
