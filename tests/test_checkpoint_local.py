@@ -202,20 +202,23 @@ def test_basic_optimizer_checkpoint_loads_into_distributed_optimizer(tmp_path):
     assert same(values(model), values(module))
 
 
+def _chunks(seed: int):
+    """Two model chunks, each its own DDP, under one optimizer: (modules, DDPs, optimizer)."""
+    torch.manual_seed(seed)
+    first, second = mlp([4, 6]), mlp([6, 3])
+    ddps = [distopt.DistributedDataParallel(m) for m in (first, second)]
+    return (first, second), ddps, distopt.DistributedOptimizer(ddps, torch.optim.AdamW)
+
+
+def _chunks_step(models, opt) -> None:
+    opt.zero_grad()
+    models[1](models[0](torch.ones(2, 4))).sum().backward()
+    opt.step()
+
+
 def test_model_chunks_save_load_and_export(tmp_path):
-    def chunks(seed):
-        torch.manual_seed(seed)
-        first, second = mlp([4, 6]), mlp([6, 3])
-        ddps = [distopt.DistributedDataParallel(m) for m in (first, second)]
-        return (first, second), ddps, distopt.DistributedOptimizer(ddps, torch.optim.AdamW)
-
-    def step(models, opt):
-        opt.zero_grad()
-        models[1](models[0](torch.ones(2, 4))).sum().backward()
-        opt.step()
-
-    models, ddps, opt = chunks(0)
-    step(models, opt)
+    models, ddps, opt = _chunks(0)
+    _chunks_step(models, opt)
     saved = distopt.save_checkpoint(tmp_path / "run", ddps, opt)
     assert sorted(opt.state_dict()["main_params"]) == [
         "chunk0.0.bias", "chunk0.0.weight", "chunk1.0.bias", "chunk1.0.weight"]
@@ -227,10 +230,10 @@ def test_model_chunks_save_load_and_export(tmp_path):
         ("model", f"chunk{i}.0.{k}") for i in range(2) for k in ("weight", "bias")}
     assert {p[2] for p in paths if p[:2] == ("optimizer", "state")} == {
         f"chunk{i}.0.{k}" for i in range(2) for k in ("weight", "bias")}
-    fresh, fresh_ddps, fresh_opt = chunks(1)
+    fresh, fresh_ddps, fresh_opt = _chunks(1)
     distopt.load_checkpoint(tmp_path / "run", fresh_ddps, fresh_opt)
-    step(models, opt)
-    step(fresh, fresh_opt)
+    _chunks_step(models, opt)
+    _chunks_step(fresh, fresh_opt)
     for a, b in zip(models, fresh, strict=True):
         assert same(values(a), values(b))
     out = distopt.export_checkpoint(tmp_path / "run", tmp_path / "chunks.pt")
@@ -244,19 +247,8 @@ def test_model_chunks_of_the_earlier_layout_load(tmp_path):
     the run that saved them."""
     from distopt.checkpoint import layout
 
-    def chunks(seed):
-        torch.manual_seed(seed)
-        first, second = mlp([4, 6]), mlp([6, 3])
-        ddps = [distopt.DistributedDataParallel(m) for m in (first, second)]
-        return (first, second), ddps, distopt.DistributedOptimizer(ddps, torch.optim.AdamW)
-
-    def step(models, opt):
-        opt.zero_grad()
-        models[1](models[0](torch.ones(2, 4))).sum().backward()
-        opt.step()
-
-    models, ddps, opt = chunks(0)
-    step(models, opt)
+    models, ddps, opt = _chunks(0)
+    _chunks_step(models, opt)
     layout.write_earlier_layout = True
     try:
         saved = distopt.save_checkpoint(tmp_path / "run", ddps, opt)
@@ -265,10 +257,10 @@ def test_model_chunks_of_the_earlier_layout_load(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     assert "main/chunk1.0.weight" in dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
-    fresh, fresh_ddps, fresh_opt = chunks(1)
+    fresh, fresh_ddps, fresh_opt = _chunks(1)
     distopt.load_checkpoint(tmp_path / "run", fresh_ddps, fresh_opt)
-    step(models, opt)
-    step(fresh, fresh_opt)
+    _chunks_step(models, opt)
+    _chunks_step(fresh, fresh_opt)
     for a, b in zip(models, fresh, strict=True):
         assert same(values(a), values(b))
 
