@@ -90,6 +90,11 @@ def resume(ckpt: str, system: str) -> dict[str, torch.Tensor]:
     dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=ckpt)
     set_state_dict(net, opt, model_state_dict=msd, optim_state_dict=osd)
     train(net, opt, range(SAVED_AT, STEPS))
+    return ends(net, opt)
+
+
+def ends(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Params and AdamW state, whole, by the model's FQNs, under torch DDP, FSDP2 or none."""
     out = {f"param/{n.removeprefix('module.')}":
            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
            for n, p in net.named_parameters()}

@@ -25,11 +25,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
     get_state_dict,
     set_state_dict,
 )
+from torch_resume import ends
 
 VOCAB, DIM, SEQ, BATCH, LAYERS = 16, 8, 3, 8, 2
 SAVED_AT, STEPS, LR = 2, 4, 1e-2
@@ -87,17 +86,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
-
-
-def ends(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Params and AdamW state, whole, by the whole model's FQNs."""
-    out = {f"param/{n.removeprefix('module.')}": p.detach().clone()
-           for n, p in net.named_parameters()}
-    full = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True))
-    for fqn, state in full["state"].items():
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            out[f"{key}/{fqn}"] = state[key].detach().clone()
-    return out
 
 
 def reference() -> dict[str, torch.Tensor]:
