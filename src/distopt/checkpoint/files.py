@@ -143,12 +143,6 @@ def checksum(path: Path) -> dict[str, int]:
     return {"bytes": size, "crc32": crc}
 
 
-def checksum_files(directory: Path, prefix: str) -> dict[str, dict[str, int]]:
-    return {
-        p.name: checksum(p) for p in sorted(directory.iterdir()) if p.name.startswith(prefix)
-    }
-
-
 def verify_files(ckpt_dir: Path, files: dict[str, dict[str, int]]) -> None:
     """Raise CheckpointError naming the first file that is missing, truncated or corrupted."""
     for name, expected in files.items():
