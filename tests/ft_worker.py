@@ -123,6 +123,8 @@ def run_rank(spec: dict[str, Any]) -> None:
         model, ft_manager=manager, **MODES[PRECISIONS[mode][1] if mode in PRECISIONS else mode])
     opt = build_optimizer(ddp, model, mode)
     out = Path(spec["out"])
+    if spec["attempt"] == 0:
+        _wait_for_every_group(spec)
     with open(out / f"steps-g{group}-r{rank}.jsonl", "a") as log:
         _train(spec, manager, ddp, opt, log)
     record = opt._fault_tolerance.record
@@ -137,6 +139,22 @@ def run_rank(spec: dict[str, Any]) -> None:
     dist.barrier()
     manager.shutdown(wait=False)
     dist.destroy_process_group()
+
+
+def _wait_for_every_group(spec: dict[str, Any]) -> None:
+    """The first start's barrier: every rank of every group has built its model before any
+    asks for a quorum. Without it, a loaded machine starts one group seconds after the other,
+    which then commits the first steps alone, and the late group joins (and fails) at a step
+    the test did not plan for."""
+    out = Path(spec["out"])
+    (out / f"ready-g{spec['group']}-r{spec['rank']}").touch()
+    names = [out / f"ready-g{g}-r{r}" for g in range(spec["groups"])
+             for r in range(spec["world"])]
+    end = time.monotonic() + 10 * spec["timeout_s"]
+    while not all(n.exists() for n in names):
+        if time.monotonic() > end:
+            raise TimeoutError("the other groups did not start")
+        time.sleep(0.01)
 
 
 def _train(spec: dict[str, Any], manager: Any, ddp: Any, opt: Any, log: Any) -> None:
@@ -186,7 +204,7 @@ def start_groups(groups: int, world: int, *, mode: str, steps: int, out: Path,
     is true (the time a replacement takes to come up; None: at once). Returns each group's
     restarts."""
     ctx = context()  # the test session's fork server (dist_harness.py)
-    base = {"world": world, "mode": mode, "steps": steps, "out": str(out),
+    base = {"groups": groups, "world": world, "mode": mode, "steps": steps, "out": str(out),
             "lighthouse": lighthouse, "timeout_s": timeout_s, "step_s": step_s,
             "fail_at": None, "fail_rank": None}
     specs = {}
