@@ -1,5 +1,6 @@
-"""How ``save_checkpoint`` writes and ``load_checkpoint`` reads the bytes: one CRC32 per byte
-written ([Note: one CRC32 per byte] in checkpoint/writing.py), and each saved tensor read
+"""How ``save_checkpoint`` writes and ``load_checkpoint`` reads the bytes: one digest per byte
+written ([Note: one digest per byte] in checkpoint/writing.py; [Note: the files' digest] in
+checkpoint/digest.py), and each saved tensor read
 straight into the tensor the load fills where the load wants it whole, DCP's own reading
 otherwise ([Note: direct reads] in checkpoint/reading.py), with the same values either way.
 A damaged file is still refused before anything is read: test_checkpoint.py's ``bad-*`` cases.
@@ -133,7 +134,7 @@ def test_a_load_of_parts_of_saved_tensors_reads_them_through_dcp(loaded, root):
 
 def test_the_records_carry_no_second_crc_and_torch_reads_them(loaded):
     """Each saved tensor is torch.save's zip, its records' CRC32 fields left 0 (the file's
-    CRC32 in the manifest is the one taken), read by torch.load as saved."""
+    digest in the manifest is the one taken), read by torch.load as saved."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -172,4 +173,62 @@ def test_a_file_s_crc32_read_from_its_end_is_zlib_s(tmp_path, monkeypatch):
         data = rng.randbytes(size)
         (tmp_path / "f").write_bytes(data)
         assert crc.file_crc32(tmp_path / "f") == (size, zlib.crc32(data)), size
-        assert files.checksum(tmp_path / "f") == {"bytes": size, "crc32": zlib.crc32(data)}
+
+
+def test_a_file_s_digest_read_from_its_end_is_the_one_taken_as_it_was_written(
+        tmp_path, monkeypatch):
+    """[Note: the files' digest] in checkpoint/digest.py: the digest a save takes from writes of
+    any size equals the one a load takes reading the file's blocks backwards, for every size
+    around the block's; a flipped byte, two blocks swapped, or bytes added change it."""
+    import random
+
+    from distopt.checkpoint import digest
+
+    monkeypatch.setattr(digest, "BLOCK", 64)
+    rng = random.Random(0)
+    path = tmp_path / "f"
+
+    def streamed(data: bytes) -> int:
+        stream, at = digest.StreamDigest(), 0
+        while at < len(data):
+            size = rng.choice((1, 7, 63, 64, 65, 200))
+            stream.update(memoryview(data)[at:at + size])
+            at += size
+        assert stream.nbytes == len(data)
+        return stream.intdigest()
+
+    for size in (0, 1, 63, 64, 65, 128, 129, 1000):
+        data = rng.randbytes(size)
+        path.write_bytes(data)
+        value = streamed(data)
+        assert digest.file_digest(path) == (size, value), size
+        assert files.checksum(path) == {"bytes": size, digest.KEY: value}
+    data = rng.randbytes(256)
+    value = streamed(data)
+    flipped = bytearray(data)
+    flipped[200] ^= 1
+    changed = [bytes(flipped), data[64:128] + data[:64] + data[128:], data + bytes(1),
+               data[:-1]]
+    assert all(streamed(other) != value for other in changed)
+
+
+@pytest.mark.parametrize("key", ["xxh3", "crc32"])
+def test_a_manifest_s_digest_or_an_earlier_release_s_crc32_refuses_a_flipped_byte(
+        tmp_path, key):
+    """A manifest entry lists the digest (this release's saves) or the zlib CRC32 (earlier
+    releases', tests/data/v1-checkpoint); either refuses a file with one byte changed."""
+    import zlib
+
+    data = bytes(range(256)) * 40
+    (tmp_path / "f").write_bytes(data)
+    entry = (files.checksum(tmp_path / "f") if key == "xxh3"
+             else {"bytes": len(data), "crc32": zlib.crc32(data)})
+    assert key in entry
+    files.verify_files(tmp_path, {"f": entry})
+    damaged = bytearray(data)
+    damaged[5000] ^= 0x10
+    (tmp_path / "f").write_bytes(bytes(damaged))
+    with pytest.raises(files.CheckpointError, match="corrupted"):
+        files.verify_files(tmp_path, {"f": entry})
+    with pytest.raises(files.CheckpointError, match="lists no digest"):
+        files.verify_files(tmp_path, {"f": {"bytes": len(data)}})

@@ -125,7 +125,7 @@ def test_torch_resumes_a_save_checkpoint_at_another_size(torch_resumed, mode, sy
 
 
 def test_the_checkpoint_is_torch_s_layout_beside_distopt_s_manifest(saved):
-    """DCP's keys are torch's nested ones; the manifest lists the files with their CRC32s,
+    """DCP's keys are torch's nested ones; the manifest lists the files with their digests,
     which are those of the bytes on disk (taken as they were written)."""
     import json
 
@@ -135,7 +135,7 @@ def test_the_checkpoint_is_torch_s_layout_beside_distopt_s_manifest(saved):
 
     ckpt = Path(saved["params"])
     manifest = json.loads((ckpt / "distopt.json").read_text())
-    assert manifest["layout"] == "torch" and manifest["version"] == 2
+    assert manifest["layout"] == "torch" and manifest["version"] == 3
     for name, listed in manifest["files"].items():
         assert files.checksum(ckpt / name) == listed, name
     paths = {tuple(p) for p in dcp.FileSystemReader(ckpt).read_metadata().planner_data.values()}

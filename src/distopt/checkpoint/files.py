@@ -8,7 +8,7 @@ A run directory holds complete checkpoints only::
     run_dir/
       latest                    the name of the newest complete checkpoint
       ckpt-000001/              a complete checkpoint
-        distopt.json            manifest: model and optimizer structure, files with CRC32s
+        distopt.json            manifest: model and optimizer structure, files with digests
         .metadata               DCP's index of every saved chunk
         __0_0.distcp ...        one file per saving rank
       .ckpt-000002.distopt-tmp/ a save in progress, or one that was interrupted
@@ -38,13 +38,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from . import digest
 from .crc import file_crc32
 
 MANIFEST = "distopt.json"
 LATEST = "latest"
 FORMAT = "distopt-checkpoint"
-VERSION = 2  # 2: torch's layout ([Note: torch's layout on disk] in layout.py) where it applies
-READABLE = (1, 2)  # every version a load reads
+# 2: torch's layout ([Note: torch's layout on disk] in layout.py) where it applies; 3: each
+# file's XXH3 digest in place of its CRC32 ([Note: the files' digest] in digest.py), so that an
+# earlier distopt refuses by name what it cannot verify.
+VERSION = 3
+READABLE = (1, 2, 3)  # every version a load reads
 TMP_SUFFIX = ".distopt-tmp"
 OLD_SUFFIX = ".distopt-old"
 
@@ -137,10 +141,21 @@ def begin_save(run_dir: Path, name: str | None) -> tuple[Path, Path, int]:
 
 
 def checksum(path: Path) -> dict[str, int]:
-    """Size and CRC32 of a file, read a block at a time from its end (see [Note: checking a
-    file from its end] in crc.py)."""
-    size, crc = file_crc32(path)
-    return {"bytes": size, "crc32": crc}
+    """Size and digest of a file, read a block at a time from its end (see [Note: the files'
+    digest] in digest.py)."""
+    size, value = digest.file_digest(path)
+    return {"bytes": size, digest.KEY: value}
+
+
+def _digest_matches(path: Path, expected: dict[str, int]) -> bool:
+    """Whether the file has the digest its manifest entry lists: the XXH3 of saves since it was
+    introduced, the zlib CRC32 (crc.py) of earlier ones."""
+    if digest.KEY in expected:
+        return digest.file_digest(path)[1] == expected[digest.KEY]
+    if "crc32" in expected:
+        return file_crc32(path)[1] == expected["crc32"]
+    raise CheckpointError(f"the manifest lists no digest for {path}: it was not written by "
+                          "distopt's save_checkpoint")
 
 
 def verify_files(ckpt_dir: Path, files: dict[str, dict[str, int]]) -> None:
@@ -155,10 +170,10 @@ def verify_files(ckpt_dir: Path, files: dict[str, dict[str, int]]) -> None:
                 f"{path} has {size} bytes, the manifest says {expected['bytes']}: the file is "
                 "truncated or was replaced; load an earlier checkpoint"
             )
-        if checksum(path)["crc32"] != expected["crc32"]:
+        if not _digest_matches(path, expected):
             raise CheckpointError(
-                f"{path} is corrupted (CRC32 differs from the manifest's): load an earlier "
-                "checkpoint"
+                f"{path} is corrupted (its digest differs from the manifest's): load an "
+                "earlier checkpoint"
             )
 
 

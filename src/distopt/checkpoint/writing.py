@@ -1,5 +1,5 @@
 """DCP's file writer for distopt's saves: one file per rank, one item in memory at a time, each
-file's CRC32 taken as it is written.
+file's digest taken as it is written.
 
 [Note: bounded writes]
 DCP's FileSystemWriter keeps every tensor it wrote to a file referenced until the file is
@@ -8,14 +8,14 @@ the rank's whole share of the model and state at once. ``_Writer`` writes the sa
 the same format (each item torch.save'd at a recorded offset, so DCP's reader reads them), but
 holds one item at a time.
 
-[Note: one CRC32 per byte]
-A save takes each file's CRC32 from the bytes as they are written (``_ErrorKeepingFile``), for
-the manifest that every load checks first. ``torch.save`` takes one more, of each zip record,
-that torch's reader never checks (``torch.load`` reads a record with a damaged byte as it is):
-a second pass of CRC arithmetic over every byte, a second or so per GB on a busy 2-core
-machine (benchmarks/README.md, "torch's checkpoint road and distopt's"). ``_save_tensor``
-writes the same zip records without it (their CRC fields left 0), read by DCP's reader and
-``torch.load`` alike.
+[Note: one digest per byte]
+A save takes each file's digest (digest.py) from the bytes as they are written
+(``_ErrorKeepingFile``), for the manifest that every load checks first. ``torch.save`` takes a
+CRC32 of each zip record too, which torch's reader never checks (``torch.load`` reads a record
+with a damaged byte as it is): a second pass of arithmetic over every byte, a second or so per
+GB on a busy 2-core machine (benchmarks/README.md, "torch's checkpoint road and distopt's").
+``_save_tensor`` writes the same zip records without it (their CRC fields left 0), read by
+DCP's reader and ``torch.load`` alike.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +33,21 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from . import digest
+
 
 class _ErrorKeepingFile:
     """A file whose write errors survive ``torch.save``, which reports them as an unrelated
     "unexpected pos" RuntimeError: a full disk must say that the disk is full."""
 
-    __slots__ = ("_file", "error", "crc32")
+    __slots__ = ("_file", "error", "digest")
 
     def __init__(self, file: io.BufferedIOBase) -> None:
         self._file, self.error = file, None
-        self.crc32 = 0  # of every byte written through it, for the manifest
+        self.digest = digest.StreamDigest()  # of every byte written through it, for the manifest
 
     def write(self, data: Any) -> int:
-        self.crc32 = zlib.crc32(data, self.crc32)
+        self.digest.update(data)
         try:
             return self._file.write(data)
         except OSError as exc:
@@ -58,7 +59,7 @@ class _ErrorKeepingFile:
 
 
 def _save_tensor(tensor: torch.Tensor, stream: _ErrorKeepingFile) -> None:
-    """``torch.save(tensor, stream)`` without the zip records' own CRC32s; see [Note: one CRC32
+    """``torch.save(tensor, stream)`` without the zip records' own CRC32s; see [Note: one digest
     per byte]. Where this torch's writer takes no such option, ``torch.save``."""
     try:
         save = torch.serialization._save
@@ -75,8 +76,8 @@ def _save_tensor(tensor: torch.Tensor, stream: _ErrorKeepingFile) -> None:
 
 class _Writer(dcp.FileSystemWriter):
     """One file per rank, one item in memory at a time; see [Note: bounded writes]. The
-    CRC32 of each file is taken from the bytes as they are written (``checksums``: the
-    manifest's entries), so a save never reads its files back; see [Note: one CRC32 per
+    digest of each file is taken from the bytes as they are written (``checksums``: the
+    manifest's entries), so a save never reads its files back; see [Note: one digest per
     byte]."""
 
     checksums: dict[str, dict[str, int]]
@@ -109,7 +110,8 @@ class _Writer(dcp.FileSystemWriter):
                 del data
             stream.flush()
             os.fsync(stream.fileno())
-            self.checksums = {name: {"bytes": stream.tell(), "crc32": kept.crc32}}
+            self.checksums = {name: {"bytes": stream.tell(),
+                                     digest.KEY: kept.digest.intdigest()}}
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
