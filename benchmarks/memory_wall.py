@@ -15,7 +15,9 @@ phases; the largest is the process's peak): setup (materialization included),
 the first step (the optimizer state is allocated), the later steps, with ``--checkpoint
 DIR`` a save and a load, and with ``--torch-checkpoint DIR`` the same through torch's functions
 (``get_state_dict`` + ``dcp.save``; ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``),
-printed beside distopt's own, and with ``--async-save`` each road's async save too
+printed beside distopt's own (after one untimed save, each road twice, in the order A B B A,
+the mean of the two; each checkpoint removed after its load), and with ``--async-save`` each
+road's async save too
 (``save_checkpoint(..., async_save=True)``; ``dcp.async_save`` with torch's default
 stager). distopt's peak is broken down into what the torch import costs, its state, and
 its measured transients, beside ``distopt.transient_bound``'s prediction. The bytes torch
@@ -173,17 +175,53 @@ def wrap(system: str, model, args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def _untimed_save(ddp: Any, opt: Any, path: str) -> None:
     """torch's road once into ``path``, removed after: the page cache's first fill, outside the
     roads' times."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(ddp, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     del msd, osd
+    _remove(path)
+
+
+def _remove(path: str) -> None:
+    """Rank 0 removes ``path`` once every rank is done with it (a road's checkpoint, after its
+    load: the rounds would otherwise hold four checkpoints' bytes on the disk)."""
+    import torch.distributed as dist
+
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
+
+
+def _distopt_road(ddp: Any, opt: Any, path: str, timed: Any) -> None:
+    """``save_checkpoint`` and ``load_checkpoint``, timed as the phases "save" and "load"."""
+    import distopt
+
+    timed("save", lambda: distopt.save_checkpoint(path, ddp, opt))
+    timed("load", lambda: distopt.load_checkpoint(path, ddp, opt))
+    _remove(path)
+
+
+def _torch_road(ddp: Any, opt: Any, path: str, timed: Any) -> None:
+    """``get_state_dict`` + ``dcp.save``, then ``get_state_dict`` + ``dcp.load`` +
+    ``set_state_dict``, timed as "torch save" and "torch load"."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def save() -> None:
+        msd, osd = get_state_dict(ddp, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+    def load() -> None:
+        msd, osd = get_state_dict(ddp, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    timed("torch save", save)
+    timed("torch load", load)
+    _remove(path)
 
 
 def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None:
@@ -229,60 +267,53 @@ def run_rank(rank: int, system: str, args: argparse.Namespace, tmp: str) -> None
         losses.append(reduced.item() / args.nproc)
     if page_cache is not None:
         page_cache.stop()
-    checkpoint_s: dict[str, float] = {}
-    if args.checkpoint and ddp is not None:
-        import distopt
+    checkpoint_s: dict[str, list[float]] = {}
 
+    def timed(name: str, work: Any) -> None:
+        """Run ``work`` as the phase ``name``: its time appended, its peak the phase's."""
+        _start_phase()
+        start = time.perf_counter()
+        work()
+        checkpoint_s.setdefault(name, []).append(time.perf_counter() - start)
+        phases[name] = max(phases.get(name, 0), _phase_peak_bytes())
+
+    roads = []
+    if args.checkpoint and ddp is not None:
+        roads.append(functools.partial(_distopt_road, ddp, opt,
+                                       os.path.join(args.checkpoint, "memory-wall"), timed))
+    if args.torch_checkpoint and ddp is not None:
+        roads.append(functools.partial(_torch_road, ddp, opt,
+                                       os.path.join(args.torch_checkpoint, "memory-wall-dcp"),
+                                       timed))
+    if roads:
         # The first large write of a launch pays for the page cache's first fill, whichever
         # road writes it (at 1.0B, d = 4: 17.7 s for torch's road first, against 5.4 s after
-        # distopt's): one untimed save first, so that the roads are timed alike.
-        _untimed_save(ddp, opt, os.path.join(args.checkpoint, "memory-wall-first-fill"))
-        path = os.path.join(args.checkpoint, "memory-wall")
-        _start_phase()
-        start = time.perf_counter()
-        distopt.save_checkpoint(path, ddp, opt)
-        checkpoint_s["save"] = time.perf_counter() - start
-        phases["save"] = _phase_peak_bytes()
-        _start_phase()
-        start = time.perf_counter()
-        distopt.load_checkpoint(path, ddp, opt)
-        checkpoint_s["load"] = time.perf_counter() - start
-        phases["load"] = _phase_peak_bytes()
-        if args.async_save:  # the host buffer kept between saves is in this phase's peak
-            _start_phase()
-            start = time.perf_counter()
-            distopt.save_checkpoint(path, ddp, opt, async_save=True).wait()
-            checkpoint_s["async save"] = time.perf_counter() - start
-            phases["async save"] = _phase_peak_bytes()
-    if args.torch_checkpoint and ddp is not None:
+        # distopt's): one untimed save first, so that the roads are timed alike. Then each road
+        # saves and loads twice, in the order A B B A, so that neither always follows the
+        # other's writeback.
+        _untimed_save(ddp, opt, os.path.join(args.checkpoint or args.torch_checkpoint,
+                                             "memory-wall-first-fill"))
+        for road in roads + roads[::-1] if len(roads) > 1 else roads:
+            road()
+    if args.async_save and ddp is not None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        checkpoint_id = os.path.join(args.torch_checkpoint, "memory-wall-dcp")
-        _start_phase()
-        start = time.perf_counter()
-        msd, osd = get_state_dict(ddp, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_id)
-        del msd, osd
-        checkpoint_s["torch save"] = time.perf_counter() - start
-        phases["torch save"] = _phase_peak_bytes()
-        _start_phase()
-        start = time.perf_counter()
-        msd, osd = get_state_dict(ddp, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=checkpoint_id)
-        set_state_dict(ddp, opt, model_state_dict=msd, optim_state_dict=osd)
-        del msd, osd
-        checkpoint_s["torch load"] = time.perf_counter() - start
-        phases["torch load"] = _phase_peak_bytes()
-        if args.async_save:  # torch's default stager: its staged copy of what the rank writes
-            _start_phase()
-            start = time.perf_counter()
-            msd, osd = get_state_dict(ddp, opt)
-            dcp.async_save({"model": msd, "optim": osd},
-                           checkpoint_id=checkpoint_id + "-async").result()
-            del msd, osd
-            checkpoint_s["torch async save"] = time.perf_counter() - start
-            phases["torch async save"] = _phase_peak_bytes()
+        import distopt
+
+        if args.checkpoint:  # the host buffer kept between saves is in this phase's peak
+            path = os.path.join(args.checkpoint, "memory-wall")
+            timed("async save",
+                  lambda: distopt.save_checkpoint(path, ddp, opt, async_save=True).wait())
+            _remove(path)
+        if args.torch_checkpoint:  # torch's default stager: its staged copy of what it writes
+            def torch_async_save() -> None:
+                msd, osd = get_state_dict(ddp, opt)
+                dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(
+                    args.torch_checkpoint, "memory-wall-dcp-async")).result()
+
+            timed("torch async save", torch_async_save)
+            _remove(os.path.join(args.torch_checkpoint, "memory-wall-dcp-async"))
     record = {
         "num_params": num_params, "baseline": baseline, "after_setup": after_setup,
         # The phases' high-water marks: resetting them resets ru_maxrss's too.
@@ -441,8 +472,15 @@ def report(system: str, ranks: list[dict[str, Any]]) -> list[str]:
     ]
     if "torch save" in phase_names and "save" in phase_names:
         gib = {name: max(r["phases"][name] for r in ranks) / GiB for name in phase_names}
-        secs = {name: max(r["checkpoint_s"][name] for r in ranks) for name in first["checkpoint_s"]}
-        lines.append("  torch's road beside distopt's (the highest rank GiB, the slowest rank s):")
+        # Each round's slowest rank, then the mean over the rounds (A B B A).
+        rounds = {name: [max(r["checkpoint_s"][name][i] for r in ranks)
+                         for i in range(len(times))]
+                  for name, times in first["checkpoint_s"].items()}
+        secs = {name: sum(times) / len(times) for name, times in rounds.items()}
+        lines.append("  torch's road beside distopt's (the highest rank GiB, the slowest rank s, "
+                     "the mean of the rounds: " + "; ".join(
+                         f"{name} " + " ".join(f"{t:.1f}" for t in times)
+                         for name, times in rounds.items()) + "):")
         lines += [
             f"    {road} {gib[f'torch {ours}']:.2f} against distopt's {ours} {gib[ours]:.2f}: "
             f"{gib[f'torch {ours}'] / gib[ours]:.3f}x; {secs[f'torch {ours}']:.1f} s against "
