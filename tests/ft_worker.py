@@ -123,6 +123,7 @@ def run_rank(spec: dict[str, Any]) -> None:
         model, ft_manager=manager, **MODES[PRECISIONS[mode][1] if mode in PRECISIONS else mode])
     opt = build_optimizer(ddp, model, mode)
     out = Path(spec["out"])
+    (out / f"ready-g{group}-r{rank}-a{spec['attempt']}").touch()
     if spec["attempt"] == 0:
         _wait_for_every_group(spec)
     with open(out / f"steps-g{group}-r{rank}.jsonl", "a") as log:
@@ -141,26 +142,41 @@ def run_rank(spec: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
+def _wait_for(spec: dict[str, Any], names: list[Path], what: str) -> None:
+    end = time.monotonic() + 10 * spec["timeout_s"]
+    while not all(n.exists() for n in names):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} did not start")
+        time.sleep(0.01)
+
+
 def _wait_for_every_group(spec: dict[str, Any]) -> None:
     """The first start's barrier: every rank of every group has built its model before any
     asks for a quorum. Without it, a loaded machine starts one group seconds after the other,
     which then commits the first steps alone, and the late group joins (and fails) at a step
     the test did not plan for."""
     out = Path(spec["out"])
-    (out / f"ready-g{spec['group']}-r{spec['rank']}").touch()
-    names = [out / f"ready-g{g}-r{r}" for g in range(spec["groups"])
-             for r in range(spec["world"])]
-    end = time.monotonic() + 10 * spec["timeout_s"]
-    while not all(n.exists() for n in names):
-        if time.monotonic() > end:
-            raise TimeoutError("the other groups did not start")
-        time.sleep(0.01)
+    _wait_for(spec, [out / f"ready-g{g}-r{r}-a0" for g in range(spec["groups"])
+                     for r in range(spec["world"])], "the other groups")
+
+
+def _hold_for_the_restart(spec: dict[str, Any]) -> None:
+    """A healthy group, at the step ``spec["hold"]`` names, waits until the failed group's
+    restarted ranks have built their models: on a loaded machine a restart takes seconds, in
+    which the healthy group would otherwise run to the end of the run alone."""
+    hold, out = spec["hold"], Path(spec["out"])
+    _wait_for(spec, [out / f"ready-g{hold['group']}-r{r}-a1" for r in range(spec["world"])],
+              f"group {hold['group']}'s restart")
 
 
 def _train(spec: dict[str, Any], manager: Any, ddp: Any, opt: Any, log: Any) -> None:
     group, rank, world = spec["group"], spec["rank"], spec["world"]
     dtype = dtype_of(spec["mode"])
+    held = spec["hold"] is None or spec["attempt"] > 0
     while manager.current_step() < spec["steps"]:
+        if not held and manager.current_step() == spec["hold"]["step"]:
+            _hold_for_the_restart(spec)
+            held = True
         opt.zero_grad()  # the quorum; a group behind the others heals here
         step = manager.current_step()
         # Before the forward: the buffers the step starts from (a healed group's are the
@@ -206,12 +222,16 @@ def start_groups(groups: int, world: int, *, mode: str, steps: int, out: Path,
     ctx = context()  # the test session's fork server (dist_harness.py)
     base = {"groups": groups, "world": world, "mode": mode, "steps": steps, "out": str(out),
             "lighthouse": lighthouse, "timeout_s": timeout_s, "step_s": step_s,
-            "fail_at": None, "fail_rank": None}
+            "fail_at": None, "fail_rank": None, "hold": None}
     specs = {}
     for g in range(groups):
         spec = {**base, "group": g, "attempt": 0}
         if fail is not None and fail[0] == g:
             spec.update(fail_rank=fail[1], fail_at=fail[2])
+        elif fail is not None:
+            # Two steps past the failure: the healthy group has committed one step alone by
+            # then (what restart_when waits for), and waits there for the restarted group.
+            spec["hold"] = {"group": fail[0], "step": fail[2] + 2}
         specs[g] = spec
     running = {g: start_group(ctx, specs[g]) for g in specs}
     restarts = dict.fromkeys(specs, 0)
