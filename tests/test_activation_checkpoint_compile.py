@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -138,25 +139,58 @@ SETUPS = {
 }
 
 
+@functools.cache
+def plain_runs(opt_cls: type, kwargs: tuple, steps: int) -> tuple[list[list[torch.Tensor]],
+                                                                   list[torch.Tensor]]:
+    """Plain torch on the whole batches, from the model every case starts from: its params
+    after each of ``steps`` steps (the first entry before any), and the params of the run that
+    loses the first block's grads, at the end. Neither depends on the case's setup (checkpoint
+    or compile acts on distopt's model alone), its buckets or overlap, nor on the rank, so a
+    test process trains each (optimizer, steps) once and the cases that share it compare
+    against the same copy."""
+    torch.manual_seed(0)
+    ref = CheckpointedTransformer()  # plain torch, on the whole batch
+    dropped = copy.deepcopy(ref)  # plain torch that loses the first block's grads
+    ref_opt = opt_cls(ref.parameters(), **dict(kwargs))
+    dropped_opt = opt_cls(dropped.parameters(), **dict(kwargs))
+    trajectory = [[p.detach().clone() for p in ref.parameters()]]
+    for step in range(steps):
+        tokens, targets = markov_batch(step)
+        ref_opt.zero_grad()
+        _loss(ref, tokens, targets).backward()
+        ref_opt.step()
+        trajectory.append([p.detach().clone() for p in ref.parameters()])
+        dropped_opt.zero_grad()
+        _loss(dropped, tokens, targets).backward()
+        for p in dropped.blocks[0].parameters():
+            p.grad = None
+        dropped_opt.step()
+    return trajectory, [p.detach().clone() for p in dropped.parameters()]
+
+
+def _diff(model: torch.nn.Module, params: list[torch.Tensor]) -> float:
+    """helpers.max_diff of ``model`` against plain params in its parameters' order (a compiled
+    block's params are named under ``_orig_mod``, the plain model's are not)."""
+    return max_diff(model, {name: q for (name, _), q
+                            in zip(model.named_parameters(), params, strict=True)})
+
+
 def train(setup: str, optim: tuple, steps: int, bucket_size: int, overlap_grad_reduce: bool,
           overlap_param_gather: bool, strict: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    opt_cls, kwargs = optim
+    ref, dropped = plain_runs(opt_cls, tuple(sorted(kwargs.items())), steps)
     torch.manual_seed(0)
     model = CheckpointedTransformer()
-    ref = copy.deepcopy(model)  # plain torch, on the whole batch
-    dropped = copy.deepcopy(model)  # plain torch that loses the first block's grads
     start = copy.deepcopy(model)
     SETUPS[setup](model)
     compiled = setup.startswith("compile")
-    opt_cls, kwargs = optim
     ddp = distopt.DistributedDataParallel(
         model, bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce
     )
     opt = distopt.DistributedOptimizer(
         ddp, opt_cls, overlap_param_gather=overlap_param_gather, **kwargs
     )
-    ref_opt = opt_cls(ref.parameters(), **kwargs)
-    dropped_opt = opt_cls(dropped.parameters(), **kwargs)
 
     diffs, launched, graphs = [], [], []
     checker = StrictCollectives() if strict else contextlib.nullcontext()
@@ -169,29 +203,20 @@ def train(setup: str, optim: tuple, steps: int, bucket_size: int, overlap_grad_r
                 checker.launched_before_sync = 0
             loss = _loss(ddp, rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
             # The forward waited for the previous step's gathers: these are the weights it used.
-            diffs.append(max_diff(model, ref))
+            diffs.append(_diff(model, ref[step]))
             loss.backward()
             launched.append(checker.launched_before_sync if strict
                             else ddp.comm_stats.calls["reduce_scatter"])
             opt.step()
             if compiled:
                 graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-            ref_opt.zero_grad()
-            _loss(ref, tokens, targets).backward()
-            ref_opt.step()
-            dropped_opt.zero_grad()
-            _loss(dropped, tokens, targets).backward()
-            for p in dropped.blocks[0].parameters():
-                p.grad = None
-            dropped_opt.step()
         ddp.finish_param_sync()
-    diffs.append(max_diff(model, ref))
+    diffs.append(_diff(model, ref[steps]))
     moved = [(p.detach() - q).abs().max()
              for p, q in zip(model.parameters(), start.parameters(), strict=True)]
     return {
         "max_diff": torch.tensor(diffs).max().item(),  # nan if any is
-        "dropped_diff": max_diff(model, dropped),
+        "dropped_diff": _diff(model, dropped),
         "moved": torch.stack(moved).min().item(),  # by the tensor that moved least
         "launched": launched,
         "buckets": len(ddp.buckets),

@@ -32,7 +32,10 @@ from models import TinyTransformer, markov_batch, rank_slice
 # Every case runs on four ranks: the quick loop (-m "not slow") keeps to two.
 pytestmark = pytest.mark.slow
 
-STEPS = 4
+# Bitwise equality fails at the first step that differs, so the steps need not be many: three
+# give a first step from a fresh optimizer and two that step its state (moments, momentum,
+# Muon's buffers), each with overlapped reductions and gathers left in flight.
+STEPS = 3
 MICRO = 2  # micro-batches per step, all but the last under no_sync
 CLIP = 0.5
 BUCKET = 3000  # elements: 13 buckets of the 28k-param model, each over every rank

@@ -34,7 +34,11 @@ from models import TP_BATCH, TP_DIM, TP_FFN, TP_HEAD_DIM, TP_HEADS, TP_SEQ, Bloc
 pytestmark = pytest.mark.slow
 
 WORLD = 4
-STEPS = 10  # AdamW: within helpers.FP32_TOL and NORM_RTOL, the drift of its fp32 roundoff
+# AdamW: within helpers.FP32_TOL and NORM_RTOL, the drift of its fp32 roundoff. The test takes
+# the largest difference over every step, so fewer steps compare a part of what more did, under
+# the same bounds. Five steps step the moments four times and move the weights by several lr;
+# a grad lost or a shard stepped twice is off by about lr (1e-2) from its first step.
+STEPS = 5
 CLIP = 0.05  # below every step's grad norm here, so every step clips
 
 
@@ -51,7 +55,7 @@ def tp_block(mesh: DeviceMesh, sequence_parallel: bool = False) -> tuple[Block, 
 
 
 def parity(dp: int, tp: int, sharded: bool, sequence_parallel: bool) -> dict:
-    """10 steps of AdamW + clip at (dp, tp) against the single-process reference."""
+    """STEPS steps of AdamW + clip at (dp, tp) against the single-process reference."""
     mesh = mesh_2d(dp, tp)
     dp_rank, tp_rank = mesh.get_coordinate()
     model, ref = tp_block(mesh, sequence_parallel)

@@ -12,6 +12,7 @@ script logs (sum, mean, amax, amin, norms of other orders), each on every rank.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -73,55 +74,76 @@ def _reads(ddp: nn.Module) -> dict[str, tuple[float, ...] | None]:
     return out
 
 
+def _writes_run(kind_of_ddp: str, mode: str, kind: str, amp: bool) -> tuple[list, dict]:
+    """Two AdamW steps of ``kind_of_ddp``'s DDP with the write ``kind`` between backward and
+    step: what ``p.grad`` reads after each write, and the state dict at the end."""
+    ddp, opt = conformance._wrapped(kind_of_ddp, mode)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    reads = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = conformance._batch(step)
+        scaler.scale(nn.functional.mse_loss(ddp(x), y)).backward()
+        scaler.unscale_(opt)
+        _write(kind, ddp, step)
+        if kind != "assign":  # an assigned grad is a plain tensor: nothing of distopt's
+            reads.append(_reads(ddp))
+        scaler.step(opt)
+        scaler.update()
+    return reads, conformance._state(ddp)
+
+
+@functools.cache
+def _torch_writes_run(kind: str, amp: bool) -> tuple[list, dict]:
+    """``_writes_run`` under torch's DDP, which takes no sharding mode: the reference of the
+    three modes' cases, trained once per worker (every rank runs the same cases, so every rank
+    skips the same collectives). Its result is only read."""
+    return _writes_run("torch", "optim", kind, amp)
+
+
 def writes_like_torch(mode: str, kind: str, amp: bool = False) -> dict:
     """Two AdamW steps (weight decay on) with the write ``kind`` between backward and step,
     under torch's DDP and distopt's: what ``p.grad`` reads after it, and the state dicts.
     ``amp``: torch's GradScaler recipe, the write after ``unscale_`` (on grads distopt holds
     scaled by 2**16, which the write's values are divided by)."""
-    runs: dict[str, dict] = {}
-    for kind_of_ddp in ("torch", "distopt"):
-        ddp, opt = conformance._wrapped(kind_of_ddp, mode)
-        scaler = torch.amp.GradScaler("cpu", enabled=amp)
-        reads = []
-        for step in range(STEPS):
-            opt.zero_grad()
-            x, y = conformance._batch(step)
-            scaler.scale(nn.functional.mse_loss(ddp(x), y)).backward()
-            scaler.unscale_(opt)
-            _write(kind, ddp, step)
-            if kind != "assign":  # an assigned grad is a plain tensor: nothing of distopt's
-                reads.append(_reads(ddp))
-            scaler.step(opt)
-            scaler.update()
-        runs[kind_of_ddp] = {"reads": reads, "state": conformance._state(ddp)}
-    initial = conformance._state(conformance._wrapped("torch", mode)[0])
-    state = conformance._largest_difference(runs["torch"].pop("state"),
-                                            runs["distopt"]["state"])
-    last = "module.3.bias"
-    return {**runs, "state": state,
-            "last-moved": (runs["distopt"].pop("state")[last] - initial[last]).abs().max().item()}
+    torch_reads, torch_state = _torch_writes_run(kind, amp)
+    reads, state = _writes_run("distopt", mode, kind, amp)
+    initial = conformance._model().state_dict()["3.bias"]  # the seeded model both wrap
+    return {"torch": {"reads": torch_reads}, "distopt": {"reads": reads},
+            "state": conformance._largest_difference(torch_state, state),
+            "last-moved": (state["module.3.bias"] - initial).abs().max().item()}
+
+
+def _zeros_run(kind: str, mode: str) -> dict:
+    """Two steps of ``kind``'s DDP with ``opt.zero_grad(set_to_none=False)`` at each start: the
+    reads of ``p.grad`` there, and the state dict at the end."""
+    ddp, opt = conformance._wrapped(kind, mode)
+    reads = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        reads.append({n: None if p.grad is None else (
+            p.grad.abs().sum().item(), p.grad.norm().item(), tuple(p.grad.shape),
+            torch.nn.utils.clip_grad_norm_([p], 1.0).item())
+            for n, p in ddp.named_parameters()})
+        x, y = conformance._batch(step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return {"reads": reads, "state": conformance._state(ddp)}
+
+
+@functools.cache
+def _torch_zeros_run() -> dict:
+    """``_zeros_run`` under torch's DDP, once per worker for the three modes (as
+    ``_torch_writes_run``); only read."""
+    return _zeros_run("torch", "optim")
 
 
 def zeros_like_torch(mode: str) -> dict:
     """``opt.zero_grad(set_to_none=False)`` at each step's start: ``p.grad`` is None before the
     first backward, zeros after a step (torch's reads of them), and the steps train alike."""
-    runs: dict[str, dict] = {}
-    for kind in ("torch", "distopt"):
-        ddp, opt = conformance._wrapped(kind, mode)
-        reads = []
-        for step in range(STEPS):
-            opt.zero_grad(set_to_none=False)
-            reads.append({n: None if p.grad is None else (
-                p.grad.abs().sum().item(), p.grad.norm().item(), tuple(p.grad.shape),
-                torch.nn.utils.clip_grad_norm_([p], 1.0).item())
-                for n, p in ddp.named_parameters()})
-            x, y = conformance._batch(step)
-            nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
-        runs[kind] = {"reads": reads, "state": conformance._state(ddp)}
-    state = conformance._largest_difference(runs["torch"].pop("state"),
-                                            runs["distopt"].pop("state"))
-    return {**runs, "state": state}
+    theirs, ours = _torch_zeros_run(), _zeros_run("distopt", mode)
+    return {"torch": {"reads": theirs["reads"]}, "distopt": {"reads": ours["reads"]},
+            "state": conformance._largest_difference(theirs["state"], ours["state"])}
 
 
 def refusals(mode: str) -> dict[str, str]:
