@@ -30,10 +30,10 @@ import ft_worker  # noqa: E402  (after the skip: it needs torchft's classes at r
 STEPS = 16
 FAIL_AT = 3  # group 1's rank 1 dies after this step's forward
 GROUPS, WORLD = 2, 2
-# Each step that a group takes alone computes this long, so that the failed group, started
-# again once the healthy one has committed a step alone, is up before the run ends: it has the
-# STEPS - FAIL_AT - 1 steps after the first alone, 2.4 s. The steps both groups take (before
-# the failure, after the heal) do not wait: they leave that window as it is.
+# Each step that a group takes alone computes this long (the steps both groups take, before
+# the failure and after the heal, do not wait). The failed group is started again once the
+# healthy one has committed a step alone, and the healthy one waits for it to be up two steps
+# past the failure (ft_worker's hold), so a slow restart delays the run but cannot miss its end.
 STEP_S = 0.2
 
 
