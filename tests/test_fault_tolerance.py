@@ -30,10 +30,9 @@ import ft_worker  # noqa: E402  (after the skip: it needs torchft's classes at r
 STEPS = 16
 FAIL_AT = 3  # group 1's rank 1 dies after this step's forward
 GROUPS, WORLD = 2, 2
-# Each step that a group takes alone computes this long (the steps both groups take, before
-# the failure and after the heal, do not wait). The failed group is started again once the
-# healthy one has committed a step alone, and the healthy one waits for it to be up two steps
-# past the failure (ft_worker's hold), so a slow restart delays the run but cannot miss its end.
+# Each step computes this long. The failed group is started again once the healthy one has
+# committed a step alone, and the healthy one waits for it to be up two steps past the failure
+# (ft_worker's hold), so a slow restart delays the run but cannot miss its end.
 STEP_S = 0.2
 
 
@@ -84,9 +83,12 @@ SOURCE_RUN = launch_early(
     "test_train_survives_the_healing_source_dying_in_the_heal",
     lambda workdir: [Command.module(
         # --ft-min-groups 2: no group commits a step alone (its own grads only) while the
-        # others restart, which a loaded machine's timing would otherwise allow.
+        # others restart, which a loaded machine's timing would otherwise allow. While all
+        # three restart, a group back first can wait out a quorum's timeout before the others
+        # join, and torchrun then restarts it once more than the schedule's kills: restarts to
+        # spare, so that it joins them the next time.
         "distopt", "train", "--nproc", "1", "--ft-groups", "3", "--ft-min-groups", "2",
-        "--max-restarts", "3",
+        "--max-restarts", "6",
         "--model", "tiny", "--steps", "40", "--batch-size", "6", "--seq-len", "32",
         "--max-bytes", "300000", "--eval-every", "20", "--eval-batches", "2",
         "--save-every", "10", "--no-progress", "--warmup", "2", "--timeout", "60",
