@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterator
 from functools import lru_cache
 
 BLOCK = 8 << 20  # bytes read at a time, into one reused buffer
@@ -64,23 +65,31 @@ def combine(first: int, second: int, second_bytes: int) -> int:
     return (first if shift is None else _times(shift, first)) ^ second
 
 
+def blocks_from_end(path: str | os.PathLike, block: int) -> Iterator[tuple[int, memoryview]]:
+    """The file at ``path`` in blocks of ``block`` bytes (the last one shorter), from its last
+    block to its first, as (index, bytes) in one reused buffer: each is valid until the next;
+    see [Note: checking a file from its end]."""
+    buffer = bytearray(block)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        for index in reversed(range(-(-os.fstat(f.fileno()).st_size // block))):
+            f.seek(index * block)
+            filled = 0
+            while filled < block and (got := f.readinto(view[filled:])):
+                filled += got
+            yield index, view[:filled]
+
+
 def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
     """(bytes, CRC32) of the file at ``path``, read from its last block to its first; see
     [Note: checking a file from its end]. A file that shrinks while it is read gives the CRC32
     of what was read, which no manifest lists."""
-    buffer = bytearray(BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        blocks = -(-os.fstat(f.fileno()).st_size // BLOCK)
-        crcs: list[tuple[int, int]] = [(0, 0)] * blocks
-        for index in reversed(range(blocks)):
-            f.seek(index * BLOCK)
-            filled = 0
-            while filled < BLOCK and (got := f.readinto(view[filled:])):
-                filled += got
-            crcs[index] = (filled, zlib.crc32(view[:filled]))
+    crcs: dict[int, tuple[int, int]] = {}
+    for index, data in blocks_from_end(path, BLOCK):
+        crcs[index] = (len(data), zlib.crc32(data))
     size, crc = 0, 0
-    for length, block_crc in crcs:
+    for index in sorted(crcs):
+        length, block_crc = crcs[index]
         crc = combine(crc, block_crc, length)
         size += length
     return size, crc

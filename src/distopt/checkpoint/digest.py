@@ -25,6 +25,8 @@ import struct
 
 import xxhash
 
+from .crc import blocks_from_end
+
 BLOCK = 8 << 20  # bytes hashed alone; the check before a load reads this many at a time
 KEY = "xxh3"  # the manifest's name for this digest, beside "bytes"
 
@@ -67,17 +69,9 @@ class StreamDigest:
 def file_digest(path: str | os.PathLike) -> tuple[int, int]:
     """(bytes, digest) of the file at ``path``, read from its last block to its first; see
     [Note: the files' digest]."""
-    buffer = bytearray(BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        blocks = -(-os.fstat(f.fileno()).st_size // BLOCK)
-        digests = [0] * blocks
-        size = 0
-        for index in reversed(range(blocks)):
-            f.seek(index * BLOCK)
-            filled = 0
-            while filled < BLOCK and (got := f.readinto(view[filled:])):
-                filled += got
-            digests[index] = xxhash.xxh3_64_intdigest(view[:filled])
-            size += filled
-    return size, _fold(digests, size)
+    digests: dict[int, int] = {}
+    size = 0
+    for index, data in blocks_from_end(path, BLOCK):
+        digests[index] = xxhash.xxh3_64_intdigest(data)
+        size += len(data)
+    return size, _fold([digests[i] for i in sorted(digests)], size)

@@ -108,13 +108,10 @@ def _model_entries(opt: Optimizer, mains: dict[str, FlatShard], part: Any,
     writers = None if whole is None else whole.entry_stages
     pp_rank = comm.group_rank(opt.parallel.pp_group) if whole is not None else 0
     entries: dict[str, Any] = {}
-    dealt: dict[str, int] = {}
-    dealt_experts: dict[str, int] = {}
-    expert_group = None
+    dealer = parts.ModuleEntryDealer()
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
         buffers = buffer_keys(model.module)
         trainable = {id(p) for p in model.params}
-        expert = model.experts.is_expert_entry if model.experts is not None else None
         for key, value in module_entries(model.module).items():
             name = prefix + global_name(model, key)
             if writers is not None and writers.get(name, pp_rank) != pp_rank:
@@ -124,25 +121,9 @@ def _model_entries(opt: Optimizer, mains: dict[str, FlatShard], part: Any,
                 shard = mains.get(names[value])
                 entries[fqn] = boxes(value, None if shard is None else part(names[value], shard),
                                      fp32)
-            elif key in buffers:
-                if model.parallel.first_dp_rank:
-                    entries[fqn] = value.detach()
-            elif isinstance(value, torch.Tensor) and tp is None:
-                to = dealt_experts if expert is not None and expert(key) else dealt
-                to[fqn] = value.numel() * value.element_size()
-                entries[fqn] = value.detach()
-                if to is dealt_experts:
-                    expert_group = model.experts.parallel.expert_dp_group
-            else:  # DTensors and objects: DCP writes each once
-                entries[fqn] = value.detach() if isinstance(value, torch.Tensor) else value
-    dealt_to = [(dealt, rank, ranks)]
-    if expert_group is not None:  # an expert's entries: over the ranks holding it
-        dealt_to.append((dealt_experts, comm.group_rank(expert_group),
-                         comm.group_size(expert_group)))
-    for sizes, mine, count in dealt_to:
-        for fqn, owner in parts.deal(sizes, count).items():
-            if owner != mine:
-                del entries[fqn]
+            else:
+                dealer.add(entries, fqn, key, value, model, buffers, tp)
+    dealer.drop_others(entries, rank, ranks)
     return entries
 
 

@@ -180,44 +180,63 @@ def _params_from_shards(opt: Optimizer, model: Any) -> dict[torch.Tensor, torch.
     return out
 
 
+class ModuleEntryDealer:
+    """The module entries that are not trainable params' masters, as a save writes them:
+    buffers from the first DP ranks only, so that DCP writes theirs, which the next forward
+    broadcasts ([Note: buffer broadcasting] in ddp/module_buffers.py); other replicated tensors
+    dealt over the ranks ([Note: each byte written once]), an expert's over the ranks holding
+    the same experts ([Note: expert checkpoints] in format.py); DTensors and objects as they
+    are, which DCP writes once. The two layouts of a save (this file's and layout.py's) add
+    their entries through it."""
+
+    def __init__(self) -> None:
+        self._dealt: dict[str, int] = {}
+        self._dealt_experts: dict[str, int] = {}
+        self._expert_group: Any = None
+
+    def add(self, entries: dict[str, Any], fqn: str, key: str, value: Any, model: Any,
+            buffers: set[str], tp: Any) -> None:
+        """``value`` (a module entry of ``model`` under ``key``) into ``entries`` as ``fqn``,
+        noted for dealing where it is dealt."""
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+        if key in buffers:
+            if model.parallel.first_dp_rank:
+                entries[fqn] = value
+        elif isinstance(value, torch.Tensor) and tp is None:
+            expert = model.experts is not None and model.experts.is_expert_entry(key)
+            (self._dealt_experts if expert else self._dealt)[fqn] = (
+                value.numel() * value.element_size())
+            entries[fqn] = value
+            if expert:
+                self._expert_group = model.experts.parallel.expert_dp_group
+        else:
+            entries[fqn] = value
+
+    def drop_others(self, entries: dict[str, Any], rank: int, ranks: int) -> None:
+        """Remove from ``entries`` the dealt entries another rank writes."""
+        dealt_to = [(self._dealt, rank, ranks)]
+        if self._expert_group is not None:
+            dealt_to.append((self._dealt_experts, comm.group_rank(self._expert_group),
+                             comm.group_size(self._expert_group)))
+        for sizes, mine, count in dealt_to:
+            for fqn, owner in deal(sizes, count).items():
+                if owner != mine:
+                    del entries[fqn]
+
+
 def _model_entries(opt: Optimizer, rank: int, ranks: int) -> dict[str, Any]:
     """The entries of ``module.state_dict()`` this rank writes, under ``model/``."""
     entries: dict[str, Any] = {}
-    dealt: dict[str, int] = {}
-    # An expert's entries, under their global names, dealt over the ranks holding the same
-    # experts; see [Note: expert checkpoints] in format.py.
-    dealt_experts: dict[str, int] = {}
-    expert_group = None
+    dealer = ModuleEntryDealer()
     for prefix, model in zip(model_prefixes(opt), opt.models, strict=True):
-        # Buffers from the first DP ranks only, so that DCP writes theirs, which the next
-        # forward broadcasts; see [Note: buffer broadcasting] in ddp/module_buffers.py.
         buffers = buffer_keys(model.module)
-        expert = model.experts.is_expert_entry if model.experts is not None else None
         from_shards = _params_from_shards(opt, model)
         for key, value in module_entries(model.module).items():
             fqn = f"model/{prefix}{global_name(model, key)}"
-            if isinstance(value, torch.Tensor):
-                if value in from_shards:
-                    entries[fqn] = from_shards[value]
-                    continue
-                value = value.detach()
-            if key in buffers:
-                if model.parallel.first_dp_rank:
-                    entries[fqn] = value
-            elif isinstance(value, torch.Tensor) and opt.parallel.tp is None:
-                to = dealt_experts if expert is not None and expert(key) else dealt
-                to[fqn] = value.numel() * value.element_size()
-                entries[fqn] = value
-                if to is dealt_experts:
-                    expert_group = model.experts.parallel.expert_dp_group
+            if isinstance(value, torch.Tensor) and value in from_shards:
+                entries[fqn] = from_shards[value]
             else:
-                entries[fqn] = value  # DTensors and objects: DCP writes each once
-    dealt_to = [(dealt, rank, ranks)]
-    if expert_group is not None:
-        dealt_to.append((dealt_experts, comm.group_rank(expert_group),
-                         comm.group_size(expert_group)))
-    for sizes, mine, count in dealt_to:
-        for fqn, owner in deal(sizes, count).items():
-            if owner != mine:
-                del entries[fqn]
+                dealer.add(entries, fqn, key, value, model, buffers, opt.parallel.tp)
+    dealer.drop_others(entries, rank, ranks)
     return entries
