@@ -216,6 +216,17 @@ def _chunks_step(models, opt) -> None:
     opt.step()
 
 
+def _chunks_resume_as_the_saver(run, models, opt) -> None:
+    """Fresh chunks (another seed) loaded from ``run`` take their next step as the chunks that
+    saved it do, bit for bit."""
+    fresh, fresh_ddps, fresh_opt = _chunks(1)
+    distopt.load_checkpoint(run, fresh_ddps, fresh_opt)
+    _chunks_step(models, opt)
+    _chunks_step(fresh, fresh_opt)
+    for a, b in zip(models, fresh, strict=True):
+        assert same(values(a), values(b))
+
+
 def test_model_chunks_save_load_and_export(tmp_path):
     models, ddps, opt = _chunks(0)
     _chunks_step(models, opt)
@@ -230,12 +241,7 @@ def test_model_chunks_save_load_and_export(tmp_path):
         ("model", f"chunk{i}.0.{k}") for i in range(2) for k in ("weight", "bias")}
     assert {p[2] for p in paths if p[:2] == ("optimizer", "state")} == {
         f"chunk{i}.0.{k}" for i in range(2) for k in ("weight", "bias")}
-    fresh, fresh_ddps, fresh_opt = _chunks(1)
-    distopt.load_checkpoint(tmp_path / "run", fresh_ddps, fresh_opt)
-    _chunks_step(models, opt)
-    _chunks_step(fresh, fresh_opt)
-    for a, b in zip(models, fresh, strict=True):
-        assert same(values(a), values(b))
+    _chunks_resume_as_the_saver(tmp_path / "run", models, opt)
     out = distopt.export_checkpoint(tmp_path / "run", tmp_path / "chunks.pt")
     exported = torch.load(out, weights_only=True)
     assert [list(sd) for sd in exported["model"]] == [["0.weight", "0.bias"]] * 2
@@ -257,12 +263,7 @@ def test_model_chunks_of_the_earlier_layout_load(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     assert "main/chunk1.0.weight" in dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
-    fresh, fresh_ddps, fresh_opt = _chunks(1)
-    distopt.load_checkpoint(tmp_path / "run", fresh_ddps, fresh_opt)
-    _chunks_step(models, opt)
-    _chunks_step(fresh, fresh_opt)
-    for a, b in zip(models, fresh, strict=True):
-        assert same(values(a), values(b))
+    _chunks_resume_as_the_saver(tmp_path / "run", models, opt)
 
 
 def test_export_master_weights_and_cli(tmp_path, capsys):

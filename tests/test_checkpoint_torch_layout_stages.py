@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_pipeline import pp_dp_mesh
+from test_pipeline import pipeline_step, pp_dp_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 from torch_resume_stages import (
     BATCH,
@@ -66,8 +66,7 @@ def train(pp: int, dp: int, start: int, stop: int, load: str | None = None,
         if sched is None:
             loss_fn(ddp(x), y).backward()
         else:
-            sched.step(*((x,) if pp_rank == 0 else ()),
-                       **({"target": y} if pp_rank == pp - 1 else {}))
+            pipeline_step(sched, pp_rank, pp, x, y)
         opt.step()
     saved = None
     if save is not None:

@@ -202,17 +202,23 @@ def test_an_existing_destination_or_an_unknown_source_is_refused(source, tmp_pat
         convert(tmp_path / "empty", tmp_path / "out")
 
 
-def test_the_source_is_read_without_deepspeed(source, tmp_path):
-    """Not one of DeepSpeed's modules is imported by a conversion (its pickles name them)."""
+def modules_a_conversion_imports(source: Path, out: Path, prefix: str) -> str:
+    """The modules named ``prefix...`` that ``convert(source, out)`` imports, run in a fresh
+    interpreter: the printed sorted list."""
     import subprocess
     import sys
 
     code = ("import sys; from distopt.checkpoint.convert import convert; "
-            f"convert({str(source)!r}, {str(tmp_path / 'out')!r}); "
-            "print(sorted(m for m in sys.modules if m.startswith('deepspeed')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+            f"convert({str(source)!r}, {str(out)!r}); "
+            f"print(sorted(m for m in sys.modules if m.startswith({prefix!r})))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    return run.stdout.strip().splitlines()[-1]
+
+
+def test_the_source_is_read_without_deepspeed(source, tmp_path):
+    """Not one of DeepSpeed's modules is imported by a conversion (its pickles name them)."""
+    assert modules_a_conversion_imports(source, tmp_path / "out", "deepspeed") == "[]"
 
 
 # ---------------------------------------------------------------- bf16 with fp32 masters

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_convert import _left_behind
+from test_convert import _left_behind, modules_a_conversion_imports
 from test_convert import assert_ends_where_deepspeed_ends as assert_ends_where_it_ends
 from test_convert import resume as resume_converted
 from test_torch_dcp_state_dict import LR, SAVED_AT, STEPS, _batch, _model
@@ -294,9 +291,4 @@ def test_bucket_places_that_do_not_match_the_params_are_refused(saved, tmp_path,
 
 def test_the_source_is_read_without_megatron(source, tmp_path):
     """Not one of Megatron-Core's modules is imported by a conversion."""
-    code = ("import sys; from distopt.checkpoint.convert import convert; "
-            f"convert({str(source)!r}, {str(tmp_path / 'out')!r}); "
-            "print(sorted(m for m in sys.modules if m.startswith('megatron')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert modules_a_conversion_imports(source, tmp_path / "out", "megatron") == "[]"

@@ -19,6 +19,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from torch_resume_stages import stage_of
 
 import distopt
 from distopt.checkpoint import AsyncCheckpoint
@@ -94,21 +96,10 @@ class StagedLM(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
-def stage_of(whole: StagedLM, stage: int, stages: int) -> tuple[StagedLM, dict]:
-    """Stage ``stage`` of ``stages`` (a copy), and its ``tied_params``."""
-    module = copy.deepcopy(whole)
-    per = len(whole.layers) // stages
-    for name in list(module.layers):
-        if not stage * per <= int(name) < (stage + 1) * per:
-            del module.layers[name]
-    if stage > 0:
-        module.wte = module.wpe = None
-    if stage < stages - 1:
-        module.head = None
-    if stages == 1 or 0 < stage < stages - 1:
-        return module, {}
-    tied = module.wte.weight if module.wte is not None else module.head.weight
-    return module, {"wte.weight": tied}
+def pipeline_step(sched: Any, pp_rank: int, pp: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of the schedule ``sched``: the first stage gives the inputs, the last the
+    targets."""
+    sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank == pp - 1 else {}))
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -294,7 +285,7 @@ def inf_on_one_stage_skips_every_stage() -> dict:
         x, y = batch(step)
         before = [p.detach().clone() for p in module.parameters()]
         opt.zero_grad()
-        sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+        pipeline_step(sched, pp_rank, 2, x, y)
         if step == 1 and pp_rank == 1:
             module.layers["1"].weight.main_grad[0, 0] = float("inf")
         updated.append(opt.step().updated)
@@ -318,7 +309,7 @@ def stage_memory() -> dict:
                           loss_fn=lambda out, y: loss_fn(out.float(), y))
     x, y = batch(0)
     opt.zero_grad()
-    sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+    pipeline_step(sched, pp_rank, 2, x, y)
     opt.step()  # the optimizer state exists from the first step on
     return {"report": distopt.measure_state_bytes(opt),
             "stage_params": sum(p.numel() for p in module.parameters()),
@@ -354,7 +345,7 @@ def refusals_on_every_stage() -> dict:
                               n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
         x, y = batch(0)
         for _ in range(2):  # no opt.zero_grad() between the steps
-            sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank else {}))
+            pipeline_step(sched, pp_rank, 2, x, y)
             opt.step()
 
     def not_a_distopt_module() -> None:
@@ -405,8 +396,7 @@ def experts_in_stages(schedule: str, variant: str = "") -> float:
         y = torch.roll(x, -1, dims=1)
         mine = slice(dp_rank * 4, dp_rank * 4 + 4)
         opt.zero_grad()
-        sched.step(*((x[mine],) if pp_rank == 0 else ()),
-                   **({"target": y[mine]} if pp_rank == pp - 1 else {}))
+        pipeline_step(sched, pp_rank, pp, x[mine], y[mine])
         opt.step()
         ddp.finish_param_sync()
         ref_opt.zero_grad()
@@ -610,8 +600,7 @@ def train_steps(pp: int, dp: int, start: int, stop: int, load: str | None = None
         if sched is None:
             loss_fn(ddp(x[mine]), y[mine]).backward()
         else:
-            sched.step(*((x[mine],) if pp_rank == 0 else ()),
-                       **({"target": y[mine]} if pp_rank == pp - 1 else {}))
+            pipeline_step(sched, pp_rank, pp, x[mine], y[mine])
         opt.step()
         if save is not None and step + 1 == save_after:
             # The steps after it change the params while the save writes what it staged.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,20 +52,22 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
         opt.step()
 
 
-def reference() -> dict[str, torch.Tensor]:
-    """One process, torch's AdamW on the whole batch, ``STEPS`` steps."""
-    net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    for step in range(STEPS):
+def one_process_run(net: nn.Module, loss_fn: Any, batch: Any, steps: int, lr: float
+                    ) -> dict[str, torch.Tensor]:
+    """``net`` trained in this one process with torch's AdamW on each whole ``batch(step)``
+    for ``steps`` steps; its ends."""
+    opt = torch.optim.AdamW(net.parameters(), lr=lr)
+    for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
-        nn.functional.mse_loss(net(x), y).backward()
+        loss_fn(net(x), y).backward()
         opt.step()
-    out = {f"param/{n}": p.detach() for n, p in net.named_parameters()}
-    for n, p in net.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            out[f"{key}/{n}"] = opt.state[p][key]
-    return out
+    return ends(net, opt)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """One process, torch's AdamW on the whole batch, ``STEPS`` steps."""
+    return one_process_run(model(), nn.functional.mse_loss, batch, STEPS, LR)
 
 
 def build(system: str) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch_resume import ends
+from torch_resume import ends, one_process_run
 
 VOCAB, DIM, SEQ, BATCH, LAYERS = 16, 8, 3, 8, 2
 SAVED_AT, STEPS, LR = 2, 4, 1e-2
@@ -60,11 +60,12 @@ def model() -> StagedLM:
     return StagedLM()
 
 
-def stage_of(whole: StagedLM, stage: int, stages: int) -> tuple[StagedLM, dict]:
-    """Stage ``stage`` of ``stages`` (a copy; ``stages`` divides ``LAYERS``), and its
-    ``tied_params``."""
+def stage_of(whole: nn.Module, stage: int, stages: int) -> tuple[nn.Module, dict]:
+    """Stage ``stage`` of ``stages`` (a copy; ``stages`` divides the number of layers) of a
+    model built as ``StagedLM`` is (``wte``, ``wpe``, ``layers``, a ``head`` tied to ``wte``;
+    test_pipeline.py's too), and its ``tied_params``: the tie's two ends only, none between."""
     module = copy.deepcopy(whole)
-    per = LAYERS // stages
+    per = len(whole.layers) // stages
     for name in list(module.layers):
         if not stage * per <= int(name) < (stage + 1) * per:
             del module.layers[name]
@@ -72,7 +73,7 @@ def stage_of(whole: StagedLM, stage: int, stages: int) -> tuple[StagedLM, dict]:
         module.wte = module.wpe = None
     if stage < stages - 1:
         module.head = None
-    if stages == 1:
+    if stages == 1 or 0 < stage < stages - 1:
         return module, {}
     tied = module.wte.weight if module.wte is not None else module.head.weight
     return module, {"wte.weight": tied}
@@ -90,14 +91,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference() -> dict[str, torch.Tensor]:
     """One process, torch's AdamW on the whole batch, ``STEPS`` steps."""
-    net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss_fn(net(x), y).backward()
-        opt.step()
-    return ends(net, opt)
+    return one_process_run(model(), loss_fn, batch, STEPS, LR)
 
 
 def resume(rank: int, world: int, ckpt: str) -> dict[str, torch.Tensor]:
